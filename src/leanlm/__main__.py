@@ -1,0 +1,5 @@
+import sys
+
+from leanlm.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,157 @@
+"""Honest measurement, shared by every benchmark: warm-up then repeated timing (median, min, max), peak
+resident memory, bytes of weights as stored, and result files (JSON + PNG) with the environment recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Timing:
+    median: float  # seconds
+    min: float
+    max: float
+    repeats: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def time_call(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 5, min_seconds: float = 0.0) -> Timing:
+    """Time `fn()` after `warmup` untimed calls; repeats until both `repeats` runs and `min_seconds` are done."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    with torch.inference_mode():
+        for _ in range(warmup):
+            fn()
+        samples: list[float] = []
+        began = time.perf_counter()
+        while len(samples) < repeats or time.perf_counter() - began < min_seconds:
+            started = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - started)
+    return Timing(statistics.median(samples), min(samples), max(samples), len(samples))
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's high-water mark of this process' resident memory (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class PeakMemory:
+    """Filled in by `peak_memory()`: resident bytes before, and the highest resident bytes during, the block."""
+
+    before_bytes: int = 0
+    peak_bytes: int = 0
+
+    @property
+    def added_bytes(self) -> int:
+        return max(0, self.peak_bytes - self.before_bytes)
+
+
+@contextmanager
+def peak_memory() -> Iterator[PeakMemory]:
+    """Peak resident memory (RSS) of the process during the block. Uses the kernel's exact high-water mark
+    where it can be reset, else samples RSS every millisecond in a thread."""
+    record = PeakMemory(before_bytes=_status_kib("VmRSS") * 1024)
+    if _reset_peak_rss():
+        yield record
+        record.peak_bytes = _status_kib("VmHWM") * 1024
+        return
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            record.peak_bytes = max(record.peak_bytes, _status_kib("VmRSS") * 1024)
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield record
+    finally:
+        stop.set()
+        sampler.join()
+        record.peak_bytes = max(record.peak_bytes, _status_kib("VmRSS") * 1024)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every tensor in the state dict (parameters and persistent buffers) as stored, counting shared
+    storage (tied embeddings) once. Packed low-bit weights count at their packed size."""
+    seen, total = set(), 0
+    for tensor in model.state_dict().values():
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def environment() -> dict:
+    """What a result was measured on, stored beside it."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")),
+        platform.processor(),
+    ) if Path("/proc/cpuinfo").exists() else platform.processor()
+    return {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": commit,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+    }
+
+
+def results_dir() -> Path:
+    return Path(os.environ.get("LEANLM_RESULTS", Path.cwd() / "benchmarks" / "results"))
+
+
+def write_results(name: str, payload: dict, plot: Callable[[Path], None] | None = None) -> Path:
+    """Write `name.json` (payload + environment) and, if given, let `plot` draw `name.png`."""
+    directory = results_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps({**payload, "environment": environment()}, indent=2) + "\n")
+    if plot is not None:
+        plot(directory / f"{name}.png")
+    return path

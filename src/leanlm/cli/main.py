@@ -1,0 +1,137 @@
+"""`leanlm`: a thin command-line shell over the Python API (contract: CONTRACT.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from leanlm.errors import ConfigError, LeanLMError
+from leanlm.evaluation import ALL_TASKS, ZERO_SHOT_TASKS, EvalSettings
+from leanlm.models import DEFAULT_MODEL
+from leanlm.report import format_table
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def _task_list(text: str) -> tuple[str, ...]:
+    tasks = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [t for t in tasks if t not in ALL_TASKS]
+    if unknown or not tasks:
+        raise argparse.ArgumentTypeError(
+            f"unknown task(s) {', '.join(unknown) or '(none given)'}; choose from {','.join(ALL_TASKS)}"
+        )
+    return tasks
+
+
+def _add_eval_options(parser: argparse.ArgumentParser, defaults: EvalSettings) -> None:
+    parser.add_argument("--tasks", type=_task_list, default=defaults.tasks,
+                        help=f"comma-separated, from {','.join(ALL_TASKS)} (default: {','.join(defaults.tasks)})")
+    parser.add_argument("--limit", type=_positive_int, default=defaults.limit,
+                        help="first N items of each zero-shot task")
+    parser.add_argument("--max-tokens", type=_positive_int, default=defaults.max_tokens,
+                        help="first N tokens of each perplexity text")
+    parser.add_argument("--seq-len", type=_positive_int, default=defaults.seq_len,
+                        help=f"perplexity window (default {defaults.seq_len})")
+    parser.add_argument("--json", type=Path, help="write the results as one JSON object to this path")
+
+
+def _settings(args) -> EvalSettings:
+    return EvalSettings(tasks=args.tasks, limit=args.limit, max_tokens=args.max_tokens, seq_len=args.seq_len)
+
+
+def _write_json(path: Path | None, payload: dict) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+    except OSError as error:
+        raise ConfigError(f"cannot write --json {path}: {error}") from error
+
+
+def _task_rows(results: dict) -> list[list]:
+    rows = []
+    for task, metrics in results.items():
+        if "perplexity" in metrics and "tokens" in metrics:
+            rows.append([task, "perplexity", metrics["perplexity"], f"{metrics['tokens']} tokens",
+                         f"{metrics['tokens_per_second']:.0f} tok/s"])
+        for metric in ("acc", "acc_norm", "perplexity"):
+            if metric in metrics and "n" in metrics:
+                rows.append([task, metric, metrics[metric], f"{metrics['n']} items", ""])
+    return rows
+
+
+def command_eval(args) -> None:
+    from leanlm.evaluation import evaluate
+    from leanlm.models import load_model
+
+    settings = _settings(args)
+    loaded = load_model(args.model)
+    payload = {"model": args.model, "weights_note": loaded.weights_note, **evaluate(loaded.model, loaded.tokenizer, settings)}
+    print(f"\nmodel: {args.model}" + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
+    print(format_table(["task", "metric", "value", "on", "speed"], _task_rows(payload["results"])))
+    if payload["zero_shot_average"] is not None:
+        print(f"zero-shot average acc: {payload['zero_shot_average']:.4f}")
+    print(f"weights: {payload['weights_bytes'] / 2**20:.1f} MiB   time: {payload['seconds']:.1f} s")
+    _write_json(args.json, payload)
+
+
+def command_showcase(args) -> None:
+    from leanlm.showcase import run_showcase
+
+    payload = run_showcase(args.model, _settings(args))
+    settings = payload["settings"]
+    print(f"\nleanlm showcase on {args.model}" + (f" ({payload['weights_note']})" if payload["weights_note"] else ""))
+    print(f"WikiText-2: first {settings['max_tokens']} tokens in windows of {settings['seq_len']}; "
+          f"zero-shot: first {settings['limit']} items of each task")
+    rows = []
+    for name, row in payload["rows"].items():
+        ppl = row["results"].get("wikitext2", {})
+        rows.append([name, ppl.get("perplexity"), row["zero_shot_average"], row["weights_bytes"] / 2**20,
+                     ppl.get("tokens_per_second"), row["description"]])
+    print(format_table(["method", "wikitext2 ppl", "zero-shot avg", "weights MiB", "tok/s", "what"], rows))
+    _write_json(args.json, payload)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from leanlm.showcase import QUICK_SETTINGS
+
+    parser = argparse.ArgumentParser(prog="leanlm", description="Cheap LLM inference and fine-tuning on the hardware you have.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    evaluate = commands.add_parser("eval", help="perplexity and zero-shot accuracy of a model")
+    evaluate.add_argument("model", help=f"registry name (default model: {DEFAULT_MODEL}), model directory or .gguf file")
+    _add_eval_options(evaluate, EvalSettings())
+    evaluate.set_defaults(handler=command_eval)
+
+    showcase = commands.add_parser("showcase", help="every leanlm method side by side on one model, in minutes")
+    showcase.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
+    _add_eval_options(showcase, QUICK_SETTINGS)
+    showcase.set_defaults(handler=command_showcase)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="leanlm: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except LeanLMError as error:
+        print(f"leanlm: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Perplexity with the papers' protocol (GPTQ, SmoothQuant, SpQR): tokenize the whole test set, cut it into
+non-overlapping windows of `seq_len` tokens, run each window on its own, and average the negative
+log-likelihood over every predicted token.
+
+One deliberate difference from GPTQ's script: it multiplies each window's mean loss by `seq_len` although a
+window predicts `seq_len - 1` tokens; here the mean is taken over the tokens actually predicted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from leanlm.errors import ConfigError
+from leanlm.evaluation.tokens import bos_prefix, encode
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    perplexity: float
+    tokens: int  # predicted tokens, the denominator of the mean NLL
+    windows: int
+    seq_len: int
+    seconds: float
+    tokens_per_second: float  # model input tokens per second of forward passes
+
+
+def perplexity(
+    model, tokenizer, text: str, *, seq_len: int = 2048, max_tokens: int | None = None, desc: str = "perplexity"
+) -> PerplexityResult:
+    if seq_len < 2:
+        raise ConfigError(f"--seq-len must be at least 2, got {seq_len}")
+    prefix = bos_prefix(tokenizer)
+    stream = encode(tokenizer, text)
+    if max_tokens is not None:
+        stream = stream[:max_tokens]
+    step = seq_len - len(prefix)  # text tokens per window; a window's input is always seq_len long
+    windows = len(stream) // step
+    if windows == 0:
+        raise ConfigError(
+            f"{desc}: {len(stream)} tokens do not fill one window of --seq-len {seq_len}; "
+            "raise --max-tokens or lower --seq-len"
+        )
+    total_nll, predicted, forward_seconds = 0.0, 0, 0.0
+    with torch.inference_mode():
+        for index in tqdm(range(windows), desc=desc, unit="window"):
+            ids = torch.tensor([prefix + stream[index * step : (index + 1) * step]])
+            started = time.perf_counter()
+            logits = model(input_ids=ids, use_cache=False).logits
+            forward_seconds += time.perf_counter() - started
+            total_nll += F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum").item()
+            predicted += ids.shape[1] - 1
+    return PerplexityResult(
+        perplexity=math.exp(total_nll / predicted),
+        tokens=predicted,
+        windows=windows,
+        seq_len=seq_len,
+        seconds=forward_seconds,
+        tokens_per_second=windows * seq_len / forward_seconds,
+    )

@@ -1,0 +1,31 @@
+"""Model families (architecture tables), the registry of offline models, and loading."""
+
+from leanlm.models.architectures import (
+    ArchitectureTable,
+    LinearFeeds,
+    NormFeeds,
+    TABLES,
+    architecture_for,
+    decoder_blocks,
+    iter_quantizable_linears,
+    supported_model_types,
+)
+from leanlm.models.loading import LoadedModel, cache_root, load_model
+from leanlm.models.registry import DEFAULT_MODEL, REGISTRY, RegisteredModel
+
+__all__ = [
+    "ArchitectureTable",
+    "LinearFeeds",
+    "NormFeeds",
+    "TABLES",
+    "architecture_for",
+    "decoder_blocks",
+    "iter_quantizable_linears",
+    "supported_model_types",
+    "LoadedModel",
+    "cache_root",
+    "load_model",
+    "DEFAULT_MODEL",
+    "REGISTRY",
+    "RegisteredModel",
+]

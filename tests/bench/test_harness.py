@@ -1,0 +1,38 @@
+import json
+
+import numpy as np
+import torch
+
+from leanlm.bench import peak_memory, time_call, weight_bytes, write_results
+from tiny import tiny_model
+
+
+def test_time_call_warms_up_then_repeats():
+    calls = []
+    timing = time_call(lambda: calls.append(1), warmup=2, repeats=5)
+    assert len(calls) == 7 and timing.repeats == 5
+    assert timing.min <= timing.median <= timing.max
+
+
+def test_peak_memory_sees_a_transient_allocation():
+    with peak_memory() as memory:
+        block = np.ones(100 * 2**20 // 8)  # 100 MiB, touched
+        del block
+    assert memory.added_bytes >= 90 * 2**20
+
+
+def test_weight_bytes_counts_tied_embeddings_once():
+    model = tiny_model("llama")  # tied embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    unique = {p.data_ptr(): p.numel() * 4 for p in model.parameters()}
+    assert weight_bytes(model) == sum(unique.values())
+    model.half()
+    assert weight_bytes(model) == sum(unique.values()) // 2
+
+
+def test_results_are_written_with_their_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEANLM_RESULTS", str(tmp_path))
+    path = write_results("demo", {"ratio": 2.0}, plot=lambda png: png.write_bytes(b"png"))
+    payload = json.loads(path.read_text())
+    assert payload["ratio"] == 2.0 and payload["environment"]["torch"] == torch.__version__
+    assert (tmp_path / "demo.png").read_bytes() == b"png"

