@@ -11,7 +11,7 @@ All module paths inside a block are relative to the block; `blocks`, `final_norm
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Literal
 
 import torch
@@ -107,28 +107,14 @@ TABLES: tuple[ArchitectureTable, ...] = (
     _llama_like("llama", ("llama",)),
     _llama_like("mistral", ("mistral",)),
     _llama_like("qwen2", ("qwen2",)),
-    ArchitectureTable(
-        family="gemma3",
-        model_types=("gemma3_text",),
-        blocks="model.layers",
-        attention_inputs=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        attention_output="self_attn.o_proj",
-        mlp_inputs=("mlp.gate_proj", "mlp.up_proj"),
-        mlp_output="mlp.down_proj",
+    # Gemma 3 normalises both before and after each sub-block; the *pre* norms feed the linears.
+    replace(
+        _llama_like("gemma3", ("gemma3_text",)),
         mlp_activation="geglu",
-        # Gemma 3 normalises both before and after each sub-block; the *pre* norms feed the linears.
         norm_feeds=(
             NormFeeds("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
             NormFeeds("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
         ),
-        linear_feeds=(
-            LinearFeeds("self_attn.v_proj", "self_attn.o_proj"),
-            LinearFeeds("mlp.up_proj", "mlp.down_proj"),
-        ),
-        positions="rope",
-        final_norm="model.norm",
-        never_quantize=("model.embed_tokens", "lm_head"),
-        rotary_embedding="model.rotary_emb",
         norm_weight_offset=1.0,
     ),
     ArchitectureTable(
