@@ -2,7 +2,9 @@ import json
 
 import pytest
 
+from leanlm.bench import weight_bytes
 from leanlm.cli.main import main
+from leanlm.models import load_model
 
 
 def test_eval_writes_the_contract_json(tiny_llama_dir, tmp_path, capsys):
@@ -42,3 +44,35 @@ def test_bad_input_gets_a_one_line_error(argv, message, capsys):
 def test_seq_len_larger_than_the_text_is_explained(tiny_llama_dir, capsys):
     assert main(["eval", str(tiny_llama_dir), "--max-tokens", "100", "--seq-len", "2048"]) == 2
     assert "do not fill one window" in capsys.readouterr().err
+
+
+def test_quantize_then_eval_the_checkpoint(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "sq"
+    assert main(["quantize", str(tiny_llama_dir), "--method", "smoothquant", "--level", "O3", "--alpha", "0.6",
+                 "--calib-samples", "2", "--calib-seq-len", "32", "--out", str(out)]) == 0
+    assert "smoothquant O3" in capsys.readouterr().out
+    result = tmp_path / "r.json"
+    assert main(["eval", str(out), "--max-tokens", "128", "--seq-len", "64", "--json", str(result)]) == 0
+    payload = json.loads(result.read_text())
+    assert payload["results"]["wikitext2"]["perplexity"] > 1
+    float_bytes = weight_bytes(load_model(tiny_llama_dir).model)
+    linear_bytes = sum(m.weight.numel() * 4 for n, m in load_model(tiny_llama_dir).model.named_modules()
+                       if n.startswith("model.layers") and n.endswith("proj"))
+    # Every block linear went from 4 bytes to 1 byte per weight (plus small scales).
+    assert payload["weights_bytes"] < float_bytes - 0.7 * linear_bytes
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--method", "w8a8", "--alpha", "0.5"], "--alpha applies to --method smoothquant only"),
+        (["--method", "smoothquant", "--alpha", "2"], "must lie in [0, 1]"),
+        (["--method", "gptq"], "invalid choice"),
+    ],
+)
+def test_quantize_option_errors(argv, message, tmp_path, capsys):
+    try:
+        code = main(["quantize", "smollm2-135m", *argv, "--out", str(tmp_path / "x")])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2 and message in capsys.readouterr().err

@@ -74,10 +74,10 @@ def _task_rows(results: dict) -> list[list]:
 
 def command_eval(args) -> None:
     from leanlm.evaluation import evaluate
-    from leanlm.models import load_model
+    from leanlm.methods import load_any
 
     settings = _settings(args)
-    loaded = load_model(args.model)
+    loaded = load_any(args.model)
     payload = {"model": args.model, "weights_note": loaded.weights_note, **evaluate(loaded.model, loaded.tokenizer, settings)}
     print(f"\nmodel: {args.model}" + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
     print(format_table(["task", "metric", "value", "on", "speed"], _task_rows(payload["results"])))
@@ -104,6 +104,50 @@ def command_showcase(args) -> None:
     _write_json(args.json, payload)
 
 
+def _alpha(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"alpha (migration strength) must lie in [0, 1], got {value}")
+    return value
+
+
+def command_quantize(args) -> None:
+    import time
+
+    from leanlm.methods import CalibrationSettings, SmoothQuantConfig, W8A8Config, quantize_loaded_w8a8_, save_quantized
+    from leanlm.models import load_model
+
+    if args.out.exists() and any(args.out.iterdir()):
+        raise ConfigError(f"--out {args.out} exists and is not empty; choose a new directory")
+    smoothing = None
+    if args.method == "smoothquant":
+        alpha = 0.5 if args.alpha in (None, "auto") else args.alpha
+        smoothing = SmoothQuantConfig(alpha, args.smooth_extension, args.smooth_extension)
+    elif args.alpha is not None:
+        raise ConfigError("--alpha applies to --method smoothquant only")
+    config = W8A8Config(
+        level=args.level or ("O3" if args.method == "smoothquant" else "O2"),
+        weight_granularity=args.weight_granularity,
+        group_size=args.group_size,
+        smoothquant=smoothing,
+        quantize_bmm=not args.no_bmm,
+    )
+    calibration = CalibrationSettings(n_samples=args.calib_samples, seq_len=args.calib_seq_len, seed=args.seed)
+    loaded = load_model(args.model)
+    started = time.perf_counter()
+    record = quantize_loaded_w8a8_(loaded.model, loaded.tokenizer, config, calibration, search=args.alpha == "auto")
+    record["quantize_seconds"] = time.perf_counter() - started
+    out = save_quantized(loaded, loaded.model, record, args.out)
+    chosen = record["smoothquant"]["alpha"] if record.get("smoothquant") else None
+    print(f"wrote {out} ({record['method']} {record['level']}, weights {record['weight_granularity']}"
+          + (f", alpha {chosen}" if chosen is not None else "") + f") in {record['quantize_seconds']:.0f} s")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from leanlm.showcase import QUICK_SETTINGS
 
@@ -114,6 +158,27 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("model", help=f"registry name (default model: {DEFAULT_MODEL}), model directory or .gguf file")
     _add_eval_options(evaluate, EvalSettings())
     evaluate.set_defaults(handler=command_eval)
+
+    quantize = commands.add_parser("quantize", help="quantize a model and write a reloadable checkpoint")
+    quantize.add_argument("model", help="registry name, model directory or .gguf file")
+    quantize.add_argument("--method", required=True, choices=["w8a8", "smoothquant"],
+                          help="w8a8: naive int8 weights and activations; smoothquant: smoothing first")
+    quantize.add_argument("--level", choices=["O1", "O2", "O3"],
+                          help="O1 per-token dynamic, O2 per-tensor dynamic, O3 per-tensor static activations "
+                               "(default: O2 for w8a8, O3 for smoothquant)")
+    quantize.add_argument("--alpha", type=_alpha, help="migration strength in [0, 1], or 'auto' for a grid "
+                          "search on held-out calibration text (default 0.5)")
+    quantize.add_argument("--weight-granularity", choices=["per_tensor", "per_channel", "per_group"],
+                          default="per_tensor", help="per_group with --level O1 is ZeroQuant-style")
+    quantize.add_argument("--group-size", type=_positive_int, default=128, help="output channels per weight scale")
+    quantize.add_argument("--no-bmm", action="store_true", help="keep attention's two matmuls in float32")
+    quantize.add_argument("--no-smooth-extension", dest="smooth_extension", action="store_false",
+                          help="smooth only norm -> linear (the paper), not also v->o and up->down")
+    quantize.add_argument("--calib-samples", type=_positive_int, default=512)
+    quantize.add_argument("--calib-seq-len", type=_positive_int, default=512)
+    quantize.add_argument("--seed", type=int, default=0)
+    quantize.add_argument("--out", type=Path, required=True, help="directory for the checkpoint")
+    quantize.set_defaults(handler=command_quantize)
 
     showcase = commands.add_parser("showcase", help="every leanlm method side by side on one model, in minutes")
     showcase.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")

@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from leanlm.errors import ConfigError
 from leanlm.evaluation.tokens import bos_prefix, encode
+from leanlm.models.scoring import next_token_nll
 
 
 @dataclass(frozen=True)
@@ -47,14 +47,12 @@ def perplexity(
             "raise --max-tokens or lower --seq-len"
         )
     total_nll, predicted, forward_seconds = 0.0, 0, 0.0
-    with torch.inference_mode():
-        for index in tqdm(range(windows), desc=desc, unit="window"):
-            ids = torch.tensor([prefix + stream[index * step : (index + 1) * step]])
-            started = time.perf_counter()
-            logits = model(input_ids=ids, use_cache=False).logits
-            forward_seconds += time.perf_counter() - started
-            total_nll += F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum").item()
-            predicted += ids.shape[1] - 1
+    for index in tqdm(range(windows), desc=desc, unit="window"):
+        ids = torch.tensor([prefix + stream[index * step : (index + 1) * step]])
+        started = time.perf_counter()
+        total_nll += next_token_nll(model, ids)
+        forward_seconds += time.perf_counter() - started
+        predicted += ids.shape[1] - 1
     return PerplexityResult(
         perplexity=math.exp(total_nll / predicted),
         tokens=predicted,

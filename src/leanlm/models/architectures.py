@@ -64,6 +64,11 @@ class ArchitectureTable:
     config_problem: Callable[[object], str | None] = field(default=lambda config: None, compare=False)
 
     @property
+    def attention_module(self) -> str:
+        """Block-relative path of the module that runs attention (the parent of its output projection)."""
+        return self.attention_output.rsplit(".", 1)[0]
+
+    @property
     def quantizable_linears(self) -> tuple[str, ...]:
         """Block-relative paths of the linears that weight/activation quantization replaces."""
         return (*self.attention_inputs, self.attention_output, *self.mlp_inputs, self.mlp_output)

@@ -1,0 +1,1 @@
+"""Numeric formats: how numbers are represented, knowing nothing of layers or models."""

@@ -1,0 +1,116 @@
+"""SmoothQuant's smoothing (thesis section 3.3): migrate activation outliers into the weights.
+
+For the linears that read one input X, per input channel j:
+    s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)            (eq. 3.4; alpha = migration strength)
+X is divided by s (folded into whatever produces X) and the linears' input columns are multiplied by s
+(eq. 3.3), which leaves the model's function unchanged. Producers, from the architecture table:
+  - a norm (the paper): its weight (and bias) is divided by s;
+  - a linear whose output reaches the consumer through a scale-commuting op (beyond the paper, switchable):
+    v_proj -> o_proj (attention is linear in V) and up_proj -> down_proj (the gated unit is linear in up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from leanlm.errors import ConfigError
+from leanlm.models.architectures import ArchitectureTable, architecture_for, decoder_blocks, linear_weight_out_in
+
+_MIN = 1e-5  # floor for maxima and scales, as in the reference implementation
+
+
+@dataclass(frozen=True)
+class SmoothQuantConfig:
+    alpha: float = 0.5  # migration strength, eq. 3.4
+    smooth_value_output: bool = True  # v_proj -> o_proj, beyond the paper
+    smooth_mlp_output: bool = True  # up_proj -> down_proj (or fc1 -> fc2 through ReLU), beyond the paper
+
+    def __post_init__(self):
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"alpha (migration strength) must lie in [0, 1], got {self.alpha}")
+
+
+def smoothing_factors(activation_absmax: torch.Tensor, weight_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s_j from max|X_j| and max|W_j| (the max over every consumer's input column j)."""
+    return (activation_absmax.clamp(min=_MIN).pow(alpha) / weight_absmax.clamp(min=_MIN).pow(1 - alpha)).clamp(min=_MIN)
+
+
+def _input_column_absmax(modules: list[nn.Module], table: ArchitectureTable) -> torch.Tensor:
+    return torch.stack(
+        [linear_weight_out_in(m, table).detach().abs().amax(dim=0).float() for m in modules]
+    ).amax(dim=0)
+
+
+def _scale_input_columns(module: nn.Module, table: ArchitectureTable, s: torch.Tensor) -> None:
+    weight = module.weight.data
+    weight.mul_((s[:, None] if table.weight_layout == "in_out" else s[None, :]).to(weight.dtype))
+
+
+def _divide_output_channels(module: nn.Module, table: ArchitectureTable, s: torch.Tensor) -> None:
+    weight = module.weight.data
+    weight.div_((s[None, :] if table.weight_layout == "in_out" else s[:, None]).to(weight.dtype))
+    if getattr(module, "bias", None) is not None:
+        module.bias.data.div_(s.to(module.bias.dtype))
+
+
+def _divide_norm(norm: nn.Module, table: ArchitectureTable, s: torch.Tensor) -> None:
+    offset = table.norm_weight_offset  # Gemma: y = x_hat * (1 + w), so (1 + w) / s = 1 + w'
+    norm.weight.data.copy_((norm.weight.data.float() + offset) / s - offset)
+    if getattr(norm, "bias", None) is not None:
+        norm.bias.data.div_(s.to(norm.bias.dtype))
+
+
+def consumer_to_producer_channels(config, produced: int, consumed: int) -> torch.Tensor:
+    """For each input channel of the consumer, the producer output channel it comes from: the identity, or,
+    for v_proj -> o_proj under grouped-query attention, the key/value head that serves each query head."""
+    if produced == consumed:
+        return torch.arange(consumed)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    groups = consumed // produced
+    channel = torch.arange(consumed)
+    return (channel // head_dim // groups) * head_dim + channel % head_dim
+
+
+@dataclass
+class SmoothingResult:
+    # Per-input-channel max|x| of every linear as it is after smoothing: max|X_j| / s_j, exact, so static
+    # activation ranges need no second calibration pass.
+    input_absmax: dict[str, torch.Tensor]
+    # For each smoothed producer linear (v_proj, up_proj), the factors its output channels were divided by.
+    producer_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def smooth_(model: nn.Module, input_absmax: dict[str, torch.Tensor], config: SmoothQuantConfig) -> SmoothingResult:
+    """Smooth `model` in place from calibration statistics collected on the unsmoothed model."""
+    table = architecture_for(model)
+    result = SmoothingResult(dict(input_absmax))
+    for index, block in enumerate(decoder_blocks(model, table)):
+        prefix = f"{table.blocks}.{index}."
+        for feed in table.norm_feeds:
+            consumers = [block.get_submodule(path) for path in feed.linears]
+            s = smoothing_factors(input_absmax[prefix + feed.linears[0]], _input_column_absmax(consumers, table), config.alpha)
+            _divide_norm(block.get_submodule(feed.norm), table, s)
+            for path, module in zip(feed.linears, consumers):
+                _scale_input_columns(module, table, s)
+                result.input_absmax[prefix + path] = input_absmax[prefix + path] / s
+        for feed in table.linear_feeds:
+            is_value = feed.producer in table.attention_inputs
+            if not (config.smooth_value_output if is_value else config.smooth_mlp_output):
+                continue
+            producer, consumer = block.get_submodule(feed.producer), block.get_submodule(feed.consumer)
+            produced = linear_weight_out_in(producer, table).shape[0]
+            x_absmax = input_absmax[prefix + feed.consumer]
+            mapping = consumer_to_producer_channels(model.config, produced, x_absmax.numel())
+            # One factor per producer channel: the max over every consumer channel it feeds.
+            per_producer = lambda values: torch.zeros(produced).scatter_reduce(0, mapping, values, "amax")  # noqa: E731
+            s = smoothing_factors(
+                per_producer(x_absmax), per_producer(_input_column_absmax([consumer], table)), config.alpha
+            )
+            _divide_output_channels(producer, table, s)
+            _scale_input_columns(consumer, table, s[mapping])
+            result.input_absmax[prefix + feed.consumer] = x_absmax / s[mapping]
+            result.producer_scales[prefix + feed.producer] = s
+    return result

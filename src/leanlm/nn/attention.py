@@ -1,0 +1,87 @@
+"""Attention with int8-quantized batched matmuls (SmoothQuant, thesis Fig. 3.3), through transformers' own
+attention-function registry: no attention class is patched.
+
+Queries and keys (after RoPE) and values are quantized before the two matmuls; the softmax probabilities are
+quantized on the fixed grid 1/127 (they lie in [0, 1]), as in SmoothQuant's int8 OPT. The matmuls themselves
+run in floating point on the quantized values (simulated int8: the same numbers an int8 BMM would multiply).
+
+A module opts in by carrying a `BmmQuantizer` child named `bmm_quantizer`; without one the function is plain
+eager attention. The quantizer can also *observe*: record max|q|, max|k| and per-channel max|v| during
+calibration, for static (O3) scales.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+from leanlm.formats.int8 import QMAX, ActivationGranularity, absmax_scale, activation_scale, fake_quantize
+
+ATTENTION_NAME = "leanlm_int8_bmm"
+
+
+class BmmQuantizer(nn.Module):
+    def __init__(self, activation: ActivationGranularity = "per_tensor", static: bool = False, kv_channels: int = 0):
+        super().__init__()
+        self.activation, self.static = activation, static
+        self.observe = False
+        self.register_buffer("q_absmax", torch.zeros(()))
+        self.register_buffer("k_absmax", torch.zeros(()))
+        # Per channel (kv heads x head_dim) because smoothing v_proj -> o_proj rescales exactly these channels.
+        self.register_buffer("v_channel_absmax", torch.zeros(kv_channels))
+
+    def constructor_args(self) -> dict:
+        """The arguments that rebuild this module before a checkpoint's state dict is loaded into it."""
+        return {"activation": self.activation, "static": self.static, "kv_channels": self.v_channel_absmax.numel()}
+
+    def record(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.q_absmax = torch.maximum(self.q_absmax, query.detach().abs().amax().float())
+        self.k_absmax = torch.maximum(self.k_absmax, key.detach().abs().amax().float())
+        # value: (batch, kv_heads, seq, head_dim) -> per (head, dim) channel, ordered like v_proj's outputs
+        per_channel = value.detach().abs().amax(dim=(0, 2)).flatten().float()
+        if self.v_channel_absmax.numel() != per_channel.numel():
+            self.v_channel_absmax = torch.zeros_like(per_channel)
+        self.v_channel_absmax = torch.maximum(self.v_channel_absmax, per_channel)
+
+    def quantize(self, tensor: torch.Tensor, which: str) -> torch.Tensor:
+        if self.static:
+            absmax = {"q": self.q_absmax, "k": self.k_absmax, "v": self.v_channel_absmax.amax()}[which]
+            return fake_quantize(tensor, (absmax / QMAX).clamp(min=1e-8))
+        if which == "v":  # v's token dimension is the inner one of P.V: it cannot carry a per-token scale
+            return fake_quantize(tensor, absmax_scale(tensor))
+        return fake_quantize(tensor, activation_scale(tensor, self.activation))
+
+
+def _repeat_heads(states: torch.Tensor, heads: int) -> torch.Tensor:
+    groups = heads // states.shape[1]
+    return states if groups == 1 else states.repeat_interleave(groups, dim=1)
+
+
+def int8_bmm_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    quantizer: BmmQuantizer | None = getattr(module, "bmm_quantizer", None)
+    if quantizer is not None and quantizer.observe:
+        quantizer.record(query, key, value)
+    quantize = quantizer is not None and not quantizer.observe
+    if quantize:
+        query, key, value = quantizer.quantize(query, "q"), quantizer.quantize(key, "k"), quantizer.quantize(value, "v")
+    key, value = _repeat_heads(key, query.shape[1]), _repeat_heads(value, query.shape[1])
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if quantize:
+        probs = torch.round(probs * QMAX) / QMAX
+    out = torch.matmul(probs, value)
+    return out.transpose(1, 2).contiguous(), probs
+
+
+AttentionInterface.register(ATTENTION_NAME, int8_bmm_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, eager_mask)
+
+
+def use_int8_bmm_attention(model: nn.Module) -> None:
+    """Route the model's attention through `int8_bmm_attention` (modules without a quantizer stay exact)."""
+    model.config._attn_implementation = ATTENTION_NAME

@@ -1,0 +1,89 @@
+"""W8A8Linear: a linear layer that stores int8 weights and multiplies int8 activations by them in an integer
+GEMM (SmoothQuant eq. 3.2): Y = diag(delta_X) (X_int8 W_int8^T) diag(delta_W) + b.
+
+Weights: int8 with a per-tensor, per-output-channel or per-group scale (all along the GEMM's outer dimension,
+so they apply after the integer product). Activations: quantized on the fly per token or per tensor (dynamic),
+or with a per-tensor scale fixed at calibration (static).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from leanlm.errors import ConfigError
+from leanlm.formats.int8 import ActivationGranularity, WeightGranularity, activation_scale, quantize, quantize_weight
+from leanlm.kernels.int8_gemm import Backend, default_backend, int8_matmul, pack_weight
+
+
+class W8A8Linear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        activation: ActivationGranularity = "per_tensor",
+        static: bool = False,
+        backend: Backend | None = None,
+    ):
+        super().__init__()
+        if static and activation != "per_tensor":
+            raise ConfigError("static activation scales are per tensor; per-token scales are always dynamic")
+        self.in_features, self.out_features = in_features, out_features
+        self.activation, self.static = activation, static
+        self.backend: Backend = backend or default_backend()
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.ones(out_features))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        self.register_buffer("input_scale", torch.ones(()) if static else None)
+        self._packed = None  # fbgemm's packed weight, rebuilt lazily whenever the int8 weight changes
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,  # (out, in)
+        bias: torch.Tensor | None,
+        weight_granularity: WeightGranularity = "per_tensor",
+        group_size: int = 128,
+        activation: ActivationGranularity = "per_tensor",
+        input_scale: torch.Tensor | None = None,
+        backend: Backend | None = None,
+    ) -> "W8A8Linear":
+        out_features, in_features = weight.shape
+        module = cls(in_features, out_features, bias is not None, activation, input_scale is not None, backend)
+        module.weight, module.weight_scale = quantize_weight(weight.detach().float(), weight_granularity, group_size)
+        if bias is not None:
+            module.bias = bias.detach().float().clone()
+        if input_scale is not None:
+            module.input_scale = input_scale.detach().float().reshape(()).clone()
+        return module
+
+    def constructor_args(self) -> dict:
+        """The arguments that rebuild this module (empty) before a checkpoint's state dict is loaded into it."""
+        return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
+                "activation": self.activation, "static": self.static, "backend": self.backend}
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._packed = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"W8A8Linear expects {self.in_features} input features, got shape {tuple(x.shape)}")
+        rows = x.reshape(-1, self.in_features).float()
+        scale = self.input_scale if self.static else activation_scale(rows, self.activation)
+        x_int = quantize(rows, scale)
+        if self.backend == "fbgemm" and self._packed is None:
+            self._packed = pack_weight(self.weight)
+        accumulator = int8_matmul(x_int, self.weight, self.backend, self._packed)
+        out = accumulator * (scale * self.weight_scale)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        mode = "static" if self.static else "dynamic"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"activation={self.activation} {mode}, backend={self.backend}")

@@ -1,0 +1,57 @@
+import copy
+
+import pytest
+import torch
+
+from leanlm.nn import BmmQuantizer, use_int8_bmm_attention
+from tiny import tiny_model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "opt", "gpt2", "gpt_neox"])
+def test_without_a_quantizer_it_is_exact_attention(model_type):
+    model = tiny_model(model_type)
+    ids = torch.randint(0, 128, (2, 17))
+    with torch.inference_mode():
+        expected = model(ids).logits
+        use_int8_bmm_attention(model)
+        assert torch.allclose(model(ids).logits, expected, atol=1e-5)
+
+
+def _attentions(model):
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def test_observing_records_ranges_without_changing_outputs():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 12))
+    with torch.inference_mode():
+        expected = model(ids).logits
+        use_int8_bmm_attention(model)
+        for attention in _attentions(model):
+            attention.bmm_quantizer = BmmQuantizer()
+            attention.bmm_quantizer.observe = True
+        assert torch.allclose(model(ids).logits, expected, atol=1e-5)
+    quantizer = _attentions(model)[0].bmm_quantizer
+    assert quantizer.q_absmax > 0 and quantizer.k_absmax > 0
+    assert quantizer.v_channel_absmax.shape == (2 * 16,)  # 2 kv heads x head_dim 16
+
+
+@pytest.mark.parametrize("activation, static", [("per_token", False), ("per_tensor", False), ("per_tensor", True)])
+def test_quantized_matmuls_stay_close(activation, static):
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 24))
+    with torch.inference_mode():
+        expected = model(ids).logits
+        observed = copy.deepcopy(model)
+        use_int8_bmm_attention(observed)
+        for attention in _attentions(observed):
+            attention.bmm_quantizer = BmmQuantizer()
+            attention.bmm_quantizer.observe = True
+        observed(ids)
+        for attention in _attentions(observed):
+            ranges = attention.bmm_quantizer.state_dict()
+            attention.bmm_quantizer = BmmQuantizer(activation, static, 32)
+            attention.bmm_quantizer.load_state_dict(ranges)
+        out = observed(ids).logits
+    assert not torch.equal(out, expected)
+    assert ((out - expected).norm() / expected.norm()) < 0.02
