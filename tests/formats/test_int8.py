@@ -13,7 +13,8 @@ def test_absmax_scale_maps_the_largest_value_to_127():
 
 
 def test_quantize_rounds_half_to_even_and_clamps():
-    assert torch.equal(quantize(torch.tensor([0.5, 1.5, -2.5, 1000.0]), torch.tensor(1.0)), torch.tensor([0.0, 2.0, -2.0, 127.0]))
+    values = torch.tensor([0.5, 1.5, -2.5, 1000.0, -1000.0])
+    assert torch.equal(quantize(values, torch.tensor(1.0)), torch.tensor([0.0, 2.0, -2.0, 127.0, -128.0]))
 
 
 def test_weight_scales_lie_along_output_channels():

@@ -1,28 +1,39 @@
 import pytest
 import torch
 
-from leanlm.kernels.int8_gemm import fbgemm_available, int8_matmul, pack_weight
+from leanlm.kernels.int8_gemm import fbgemm_available, int8_linear, pack_weight
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="PyTorch has no fbgemm/x86 quantized engine here")
 
 
 @pytest.mark.parametrize("m, k, n", [(1, 64, 48), (7, 129, 33), (64, 576, 192), (300, 1536, 576)])
-def test_fbgemm_equals_the_exact_reference(m, k, n):
+def test_integer_products_are_exact(m, k, n):
+    """With unit scales the output is the integer product itself. Full-range uniform integers are the worst
+    case for the int16 saturation that AVX2 int8 kernels can suffer."""
     torch.manual_seed(m + k + n)
-    # Full-range uniform integers: the worst case for the int16 saturation AVX2 int8 kernels can suffer.
-    x = torch.randint(-127, 128, (m, k)).float()
+    x = torch.randint(-128, 128, (m, k)).float()
     weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-    expected = int8_matmul(x, weight, "reference")
-    assert torch.equal(int8_matmul(x, weight, "fbgemm"), expected)
-    assert torch.equal(int8_matmul(x, weight, "fbgemm", pack_weight(weight)), expected)
+    ones = torch.ones(n)
+    expected = x.double() @ weight.double().T
+    for backend in ("reference", "fbgemm"):
+        out = int8_linear(x, torch.tensor(1.0), weight, ones, None, backend)
+        assert torch.equal(out, expected.float()), backend
 
 
-def test_reference_is_the_integer_product():
-    x = torch.tensor([[127.0, -127.0]])
-    weight = torch.tensor([[127, 127], [-127, 1]], dtype=torch.int8)
-    assert torch.equal(int8_matmul(x, weight, "reference"), torch.tensor([[0.0, -16256.0]]))
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fbgemm_matches_the_reference_with_scales(per_token, bias):
+    torch.manual_seed(1)
+    x = torch.randn(9, 40) * 3
+    weight = torch.randint(-127, 128, (24, 40), dtype=torch.int8)
+    weight_scale = torch.rand(24) * 0.01 + 1e-3
+    b = torch.randn(24) if bias else None
+    x_scale = x.abs().amax(dim=1, keepdim=True) / 127 if per_token else torch.tensor(0.02)  # static: clamps
+    reference = int8_linear(x, x_scale, weight, weight_scale, b, "reference")
+    fast = int8_linear(x, x_scale, weight, weight_scale, b, "fbgemm", pack_weight(weight, weight_scale, b))
+    assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_backend_is_named():
     with pytest.raises(ValueError, match="unknown int8 backend 'cuda'"):
-        int8_matmul(torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.int8), "cuda")
+        int8_linear(torch.zeros(1, 2), torch.tensor(1.0), torch.zeros(1, 2, dtype=torch.int8), torch.ones(1), None, "cuda")

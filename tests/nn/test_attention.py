@@ -36,8 +36,9 @@ def test_observing_records_ranges_without_changing_outputs():
     assert quantizer.v_channel_absmax.shape == (2 * 16,)  # 2 kv heads x head_dim 16
 
 
-@pytest.mark.parametrize("activation, static", [("per_token", False), ("per_tensor", False), ("per_tensor", True)])
-def test_quantized_matmuls_stay_close(activation, static):
+@pytest.mark.parametrize("activation, static, probs", [("per_token", False, False), ("per_tensor", False, True),
+                                                        ("per_tensor", True, False)])
+def test_quantized_matmuls_stay_close(activation, static, probs):
     model = tiny_model("llama")
     ids = torch.randint(0, 128, (1, 24))
     with torch.inference_mode():
@@ -50,8 +51,24 @@ def test_quantized_matmuls_stay_close(activation, static):
         observed(ids)
         for attention in _attentions(observed):
             ranges = attention.bmm_quantizer.state_dict()
-            attention.bmm_quantizer = BmmQuantizer(activation, static, 32)
+            attention.bmm_quantizer = BmmQuantizer(activation, static, 32, quantize_probs=probs)
             attention.bmm_quantizer.load_state_dict(ranges)
         out = observed(ids).logits
     assert not torch.equal(out, expected)
     assert ((out - expected).norm() / expected.norm()) < 0.02
+
+
+def test_probabilities_are_rounded_to_the_int8_grid_only_when_asked():
+    from leanlm.nn.attention import int8_bmm_attention
+
+    class Attention(torch.nn.Module):
+        pass
+
+    module = Attention()
+    query, key, value = torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4), torch.eye(5, 4)[None, None]
+    module.bmm_quantizer = BmmQuantizer(quantize_probs=True)
+    _, probs = int8_bmm_attention(module, query, key, value, None)
+    assert torch.allclose(probs * 127, (probs * 127).round(), atol=1e-4)
+    module.bmm_quantizer = BmmQuantizer(quantize_probs=False)
+    _, probs = int8_bmm_attention(module, query, key, value, None)
+    assert not torch.allclose(probs * 127, (probs * 127).round(), atol=1e-4)

@@ -40,7 +40,7 @@ def test_stores_int8_weights_and_saves_through_the_state_dict():
 def test_static_scale_clamps_values_beyond_the_calibrated_range():
     module = W8A8Linear.from_float(torch.eye(4), None, input_scale=torch.tensor(1 / 127))
     out = module(torch.tensor([[0.5, 2.0, -3.0, 0.0]]))
-    assert torch.allclose(out, torch.tensor([[64 / 127, 1.0, -1.0, 0.0]]))
+    assert torch.allclose(out, torch.tensor([[64 / 127, 1.0, -128 / 127, 0.0]]))  # int8 floor is -128
 
 
 def test_bad_input_is_named():

@@ -136,6 +136,7 @@ def command_quantize(args) -> None:
         group_size=args.group_size,
         smoothquant=smoothing,
         quantize_bmm=not args.no_bmm,
+        quantize_probs=args.quantize_probs,
     )
     calibration = CalibrationSettings(n_samples=args.calib_samples, seq_len=args.calib_seq_len, seed=args.seed)
     loaded = load_model(args.model)
@@ -172,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                           default="per_tensor", help="per_group with --level O1 is ZeroQuant-style")
     quantize.add_argument("--group-size", type=_positive_int, default=128, help="output channels per weight scale")
     quantize.add_argument("--no-bmm", action="store_true", help="keep attention's two matmuls in float32")
+    quantize.add_argument("--quantize-probs", action="store_true",
+                          help="also round softmax probabilities to the int8 grid 1/127 (the int8 OPT kernel does)")
     quantize.add_argument("--no-smooth-extension", dest="smooth_extension", action="store_false",
                           help="smooth only norm -> linear (the paper), not also v->o and up->down")
     quantize.add_argument("--calib-samples", type=_positive_int, default=512)

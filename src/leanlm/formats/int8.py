@@ -12,7 +12,8 @@ import torch
 
 from leanlm.errors import ConfigError
 
-QMAX = 127  # symmetric: -127..127, so that negation never overflows
+QMAX = 127  # absmax scales map the largest magnitude to 127
+QMIN = -128  # the int8 floor: reached only by values beyond a static (calibrated) range
 _TINY = 1e-8  # an all-zero row still gets a finite scale
 
 ActivationGranularity = Literal["per_tensor", "per_token"]
@@ -21,14 +22,15 @@ WeightGranularity = Literal["per_tensor", "per_channel", "per_group"]
 
 def absmax_scale(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """delta = max|x| / 127 over the whole tensor (dim=None, shape ()) or along `dim` (kept, size 1)."""
+    # The inf-norm is max|x| in one pass, without materialising |x|.
     if dim is None:
-        return (x.detach().abs().amax().float() / QMAX).clamp(min=_TINY)
-    return (x.detach().abs().amax(dim=dim, keepdim=True).float() / QMAX).clamp(min=_TINY)
+        return (torch.linalg.vector_norm(x.detach(), float("inf")).float() / QMAX).clamp(min=_TINY)
+    return (torch.linalg.vector_norm(x.detach(), float("inf"), dim=dim, keepdim=True).float() / QMAX).clamp(min=_TINY)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Integer values (as float) of x on the grid `scale`, clamped to -127..127; round half to even."""
-    return torch.clamp(torch.round(x / scale), -QMAX, QMAX)
+    """Integer values (as float) of x on the grid `scale`, clamped to the int8 range; round half to even."""
+    return torch.clamp(torch.round(x / scale), QMIN, QMAX)
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -1,47 +1,75 @@
-"""int8 x int8 -> int32 matrix products, returned as float32: the one GEMM that W8A8 methods need.
+"""The int8 linear: Y = (round(X / delta_X) @ W_int8^T) * delta_X * delta_W + b, with the product computed on
+integers (SmoothQuant eq. 3.2). delta_X is one scale (per tensor) or one per row (per token); delta_W one per
+output channel.
 
-`reference` is plain PyTorch in float64 (exact for every int8 product sum up to 2^53) and is the test oracle.
-`fbgemm` is PyTorch's quantized CPU backend (fbgemm, AVX2/AVX-512): on this machine it is many times faster
-than fp32 matmul, whereas `torch._int_mm` falls back to a scalar loop. Both return the same numbers: the
-integer accumulator rounded once to float32.
+`reference` is plain PyTorch with the integer product in float64 (exact for any int8 sum below 2^53): the
+test oracle. `fbgemm` is PyTorch's quantized CPU backend (AVX2/AVX-512), many times faster than fp32 matmul
+here, where `torch._int_mm` falls back to a scalar loop: its op quantizes the input, runs the u8 x s8 GEMM and
+applies both scales and the bias in one call. The two agree to float32 rounding of the final scaling.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from leanlm.formats.int8 import quantize
 
 Backend = Literal["reference", "fbgemm"]
 
 
 def fbgemm_available() -> bool:
-    return "fbgemm" in torch.backends.quantized.supported_engines or "x86" in torch.backends.quantized.supported_engines
+    engines = torch.backends.quantized.supported_engines
+    return "fbgemm" in engines or "x86" in engines
 
 
 def default_backend() -> Backend:
     return "fbgemm" if fbgemm_available() else "reference"
 
 
-def pack_weight(weight_int8: torch.Tensor):
-    """fbgemm's pre-packed form of an (out, in) int8 weight (scale 1, zero point 0: scales are applied by the
-    caller). Derived data: never saved, rebuilt from the int8 weight after loading."""
+@dataclass
+class PackedInt8Weight:
+    """fbgemm's pre-packed weight, with and without the bias (a per-token scale must be applied before the bias
+    is added, so that path adds it itself). Derived data: rebuilt from the int8 weight, never saved."""
+
+    with_bias: object
+    without_bias: object
+
+
+def pack_weight(weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> PackedInt8Weight:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # quantized-tensor creation is deprecated, not removed, in 2.13
-        quantized = torch._make_per_tensor_quantized_tensor(weight_int8.contiguous(), 1.0, 0)
-    return torch.ops.quantized.linear_prepack(quantized, None)
+        warnings.simplefilter("ignore", UserWarning)  # quantized tensors are deprecated, not removed, in 2.13
+        quantized = torch._make_per_channel_quantized_tensor(
+            weight_int8.contiguous(), weight_scale.double(), torch.zeros_like(weight_scale, dtype=torch.long), 0
+        )
+    without_bias = torch.ops.quantized.linear_prepack(quantized, None)
+    with_bias = torch.ops.quantized.linear_prepack(quantized, bias.float()) if bias is not None else without_bias
+    return PackedInt8Weight(with_bias, without_bias)
 
 
-def int8_matmul(x_int: torch.Tensor, weight_int8: torch.Tensor, backend: Backend, packed=None) -> torch.Tensor:
-    """x_int (M, K) holding integers in -127..127 (any float dtype) times weight_int8 (N, K) transposed:
-    the exact int32 accumulator as float32 (M, N)."""
+def int8_linear(
+    x: torch.Tensor,  # (M, K) float32
+    x_scale: torch.Tensor,  # () or (M, 1)
+    weight_int8: torch.Tensor,  # (N, K)
+    weight_scale: torch.Tensor,  # (N,)
+    bias: torch.Tensor | None,
+    backend: Backend,
+    packed: PackedInt8Weight | None = None,
+) -> torch.Tensor:
     if backend == "reference":
-        return (x_int.double() @ weight_int8.double().T).float()
-    if backend == "fbgemm":
-        if packed is None:
-            packed = pack_weight(weight_int8)
-        # The op quantizes its fp32 input as uint8 with the given scale and zero point: with scale 1 and zero
-        # point 128 the integers pass through unchanged (x + 128 in 1..255) and fbgemm removes the offset.
-        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x_int.float().contiguous(), 1.0, 128, packed)
-    raise ValueError(f"unknown int8 backend {backend!r}; choose reference or fbgemm")
+        accumulator = quantize(x, x_scale).double() @ weight_int8.double().T
+        out = (accumulator * x_scale.double() * weight_scale.double()).float()
+        return out + bias if bias is not None else out
+    if backend != "fbgemm":
+        raise ValueError(f"unknown int8 backend {backend!r}; choose reference or fbgemm")
+    packed = packed or pack_weight(weight_int8, weight_scale, bias)
+    op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+    # The op quantizes its input as uint8 with the given scale and zero point 128, i.e. round(x / s) + 128
+    # clamped to 0..255: exactly the symmetric int8 grid -128..127, shifted.
+    if x_scale.numel() == 1:
+        return op(x.contiguous(), float(x_scale), 128, packed.with_bias)
+    out = op((x / x_scale).contiguous(), 1.0, 128, packed.without_bias).mul_(x_scale)
+    return out.add_(bias) if bias is not None else out

@@ -43,7 +43,8 @@ class W8A8Config:
     weight_granularity: WeightGranularity = "per_tensor"
     group_size: int = 128  # output channels per weight scale, for per_group (ZeroQuant)
     smoothquant: SmoothQuantConfig | None = None  # None: naive (no smoothing)
-    quantize_bmm: bool = True  # also quantize attention's Q.K^T and P.V inputs (thesis Fig. 3.3)
+    quantize_bmm: bool = True  # also quantize attention's Q.K^T and P.V inputs q, k, v (thesis Fig. 3.3)
+    quantize_probs: bool = False  # and the softmax probabilities P on the grid 1/127 (int8 OPT kernel)
     backend: Backend | None = None  # None: fbgemm where available
 
     def __post_init__(self):
@@ -118,7 +119,8 @@ def quantize_w8a8_(model: nn.Module, config: W8A8Config, stats: CalibrationStats
     if config.quantize_bmm:
         for name, attention in _attention_modules(model):
             ranges = attention_ranges.get(name)
-            quantizer = BmmQuantizer(activation, static, ranges["v_channel_absmax"].numel() if ranges else 0)
+            kv_channels = ranges["v_channel_absmax"].numel() if ranges else 0
+            quantizer = BmmQuantizer(activation, static, kv_channels, config.quantize_probs)
             if ranges is not None:
                 quantizer.load_state_dict(ranges)
             attention.bmm_quantizer = quantizer

@@ -1,9 +1,12 @@
 """Attention with int8-quantized batched matmuls (SmoothQuant, thesis Fig. 3.3), through transformers' own
 attention-function registry: no attention class is patched.
 
-Queries and keys (after RoPE) and values are quantized before the two matmuls; the softmax probabilities are
-quantized on the fixed grid 1/127 (they lie in [0, 1]), as in SmoothQuant's int8 OPT. The matmuls themselves
-run in floating point on the quantized values (simulated int8: the same numbers an int8 BMM would multiply).
+Queries and keys (after RoPE) and values are quantized before the two matmuls. The softmax probabilities are
+quantized on the fixed grid 1/127 only if asked (`quantize_probs`): SmoothQuant's int8 OPT kernel does that,
+but its accuracy numbers come from the fake-quant path, which leaves them in float; on a 135M model with
+strong attention sinks, rounding every probability below 1/254 to zero costs several perplexity points.
+The matmuls run in floating point on the quantized values (simulated int8: the same numbers an int8 BMM
+would multiply).
 
 A module opts in by carrying a `BmmQuantizer` child named `bmm_quantizer`; without one the function is plain
 eager attention. The quantizer can also *observe*: record max|q|, max|k| and per-channel max|v| during
@@ -23,9 +26,15 @@ ATTENTION_NAME = "leanlm_int8_bmm"
 
 
 class BmmQuantizer(nn.Module):
-    def __init__(self, activation: ActivationGranularity = "per_tensor", static: bool = False, kv_channels: int = 0):
+    def __init__(
+        self,
+        activation: ActivationGranularity = "per_tensor",
+        static: bool = False,
+        kv_channels: int = 0,
+        quantize_probs: bool = False,
+    ):
         super().__init__()
-        self.activation, self.static = activation, static
+        self.activation, self.static, self.quantize_probs = activation, static, quantize_probs
         self.observe = False
         self.register_buffer("q_absmax", torch.zeros(()))
         self.register_buffer("k_absmax", torch.zeros(()))
@@ -34,7 +43,8 @@ class BmmQuantizer(nn.Module):
 
     def constructor_args(self) -> dict:
         """The arguments that rebuild this module before a checkpoint's state dict is loaded into it."""
-        return {"activation": self.activation, "static": self.static, "kv_channels": self.v_channel_absmax.numel()}
+        return {"activation": self.activation, "static": self.static, "kv_channels": self.v_channel_absmax.numel(),
+                "quantize_probs": self.quantize_probs}
 
     def record(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         self.q_absmax = torch.maximum(self.q_absmax, query.detach().abs().amax().float())
@@ -72,7 +82,7 @@ def int8_bmm_attention(module, query, key, value, attention_mask, scaling=None, 
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, :, : key.shape[-2]]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    if quantize:
+    if quantize and quantizer.quantize_probs:
         probs = torch.round(probs * QMAX) / QMAX
     out = torch.matmul(probs, value)
     return out.transpose(1, 2).contiguous(), probs

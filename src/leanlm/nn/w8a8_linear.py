@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from leanlm.errors import ConfigError
-from leanlm.formats.int8 import ActivationGranularity, WeightGranularity, activation_scale, quantize, quantize_weight
-from leanlm.kernels.int8_gemm import Backend, default_backend, int8_matmul, pack_weight
+from leanlm.formats.int8 import ActivationGranularity, WeightGranularity, activation_scale, quantize_weight
+from leanlm.kernels.int8_gemm import Backend, default_backend, int8_linear, pack_weight
 
 
 class W8A8Linear(nn.Module):
@@ -74,13 +74,9 @@ class W8A8Linear(nn.Module):
             raise ValueError(f"W8A8Linear expects {self.in_features} input features, got shape {tuple(x.shape)}")
         rows = x.reshape(-1, self.in_features).float()
         scale = self.input_scale if self.static else activation_scale(rows, self.activation)
-        x_int = quantize(rows, scale)
         if self.backend == "fbgemm" and self._packed is None:
-            self._packed = pack_weight(self.weight)
-        accumulator = int8_matmul(x_int, self.weight, self.backend, self._packed)
-        out = accumulator * (scale * self.weight_scale)
-        if self.bias is not None:
-            out = out + self.bias
+            self._packed = pack_weight(self.weight, self.weight_scale, self.bias)
+        out = int8_linear(rows, scale, self.weight, self.weight_scale, self.bias, self.backend, self._packed)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:

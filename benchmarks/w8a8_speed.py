@@ -1,0 +1,195 @@
+"""W8A8 speed and memory, side by side in one process: FP32, leanlm W8A8 (O1 / O2 / O3, fbgemm int8 GEMM),
+bitsandbytes Linear8bitLt (CPU, threshold 0: plain vector-wise int8) and torchao int8 dynamic activation +
+int8 weight. Writes benchmarks/results/w8a8_speed.json + .png.
+
+    python benchmarks/w8a8_speed.py            # 4096x4096 linear, SmolLM2's shapes, whole-model prefill
+    python benchmarks/w8a8_speed.py --quick    # fewer repeats, prefill at 512 only
+
+Whole-model rows use leanlm with attention in float (quantize_bmm=False, SDPA): the int8 attention matmuls
+are simulated and not a speed path. The lm_head and embeddings stay FP32 in every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import warnings
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from leanlm.bench import time_call, weight_bytes, write_results  # noqa: E402
+from leanlm.data import calibration_batches  # noqa: E402
+from leanlm.methods import SmoothQuantConfig, W8A8Config, calibrate, quantize_w8a8_  # noqa: E402
+from leanlm.models import iter_quantizable_linears, load_model  # noqa: E402
+from leanlm.nn import W8A8Linear  # noqa: E402
+
+warnings.filterwarnings("ignore")
+LEVEL_ACTIVATION = {"O1": ("per_token", None), "O2": ("per_tensor", None), "O3": ("per_tensor", 0.05)}
+
+
+def peer_linears(linear: nn.Linear) -> dict[str, nn.Module]:
+    """Every implementation of one float linear, keyed by name."""
+    import bitsandbytes as bnb
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    modules: dict[str, nn.Module] = {"fp32": linear}
+    for level, (activation, static_scale) in LEVEL_ACTIVATION.items():
+        scale = torch.tensor(static_scale) if static_scale else None
+        modules[f"leanlm {level}"] = W8A8Linear.from_float(linear.weight, linear.bias, "per_tensor",
+                                                           activation=activation, input_scale=scale)
+    int8lt = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                 has_fp16_weights=False, threshold=0.0)
+    int8lt.load_state_dict(linear.state_dict())
+    modules["bitsandbytes int8"] = int8lt.to("cpu")
+    torchao_model = nn.Sequential(copy.deepcopy(linear))
+    quantize_(torchao_model, Int8DynamicActivationInt8WeightConfig())
+    modules["torchao int8 dyn"] = torchao_model
+    return modules
+
+
+def bench_linear(in_features: int, out_features: int, rows: list[int], repeats: int) -> dict:
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=False)
+    modules = peer_linears(linear)
+    results: dict = {"shape": [out_features, in_features], "by_m": {}}
+    for m in rows:
+        x = torch.randn(m, in_features)
+        expected = linear(x).detach()
+        timings = {}
+        for name, module in modules.items():
+            slow = name.startswith("bitsandbytes") and m >= 64
+            timing = time_call(lambda: module(x), warmup=1, repeats=2 if slow else repeats)
+            with torch.inference_mode():
+                error = ((module(x) - expected).norm() / expected.norm()).item()
+            timings[name] = {"median_ms": timing.median * 1e3, "min_ms": timing.min * 1e3,
+                             "max_ms": timing.max * 1e3, "relative_error": error}
+        fp32 = timings["fp32"]["median_ms"]
+        for entry in timings.values():
+            entry["speedup_vs_fp32"] = fp32 / entry["median_ms"]
+        bnb_ms = timings["bitsandbytes int8"]["median_ms"]
+        for level in LEVEL_ACTIVATION:
+            timings[f"leanlm {level}"]["speedup_vs_bitsandbytes"] = bnb_ms / timings[f"leanlm {level}"]["median_ms"]
+        results["by_m"][str(m)] = timings
+        print(f"{out_features}x{in_features} M={m}: " + ", ".join(
+            f"{name} {t['median_ms']:.2f} ms ({t['speedup_vs_fp32']:.2f}x)" for name, t in timings.items()), flush=True)
+    bytes_fp32 = linear.weight.numel() * 4
+    results["weight_bytes_ratio"] = {
+        name: _module_bytes(module) / bytes_fp32 for name, module in modules.items() if name != "fp32"
+    }
+    return results
+
+
+def _module_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values() if isinstance(t, torch.Tensor))
+
+
+def model_variants(loaded) -> dict[str, nn.Module]:
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    float_model = loaded.model
+    variants: dict[str, nn.Module] = {"fp32": float_model}
+    stats = calibrate(float_model, calibration_batches(loaded.tokenizer, n_samples=4, seq_len=256))
+    for level in LEVEL_ACTIVATION:
+        model = copy.deepcopy(float_model)
+        quantize_w8a8_(model, W8A8Config(level=level, smoothquant=SmoothQuantConfig(0.5), quantize_bmm=False), stats)
+        variants[f"leanlm {level}"] = model
+    torchao_model = copy.deepcopy(float_model)
+    block_linears = {name for name, _ in iter_quantizable_linears(torchao_model)}
+    quantize_(torchao_model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda m, fqn: fqn in block_linears)
+    variants["torchao int8 dyn"] = torchao_model
+    return variants
+
+
+def bench_model(lengths: list[int], repeats: int) -> dict:
+    loaded = load_model("smollm2-135m")
+    variants = model_variants(loaded)
+    results: dict = {"by_length": {}}
+    for length in lengths:
+        ids = torch.randint(0, loaded.tokenizer.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+        timings = {}
+        for name, model in variants.items():
+            timing = time_call(lambda: model(input_ids=ids, use_cache=False), warmup=1, repeats=repeats)
+            timings[name] = {"median_s": timing.median, "min_s": timing.min, "max_s": timing.max,
+                             "tokens_per_second": length / timing.median}
+        for entry in timings.values():
+            entry["speedup_vs_fp32"] = timings["fp32"]["median_s"] / entry["median_s"]
+        results["by_length"][str(length)] = timings
+        print(f"prefill {length}: " + ", ".join(
+            f"{name} {t['tokens_per_second']:.0f} tok/s ({t['speedup_vs_fp32']:.2f}x)" for name, t in timings.items()),
+            flush=True)
+    # What the FP32 lm_head costs of a prefill, and what an int8 lm_head would take instead.
+    hidden = torch.randn(lengths[0], loaded.model.config.hidden_size)
+    head = loaded.model.lm_head
+    head_fp32 = time_call(lambda: head(hidden), warmup=1, repeats=repeats).median
+    head_int8 = W8A8Linear.from_float(head.weight, None, "per_channel", activation="per_token")
+    head_int8_s = time_call(lambda: head_int8(hidden), warmup=1, repeats=repeats).median
+    results["lm_head"] = {
+        "tokens": lengths[0],
+        "fp32_s": head_fp32,
+        "int8_per_token_s": head_int8_s,
+        "share_of_fp32_prefill": head_fp32 / results["by_length"][str(lengths[0])]["fp32"]["median_s"],
+        "share_of_leanlm_O1_prefill": head_fp32 / results["by_length"][str(lengths[0])]["leanlm O1"]["median_s"],
+    }
+    linear_bytes = {name: sum(_module_bytes(m) for _, m in iter_quantizable_linears(model))
+                    for name, model in variants.items() if not name.startswith("torchao")}
+    results["block_linear_bytes_ratio"] = {name: b / linear_bytes["fp32"] for name, b in linear_bytes.items()}
+    results["model_weight_bytes"] = {name: weight_bytes(model) for name, model in variants.items()}
+    return results
+
+
+def plot(payload: dict):
+    def draw(path):
+        linear = payload["linear_4096"]["by_m"]
+        names = [n for n in next(iter(linear.values())) if n != "fp32"]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+        ms = list(linear)
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            left.bar([j + i * width for j in range(len(ms))], [linear[m][name]["speedup_vs_fp32"] for m in ms],
+                     width=width, label=name)
+        left.axhline(1.0, color="black", linewidth=0.8)
+        left.set_xticks([j + 0.4 - width / 2 for j in range(len(ms))], [f"M={m}" for m in ms])
+        left.set_yscale("log")
+        left.set_ylabel("speed-up over FP32 (log)")
+        left.set_title("4096x4096 linear")
+        left.legend(fontsize=8)
+        prefill = payload["model_prefill"]["by_length"]
+        lengths = list(prefill)
+        names = list(next(iter(prefill.values())))
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            right.bar([j + i * width for j in range(len(lengths))],
+                      [prefill[n][name]["tokens_per_second"] for n in lengths], width=width, label=name)
+        right.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))], [f"{n} tokens" for n in lengths])
+        right.set_ylabel("prefill tokens / s")
+        right.set_title("SmolLM2-135M prefill (lm_head FP32)")
+        right.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+
+    return draw
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    repeats = 3 if args.quick else 7
+    payload = {
+        "threads": torch.get_num_threads(),
+        "linear_4096": bench_linear(4096, 4096, [1, 16, 64, 512], repeats),
+        "smollm2_shapes_m512": {
+            f"{o}x{i}": bench_linear(i, o, [512], repeats) for o, i in [(576, 576), (192, 576), (1536, 576), (576, 1536)]
+        },
+        "model_prefill": bench_model([512] if args.quick else [512, 2048], repeats),
+    }
+    print(f"wrote {write_results('w8a8_speed', payload, plot(payload))}")
+
+
+if __name__ == "__main__":
+    main()
