@@ -13,6 +13,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
+import logging  # noqa: E402
+
+# transformers imports torchao (a benchmark peer) whenever it is installed; its CUDA-only extensions fail to
+# load on this CPU and say so, and torch warns about its enums. None of it concerns a CPU run of leanlm.
+for _noisy in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_noisy).setLevel(logging.ERROR)
+
 from leanlm.errors import (  # noqa: E402
     ConfigError,
     CorruptModelError,

@@ -1,5 +1,14 @@
 """Measurement helpers shared by all benchmarks (the scripts live in the repo's benchmarks/ folder)."""
 
-from leanlm.bench.harness import PeakMemory, Timing, environment, peak_memory, time_call, weight_bytes, write_results
+from leanlm.bench.harness import (
+    PeakMemory,
+    Timing,
+    environment,
+    peak_memory,
+    results_dir,
+    time_call,
+    weight_bytes,
+    write_results,
+)
 
-__all__ = ["PeakMemory", "Timing", "environment", "peak_memory", "time_call", "weight_bytes", "write_results"]
+__all__ = ["PeakMemory", "Timing", "environment", "peak_memory", "results_dir", "time_call", "weight_bytes", "write_results"]

@@ -22,7 +22,7 @@ def collect_input_absmax(
     def observer(name: str):
         def hook(module, args):
             x = args[0].detach()
-            channel_max = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+            channel_max = torch.linalg.vector_norm(x.reshape(-1, x.shape[-1]), float("inf"), dim=0).float()
             stats[name] = torch.maximum(stats[name], channel_max) if name in stats else channel_max
 
         return hook

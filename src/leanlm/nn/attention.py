@@ -47,10 +47,11 @@ class BmmQuantizer(nn.Module):
                 "quantize_probs": self.quantize_probs}
 
     def record(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.q_absmax = torch.maximum(self.q_absmax, query.detach().abs().amax().float())
-        self.k_absmax = torch.maximum(self.k_absmax, key.detach().abs().amax().float())
+        inf = float("inf")
+        self.q_absmax = torch.maximum(self.q_absmax, torch.linalg.vector_norm(query.detach(), inf).float())
+        self.k_absmax = torch.maximum(self.k_absmax, torch.linalg.vector_norm(key.detach(), inf).float())
         # value: (batch, kv_heads, seq, head_dim) -> per (head, dim) channel, ordered like v_proj's outputs
-        per_channel = value.detach().abs().amax(dim=(0, 2)).flatten().float()
+        per_channel = torch.linalg.vector_norm(value.detach(), inf, dim=(0, 2)).flatten().float()
         if self.v_channel_absmax.numel() != per_channel.numel():
             self.v_channel_absmax = torch.zeros_like(per_channel)
         self.v_channel_absmax = torch.maximum(self.v_channel_absmax, per_channel)
