@@ -46,6 +46,45 @@ def rows(alpha_by_level: dict[str, float]) -> dict[str, W8A8Config | None]:
     return table
 
 
+def fp32_perplexity(payload: dict) -> float | None:
+    return payload["rows"].get("FP32", {}).get("results", {}).get("wikitext2", {}).get("perplexity")
+
+
+def table_rows(payload: dict) -> list[list]:
+    fp32, rows_out = fp32_perplexity(payload), []
+    for name, row in payload["rows"].items():
+        ppl = row["results"]["wikitext2"]["perplexity"]
+        rows_out.append([name, ppl, f"{100 * (ppl / fp32 - 1):+.1f}%" if fp32 else "-", row["zero_shot_average"]])
+    return rows_out
+
+
+def plot_accuracy(payload: dict, sweep_tokens: int, title: str):
+    def draw(path):
+        fp32 = fp32_perplexity(payload)
+        fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+        names = list(payload["rows"])
+        left.barh(names, [payload["rows"][n]["results"]["wikitext2"]["perplexity"] for n in names])
+        if fp32:
+            left.axvline(fp32, color="black", linewidth=0.8)
+        left.set_xscale("log")
+        left.set_xlabel("WikiText-2 perplexity (log)")
+        left.invert_yaxis()
+        left.tick_params(axis="y", labelsize=7)
+        for level, points in payload["alpha_sweep"].items():
+            right.plot([float(a) for a in points], list(points.values()), marker="o", label=f"SmoothQuant-{level}")
+        if fp32:
+            right.axhline(fp32, color="black", linewidth=0.8, label="FP32")
+        right.set_yscale("log")
+        right.set_xlabel("migration strength alpha (per-channel weights)")
+        right.set_ylabel(f"WikiText-2 perplexity (first {sweep_tokens} tokens)")
+        right.legend()
+        fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+
+    return draw
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -69,6 +108,12 @@ def main() -> None:
     payload = {"model": args.model, "weights_note": loaded.weights_note, "settings": vars(settings),
                "calibration": {"samples": args.calib_samples, "seq_len": 512, "seconds": calibration_seconds},
                "alpha_by_level": dict(zip(("O1", "O2", "O3"), args.alpha)), "rows": {}, "alpha_sweep": {}}
+    title = f"{args.model} W8A8" + (f" ({loaded.weights_note})" if loaded.weights_note else "")
+
+    def save() -> None:
+        """Results so far, written after every row: a long run stopped early still leaves its table."""
+        write_results("w8a8_accuracy", payload, plot_accuracy(payload, args.sweep_tokens, title))
+
     for name, config in rows(payload["alpha_by_level"]).items():
         if args.only and name not in args.only:
             continue
@@ -79,6 +124,7 @@ def main() -> None:
         payload["rows"][name] = {"config": config.as_record() if config else None, **result}
         print(f"{name}: wikitext2 {result['results']['wikitext2']['perplexity']:.3f}, "
               f"zero-shot {result['zero_shot_average']:.4f}", flush=True)
+        save()
 
     if not args.no_sweep:
         sweep_settings = EvalSettings(tasks=("wikitext2",), max_tokens=args.sweep_tokens, seq_len=args.seq_len)
@@ -90,36 +136,9 @@ def main() -> None:
                 ppl = evaluate(model, loaded.tokenizer, sweep_settings)["results"]["wikitext2"]["perplexity"]
                 payload["alpha_sweep"].setdefault(level, {})[str(alpha)] = ppl
                 print(f"sweep {level} alpha {alpha}: {ppl:.3f}", flush=True)
+            save()
 
-    fp32 = payload["rows"].get("FP32", {}).get("results", {}).get("wikitext2", {}).get("perplexity")
-    table = []
-    for name, row in payload["rows"].items():
-        ppl = row["results"]["wikitext2"]["perplexity"]
-        table.append([name, ppl, f"{100 * (ppl / fp32 - 1):+.1f}%" if fp32 else "-", row["zero_shot_average"]])
-    print(format_table(["setting", "wikitext2 ppl", "vs FP32", "zero-shot avg"], table, markdown=True))
-
-    def plot(path):
-        fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]})
-        names = list(payload["rows"])
-        left.barh(names, [payload["rows"][n]["results"]["wikitext2"]["perplexity"] for n in names])
-        if fp32:
-            left.axvline(fp32, color="black", linewidth=0.8)
-        left.set_xlabel("WikiText-2 perplexity")
-        left.invert_yaxis()
-        left.tick_params(axis="y", labelsize=7)
-        for level, points in payload["alpha_sweep"].items():
-            right.plot([float(a) for a in points], list(points.values()), marker="o", label=f"SmoothQuant-{level}")
-        if fp32:
-            right.axhline(fp32, color="black", linewidth=0.8, label="FP32")
-        right.set_yscale("log")
-        right.set_xlabel("migration strength alpha")
-        right.set_ylabel(f"WikiText-2 perplexity (first {args.sweep_tokens} tokens)")
-        right.legend()
-        fig.suptitle(f"{args.model} W8A8" + (f" ({loaded.weights_note})" if loaded.weights_note else ""), fontsize=9)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-
-    print(f"wrote {write_results('w8a8_accuracy', payload, plot)}")
+    print(format_table(["setting", "wikitext2 ppl", "vs FP32", "zero-shot avg"], table_rows(payload), markdown=True))
 
 
 if __name__ == "__main__":
