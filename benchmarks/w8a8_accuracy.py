@@ -1,8 +1,8 @@
 """W8A8 accuracy table (thesis Table 3.2 settings) and the alpha sweep (thesis Fig. 3.8), on one model.
 
 Rows: FP32, naive W8A8 (per-tensor dynamic), ZeroQuant-style (per-token dynamic, group-wise weights),
-SmoothQuant O1 / O2 / O3 with and without the v->o / up->down extension, each with per-tensor weights (the
-paper's setting) and per-channel weights. One calibration pass (on the float model) serves every row.
+SmoothQuant O1 / O2 / O3 with per-tensor weights (the paper's setting) and with per-channel weights, the
+latter with and without the v->o / up->down extension. One calibration pass (on the float model) serves every row.
 Writes benchmarks/results/w8a8_accuracy.json + .png.
 
     python benchmarks/w8a8_accuracy.py                                  # full WikiText-2, --limit 500
@@ -34,15 +34,15 @@ def rows(alpha_by_level: dict[str, float]) -> dict[str, W8A8Config | None]:
         "W8A8 naive (O2)": W8A8Config(level="O2"),
         "ZeroQuant-style": ZEROQUANT,
     }
-    for weights in ("per_tensor", "per_channel"):
-        for extension in (False, True):
-            for level in ("O1", "O2", "O3"):
-                name = f"SmoothQuant-{level}{' +ext' if extension else ''} W:{weights}"
-                table[name] = W8A8Config(
-                    level=level,
-                    weight_granularity=weights,
-                    smoothquant=SmoothQuantConfig(alpha_by_level[level], extension, extension),
-                )
+    # The paper's per-tensor weights with the extension, then per-channel weights without and with it.
+    for weights, extension in (("per_tensor", True), ("per_channel", False), ("per_channel", True)):
+        for level in ("O1", "O2", "O3"):
+            name = f"SmoothQuant-{level}{' +ext' if extension else ''} W:{weights}"
+            table[name] = W8A8Config(
+                level=level,
+                weight_granularity=weights,
+                smoothquant=SmoothQuantConfig(alpha_by_level[level], extension, extension),
+            )
     return table
 
 

@@ -76,3 +76,20 @@ def test_quantize_option_errors(argv, message, tmp_path, capsys):
     except SystemExit as exit_:
         code = exit_.code
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_analyze_writes_the_contract_keys_and_a_plot(tiny_llama_dir, tmp_path):
+    report, plot = tmp_path / "a.json", tmp_path / "a.png"
+    assert main(["analyze", str(tiny_llama_dir), "--samples", "2", "--seq-len", "32", "--json", str(report),
+                 "--plot", str(plot)]) == 0
+    payload = json.loads(report.read_text())
+    assert {"outlier_dims", "layers_affected_pct", "tokens_affected_pct", "max_magnitude"} <= set(payload)
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_llm_int8_checkpoint_round_trip(tiny_llama_dir, tmp_path):
+    out = tmp_path / "int8"
+    assert main(["quantize", str(tiny_llama_dir), "--method", "llm-int8", "--threshold", "6", "--out", str(out)]) == 0
+    record = json.loads((out / "leanlm_quant.json").read_text())
+    assert record["method"] == "llm-int8" and record["outlier_threshold"] == 6.0
+    assert main(["eval", str(out), "--max-tokens", "128", "--seq-len", "64"]) == 0

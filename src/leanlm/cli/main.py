@@ -104,6 +104,16 @@ def command_showcase(args) -> None:
     _write_json(args.json, payload)
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
 def _alpha(text: str) -> float | str:
     if text == "auto":
         return text
@@ -119,25 +129,39 @@ def _alpha(text: str) -> float | str:
 def command_quantize(args) -> None:
     import time
 
-    from leanlm.methods import CalibrationSettings, SmoothQuantConfig, W8A8Config, quantize_loaded_w8a8_, save_quantized
+    from leanlm.methods import (
+        CalibrationSettings,
+        SmoothQuantConfig,
+        W8A8Config,
+        llm_int8_config,
+        quantize_loaded_w8a8_,
+        save_quantized,
+    )
     from leanlm.models import load_model
 
     if args.out.exists() and any(args.out.iterdir()):
         raise ConfigError(f"--out {args.out} exists and is not empty; choose a new directory")
+    if args.threshold is not None and args.method != "llm-int8":
+        raise ConfigError("--threshold applies to --method llm-int8 only")
     smoothing = None
     if args.method == "smoothquant":
         alpha = 0.5 if args.alpha in (None, "auto") else args.alpha
         smoothing = SmoothQuantConfig(alpha, args.smooth_extension, args.smooth_extension)
     elif args.alpha is not None:
         raise ConfigError("--alpha applies to --method smoothquant only")
-    config = W8A8Config(
-        level=args.level or ("O3" if args.method == "smoothquant" else "O2"),
-        weight_granularity=args.weight_granularity,
-        group_size=args.group_size,
-        smoothquant=smoothing,
-        quantize_bmm=not args.no_bmm,
-        quantize_probs=args.quantize_probs,
-    )
+    if args.method == "llm-int8":
+        if args.level not in (None, "O1") or args.weight_granularity != "per_tensor" or args.no_bmm:
+            raise ConfigError("llm-int8 fixes its own granularities (vector-wise, per-token); only --threshold applies")
+        config = llm_int8_config(None if args.threshold == float("inf") else (args.threshold or 6.0))
+    else:
+        config = W8A8Config(
+            level=args.level or ("O3" if args.method == "smoothquant" else "O2"),
+            weight_granularity=args.weight_granularity,
+            group_size=args.group_size,
+            smoothquant=smoothing,
+            quantize_bmm=not args.no_bmm,
+            quantize_probs=args.quantize_probs,
+        )
     calibration = CalibrationSettings(n_samples=args.calib_samples, seq_len=args.calib_seq_len, seed=args.seed)
     loaded = load_model(args.model)
     started = time.perf_counter()
@@ -147,6 +171,41 @@ def command_quantize(args) -> None:
     chosen = record["smoothquant"]["alpha"] if record.get("smoothquant") else None
     print(f"wrote {out} ({record['method']} {record['level']}, weights {record['weight_granularity']}"
           + (f", alpha {chosen}" if chosen is not None else "") + f") in {record['quantize_seconds']:.0f} s")
+
+
+def command_analyze(args) -> None:
+    import copy
+
+    from leanlm.data import calibration_batches
+    from leanlm.evaluation.outliers import analyze_outliers, plot_outliers
+    from leanlm.methods import SmoothQuantConfig, collect_input_absmax, smooth_
+    from leanlm.models import load_model
+    from leanlm.models.architectures import linear_weight_out_in
+
+    loaded = load_model(args.model)
+    batches = calibration_batches(loaded.tokenizer, n_samples=args.samples, seq_len=args.seq_len, source=args.text)
+    report = analyze_outliers(loaded.model, batches)
+    payload = {"model": args.model, "weights_note": loaded.weights_note,
+               "samples": args.samples, "seq_len": args.seq_len, "text": args.text, **report.as_dict()}
+    print(f"\noutlier features of {args.model} (|x| >= 6 in >= 25% of layers and >= 6% of positions): "
+          f"{report.outlier_dims or 'none'}")
+    print(f"layers affected: {report.layers_affected_pct:.1f}%   positions affected: "
+          f"{report.tokens_affected_pct:.1f}%   largest magnitude: {report.max_magnitude:.1f}")
+    if args.plot:
+        # Fig. 3.2: the q/k/v input of the layer with the largest activation, before and after smoothing.
+        table = loaded.table
+        layer = int(report.channel_absmax.amax(dim=1).argmax())
+        name = f"{table.blocks}.{layer}.{table.attention_inputs[0]}"
+        stats = collect_input_absmax(loaded.model, batches[:2])
+        smoothed = copy.deepcopy(loaded.model)
+        after = smooth_(smoothed, stats, SmoothQuantConfig(alpha=0.5)).input_absmax[name]
+        weight_max = lambda model: linear_weight_out_in(model.get_submodule(name), table).abs().amax(dim=0)  # noqa: E731
+        view = {"name": name, "alpha": 0.5, "x_before": stats[name], "x_after": after,
+                "w_before": weight_max(loaded.model).detach(), "w_after": weight_max(smoothed).detach()}
+        title = args.model + (f" ({loaded.weights_note})" if loaded.weights_note else "")
+        plot_outliers(report, args.plot, title, view)
+        print(f"plot: {args.plot}")
+    _write_json(args.json, payload)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,8 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     quantize = commands.add_parser("quantize", help="quantize a model and write a reloadable checkpoint")
     quantize.add_argument("model", help="registry name, model directory or .gguf file")
-    quantize.add_argument("--method", required=True, choices=["w8a8", "smoothquant"],
-                          help="w8a8: naive int8 weights and activations; smoothquant: smoothing first")
+    quantize.add_argument("--method", required=True, choices=["w8a8", "smoothquant", "llm-int8"],
+                          help="w8a8: naive int8 weights and activations; smoothquant: smoothing first; "
+                               "llm-int8: vector-wise int8 with outlier dimensions in float")
+    quantize.add_argument("--threshold", type=_positive_float,
+                          help="llm-int8: outlier magnitude (default 6.0; inf: no decomposition)")
     quantize.add_argument("--level", choices=["O1", "O2", "O3"],
                           help="O1 per-token dynamic, O2 per-tensor dynamic, O3 per-tensor static activations "
                                "(default: O2 for w8a8, O3 for smoothquant)")
@@ -182,6 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--seed", type=int, default=0)
     quantize.add_argument("--out", type=Path, required=True, help="directory for the checkpoint")
     quantize.set_defaults(handler=command_quantize)
+
+    analyze = commands.add_parser("analyze", help="activation outlier features (LLM.int8() section 2.3)")
+    analyze.add_argument("model", help="registry name, model directory or .gguf file")
+    analyze.add_argument("--samples", type=_positive_int, default=8, help="text windows analysed")
+    analyze.add_argument("--seq-len", type=_positive_int, default=512)
+    analyze.add_argument("--text", choices=["lambada-dev", "lambada-test", "lee"], default="lambada-dev")
+    analyze.add_argument("--json", type=Path, help="write the report as one JSON object to this path")
+    analyze.add_argument("--plot", type=Path, help="write a PNG: channel heat map + before/after SmoothQuant")
+    analyze.set_defaults(handler=command_analyze)
 
     showcase = commands.add_parser("showcase", help="every leanlm method side by side on one model, in minutes")
     showcase.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")

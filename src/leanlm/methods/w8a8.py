@@ -45,14 +45,20 @@ class W8A8Config:
     smoothquant: SmoothQuantConfig | None = None  # None: naive (no smoothing)
     quantize_bmm: bool = True  # also quantize attention's Q.K^T and P.V inputs q, k, v (thesis Fig. 3.3)
     quantize_probs: bool = False  # and the softmax probabilities P on the grid 1/127 (int8 OPT kernel)
+    # LLM.int8()'s mixed-precision decomposition: input dimensions with any |x| >= this go through float
+    outlier_threshold: float | None = None
     backend: Backend | None = None  # None: fbgemm where available
 
     def __post_init__(self):
         if self.level not in LEVELS:
             raise ConfigError(f"level must be one of {', '.join(LEVELS)}, got {self.level!r}")
+        if self.outlier_threshold is not None and LEVELS[self.level][1]:
+            raise ConfigError("outlier decomposition needs dynamic activation scales (level O1 or O2)")
 
     @property
     def method(self) -> str:
+        if self.outlier_threshold is not None:
+            return "llm-int8"
         return "w8a8" if self.smoothquant is None else "smoothquant"
 
     def as_record(self) -> dict:
@@ -60,6 +66,13 @@ class W8A8Config:
 
 
 ZEROQUANT = W8A8Config(level="O1", weight_granularity="per_group")
+
+
+def llm_int8_config(threshold: float | None = 6.0) -> W8A8Config:
+    """LLM.int8() (thesis ch. 2): vector-wise int8 (per-token activations x per-output-channel weights) with
+    the outlier dimensions (any |x| >= threshold, alpha = 6.0 in the paper) in float; threshold None is plain
+    vector-wise int8. Attention's matmuls stay in float, as in the paper."""
+    return W8A8Config(level="O1", weight_granularity="per_channel", quantize_bmm=False, outlier_threshold=threshold)
 
 
 def _attention_modules(model: nn.Module):
@@ -114,6 +127,7 @@ def quantize_w8a8_(model: nn.Module, config: W8A8Config, stats: CalibrationStats
         quantized = W8A8Linear.from_float(
             linear_weight_out_in(module, table), getattr(module, "bias", None),
             config.weight_granularity, config.group_size, activation, input_scale, config.backend,
+            config.outlier_threshold,
         )
         model.set_submodule(name, quantized)
     if config.quantize_bmm:

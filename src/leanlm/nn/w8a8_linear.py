@@ -4,6 +4,11 @@ GEMM (SmoothQuant eq. 3.2): Y = diag(delta_X) (X_int8 W_int8^T) diag(delta_W) + 
 Weights: int8 with a per-tensor, per-output-channel or per-group scale (all along the GEMM's outer dimension,
 so they apply after the integer product). Activations: quantized on the fly per token or per tensor (dynamic),
 or with a per-tensor scale fixed at calibration (static).
+
+With `outlier_threshold` it is LLM.int8() (thesis eq. 2.2): at every forward, the input feature dimensions
+where any |x| >= threshold go through a float matmul with the matching weight columns, and the rest through
+the int8 GEMM, the per-token scales computed after the outlier columns are removed. As in bitsandbytes, the
+outlier weight columns are de-quantized from the int8 weight (no float copy is kept).
 """
 
 from __future__ import annotations
@@ -27,12 +32,15 @@ class W8A8Linear(nn.Module):
         activation: ActivationGranularity = "per_tensor",
         static: bool = False,
         backend: Backend | None = None,
+        outlier_threshold: float | None = None,
     ):
         super().__init__()
         if static and activation != "per_tensor":
             raise ConfigError("static activation scales are per tensor; per-token scales are always dynamic")
+        if outlier_threshold is not None and (static or outlier_threshold <= 0):
+            raise ConfigError(f"outlier_threshold must be positive and needs dynamic scales, got {outlier_threshold}")
         self.in_features, self.out_features = in_features, out_features
-        self.activation, self.static = activation, static
+        self.activation, self.static, self.outlier_threshold = activation, static, outlier_threshold
         self.backend: Backend = backend or default_backend()
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("weight_scale", torch.ones(out_features))
@@ -50,9 +58,11 @@ class W8A8Linear(nn.Module):
         activation: ActivationGranularity = "per_tensor",
         input_scale: torch.Tensor | None = None,
         backend: Backend | None = None,
+        outlier_threshold: float | None = None,
     ) -> "W8A8Linear":
         out_features, in_features = weight.shape
-        module = cls(in_features, out_features, bias is not None, activation, input_scale is not None, backend)
+        module = cls(in_features, out_features, bias is not None, activation, input_scale is not None, backend,
+                     outlier_threshold)
         module.weight, module.weight_scale = quantize_weight(weight.detach().float(), weight_granularity, group_size)
         if bias is not None:
             module.bias = bias.detach().float().clone()
@@ -63,7 +73,7 @@ class W8A8Linear(nn.Module):
     def constructor_args(self) -> dict:
         """The arguments that rebuild this module (empty) before a checkpoint's state dict is loaded into it."""
         return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
-                "activation": self.activation, "static": self.static, "backend": self.backend}
+                "activation": self.activation, "static": self.static, "outlier_threshold": self.outlier_threshold}
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._packed = None
@@ -73,13 +83,23 @@ class W8A8Linear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"W8A8Linear expects {self.in_features} input features, got shape {tuple(x.shape)}")
         rows = x.reshape(-1, self.in_features).float()
+        outlier_part = None
+        if self.outlier_threshold is not None:
+            columns = (torch.linalg.vector_norm(rows, float("inf"), dim=0) >= self.outlier_threshold).nonzero()[:, 0]
+            if columns.numel():
+                dequantized = self.weight[:, columns].float() * self.weight_scale[:, None]
+                outlier_part = rows[:, columns] @ dequantized.T
+                rows = rows.index_fill(1, columns, 0.0)
         scale = self.input_scale if self.static else activation_scale(rows, self.activation)
         if self.backend == "fbgemm" and self._packed is None:
             self._packed = pack_weight(self.weight, self.weight_scale, self.bias)
         out = int8_linear(rows, scale, self.weight, self.weight_scale, self.bias, self.backend, self._packed)
+        if outlier_part is not None:
+            out = out.add_(outlier_part)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         mode = "static" if self.static else "dynamic"
+        outliers = f", outlier_threshold={self.outlier_threshold}" if self.outlier_threshold is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"activation={self.activation} {mode}, backend={self.backend}")
+                f"activation={self.activation} {mode}{outliers}, backend={self.backend}")
