@@ -38,3 +38,13 @@ def test_fake_quantize_sqnr_of_gaussian_data_is_high():
     error = fake_quantize(x, activation_scale(x, "per_token")) - x
     sqnr_db = 10 * torch.log10(x.pow(2).mean() / error.pow(2).mean())
     assert sqnr_db > 30
+
+
+def test_zeropoint_maps_the_range_onto_254_levels():
+    from leanlm.formats.int8 import zeropoint_params
+
+    x = torch.tensor([0.0, 1.0, 2.54])
+    scale, zero_point = zeropoint_params(x)
+    q = torch.round(x / scale) + zero_point
+    assert q.min().item() == -127 and q.max().item() == 127
+    assert torch.allclose((q - zero_point) * scale, x, atol=scale.item() / 2)

@@ -69,3 +69,18 @@ def test_alpha_search_returns_the_grid_minimum():
     )
     assert set(perplexities) == {0.3, 0.6, 0.9} and perplexities[best] == min(perplexities.values())
     assert not any(isinstance(m, W8A8Linear) for m in model.modules()), "the float model must stay untouched"
+
+
+def test_llm_int8_and_zeropoint_configs_reach_every_linear():
+    from leanlm.methods import llm_int8_config
+
+    model = tiny_model("llama")
+    record = quantize_w8a8_(model, llm_int8_config(6.0))
+    linears = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+    assert record["method"] == "llm-int8" and all(m.outlier_threshold == 6.0 for m in linears)
+    assert model.config._attn_implementation == "sdpa"  # the paper keeps attention's matmuls in 16-bit
+    zeropoint = tiny_model("llama")
+    quantize_w8a8_(zeropoint, W8A8Config(level="O2", asymmetric=True, quantize_bmm=False))
+    assert all(m.asymmetric for m in zeropoint.modules() if isinstance(m, W8A8Linear))
+    with pytest.raises(ConfigError, match="dynamic activation scales"):
+        W8A8Config(level="O3", outlier_threshold=6.0)

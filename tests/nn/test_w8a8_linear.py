@@ -49,3 +49,19 @@ def test_bad_input_is_named():
         module(torch.randn(2, 7))
     with pytest.raises(ConfigError, match="static activation scales are per tensor"):
         W8A8Linear(8, 4, False, activation="per_token", static=True)
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="no fbgemm engine")
+def test_zeropoint_uses_the_whole_range_of_one_signed_inputs():
+    torch.manual_seed(0)
+    weight, x = torch.randn(32, 64), torch.rand(6, 64) * 5 + 1  # all positive, like most outlier features
+    exact = x @ weight.T
+    modules = {backend: W8A8Linear.from_float(weight, None, asymmetric=True, backend=backend)
+               for backend in ("reference", "fbgemm")}
+    assert torch.allclose(modules["fbgemm"](x), modules["reference"](x), rtol=1e-5, atol=1e-4)
+    symmetric = W8A8Linear.from_float(weight, None)
+    assert sqnr_db(exact, modules["reference"](x)) > sqnr_db(exact, symmetric(x))
+    state = modules["fbgemm"].state_dict()
+    again = W8A8Linear(**modules["fbgemm"].constructor_args())
+    again.load_state_dict(state)
+    assert torch.equal(again(x), modules["fbgemm"](x))

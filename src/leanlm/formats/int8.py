@@ -38,6 +38,16 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return quantize(x, scale) * scale
 
 
+def zeropoint_params(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Asymmetric ("zeropoint") quantization over the whole tensor (LLM.int8() paper, section 2.1): the range
+    [min, max] maps onto -127..127, so a one-signed tensor uses every level. Returns (scale, zero point):
+    q = round(x / scale) + zero_point, x ~ (q - zero_point) * scale."""
+    low, high = torch.aminmax(x.detach().float())
+    low, high = torch.clamp(low, max=0.0), torch.clamp(high, min=0.0)  # keep 0 exactly representable
+    scale = ((high - low) / (2 * QMAX)).clamp(min=_TINY)
+    return scale, int(torch.round(-low / scale).item()) - QMAX
+
+
 def activation_scale(x: torch.Tensor, granularity: ActivationGranularity) -> torch.Tensor:
     """Dynamic activation scale: one for the tensor, or one per token (last dim is the channel dim)."""
     if granularity == "per_tensor":

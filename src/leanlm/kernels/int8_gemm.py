@@ -1,6 +1,7 @@
-"""The int8 linear: Y = (round(X / delta_X) @ W_int8^T) * delta_X * delta_W + b, with the product computed on
-integers (SmoothQuant eq. 3.2). delta_X is one scale (per tensor) or one per row (per token); delta_W one per
-output channel.
+"""The int8 linear: Y = ((X_int8 - z_X) @ (W_int8 - z_W)^T) * delta_X * delta_W + b, X_int8 = round(X / delta_X)
++ z_X, with the product computed on integers (SmoothQuant eq. 3.2). delta_X is one scale (per tensor) or one
+per row (per token); delta_W one per output channel. The zero points z are 0 except for LLM.int8()'s
+asymmetric ("zeropoint") baseline, which is per tensor.
 
 `reference` is plain PyTorch with the integer product in float64 (exact for any int8 sum below 2^53): the
 test oracle. `fbgemm` is PyTorch's quantized CPU backend (AVX2/AVX-512), many times faster than fp32 matmul
@@ -16,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from leanlm.formats.int8 import quantize
+from leanlm.formats.int8 import QMAX, QMIN
 
 Backend = Literal["reference", "fbgemm"]
 
@@ -39,12 +40,19 @@ class PackedInt8Weight:
     without_bias: object
 
 
-def pack_weight(weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> PackedInt8Weight:
+def pack_weight(
+    weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, weight_zero_point: int = 0
+) -> PackedInt8Weight:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # quantized tensors are deprecated, not removed, in 2.13
-        quantized = torch._make_per_channel_quantized_tensor(
-            weight_int8.contiguous(), weight_scale.double(), torch.zeros_like(weight_scale, dtype=torch.long), 0
-        )
+        if weight_zero_point:  # asymmetric weights are per tensor: one scale
+            quantized = torch._make_per_tensor_quantized_tensor(
+                weight_int8.contiguous(), float(weight_scale[0]), weight_zero_point
+            )
+        else:
+            quantized = torch._make_per_channel_quantized_tensor(
+                weight_int8.contiguous(), weight_scale.double(), torch.zeros_like(weight_scale, dtype=torch.long), 0
+            )
     without_bias = torch.ops.quantized.linear_prepack(quantized, None)
     with_bias = torch.ops.quantized.linear_prepack(quantized, bias.float()) if bias is not None else without_bias
     return PackedInt8Weight(with_bias, without_bias)
@@ -58,18 +66,21 @@ def int8_linear(
     bias: torch.Tensor | None,
     backend: Backend,
     packed: PackedInt8Weight | None = None,
+    x_zero_point: int = 0,  # per-tensor scales only
+    weight_zero_point: int = 0,
 ) -> torch.Tensor:
     if backend == "reference":
-        accumulator = quantize(x, x_scale).double() @ weight_int8.double().T
+        x_int = torch.clamp(torch.round(x / x_scale) + x_zero_point, QMIN, QMAX) - x_zero_point
+        accumulator = x_int.double() @ (weight_int8.double() - weight_zero_point).T
         out = (accumulator * x_scale.double() * weight_scale.double()).float()
         return out + bias if bias is not None else out
     if backend != "fbgemm":
         raise ValueError(f"unknown int8 backend {backend!r}; choose reference or fbgemm")
-    packed = packed or pack_weight(weight_int8, weight_scale, bias)
+    packed = packed or pack_weight(weight_int8, weight_scale, bias, weight_zero_point)
     op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
     # The op quantizes its input as uint8 with the given scale and zero point 128, i.e. round(x / s) + 128
     # clamped to 0..255: exactly the symmetric int8 grid -128..127, shifted.
     if x_scale.numel() == 1:
-        return op(x.contiguous(), float(x_scale), 128, packed.with_bias)
+        return op(x.contiguous(), float(x_scale), 128 + x_zero_point, packed.with_bias)
     out = op((x / x_scale).contiguous(), 1.0, 128, packed.without_bias).mul_(x_scale)
     return out.add_(bias) if bias is not None else out

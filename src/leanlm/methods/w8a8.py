@@ -47,6 +47,7 @@ class W8A8Config:
     quantize_probs: bool = False  # and the softmax probabilities P on the grid 1/127 (int8 OPT kernel)
     # LLM.int8()'s mixed-precision decomposition: input dimensions with any |x| >= this go through float
     outlier_threshold: float | None = None
+    asymmetric: bool = False  # per-tensor zero points on both operands (LLM.int8()'s "zeropoint" baseline)
     backend: Backend | None = None  # None: fbgemm where available
 
     def __post_init__(self):
@@ -127,7 +128,7 @@ def quantize_w8a8_(model: nn.Module, config: W8A8Config, stats: CalibrationStats
         quantized = W8A8Linear.from_float(
             linear_weight_out_in(module, table), getattr(module, "bias", None),
             config.weight_granularity, config.group_size, activation, input_scale, config.backend,
-            config.outlier_threshold,
+            config.outlier_threshold, config.asymmetric,
         )
         model.set_submodule(name, quantized)
     if config.quantize_bmm:

@@ -9,6 +9,8 @@ With `outlier_threshold` it is LLM.int8() (thesis eq. 2.2): at every forward, th
 where any |x| >= threshold go through a float matmul with the matching weight columns, and the rest through
 the int8 GEMM, the per-token scales computed after the outlier columns are removed. As in bitsandbytes, the
 outlier weight columns are de-quantized from the int8 weight (no float copy is kept).
+
+With `asymmetric` both operands use per-tensor zero points (LLM.int8()'s "zeropoint" baseline, Table 2.1).
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import torch
 from torch import nn
 
 from leanlm.errors import ConfigError
-from leanlm.formats.int8 import ActivationGranularity, WeightGranularity, activation_scale, quantize_weight
+from leanlm.formats.int8 import (
+    QMAX,
+    ActivationGranularity,
+    WeightGranularity,
+    activation_scale,
+    quantize_weight,
+    zeropoint_params,
+)
 from leanlm.kernels.int8_gemm import Backend, default_backend, int8_linear, pack_weight
 
 
@@ -33,19 +42,24 @@ class W8A8Linear(nn.Module):
         static: bool = False,
         backend: Backend | None = None,
         outlier_threshold: float | None = None,
+        asymmetric: bool = False,
     ):
         super().__init__()
+        if asymmetric and (static or activation != "per_tensor"):
+            raise ConfigError("asymmetric (zeropoint) quantization is per tensor and dynamic here")
         if static and activation != "per_tensor":
             raise ConfigError("static activation scales are per tensor; per-token scales are always dynamic")
         if outlier_threshold is not None and (static or outlier_threshold <= 0):
             raise ConfigError(f"outlier_threshold must be positive and needs dynamic scales, got {outlier_threshold}")
         self.in_features, self.out_features = in_features, out_features
         self.activation, self.static, self.outlier_threshold = activation, static, outlier_threshold
+        self.asymmetric = asymmetric
         self.backend: Backend = backend or default_backend()
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("weight_scale", torch.ones(out_features))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self.register_buffer("input_scale", torch.ones(()) if static else None)
+        self.register_buffer("weight_zero_point", torch.zeros((), dtype=torch.long) if asymmetric else None)
         self._packed = None  # fbgemm's packed weight, rebuilt lazily whenever the int8 weight changes
 
     @classmethod
@@ -59,11 +73,18 @@ class W8A8Linear(nn.Module):
         input_scale: torch.Tensor | None = None,
         backend: Backend | None = None,
         outlier_threshold: float | None = None,
+        asymmetric: bool = False,
     ) -> "W8A8Linear":
         out_features, in_features = weight.shape
         module = cls(in_features, out_features, bias is not None, activation, input_scale is not None, backend,
-                     outlier_threshold)
-        module.weight, module.weight_scale = quantize_weight(weight.detach().float(), weight_granularity, group_size)
+                     outlier_threshold, asymmetric)
+        if asymmetric:
+            scale, zero_point = zeropoint_params(weight)
+            module.weight = (torch.round(weight.detach().float() / scale) + zero_point).clamp(-QMAX, QMAX).to(torch.int8)
+            module.weight_scale = scale.expand(out_features).clone()
+            module.weight_zero_point = torch.tensor(zero_point)
+        else:
+            module.weight, module.weight_scale = quantize_weight(weight.detach().float(), weight_granularity, group_size)
         if bias is not None:
             module.bias = bias.detach().float().clone()
         if input_scale is not None:
@@ -73,7 +94,8 @@ class W8A8Linear(nn.Module):
     def constructor_args(self) -> dict:
         """The arguments that rebuild this module (empty) before a checkpoint's state dict is loaded into it."""
         return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
-                "activation": self.activation, "static": self.static, "outlier_threshold": self.outlier_threshold}
+                "activation": self.activation, "static": self.static, "outlier_threshold": self.outlier_threshold,
+                "asymmetric": self.asymmetric}
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._packed = None
@@ -90,10 +112,16 @@ class W8A8Linear(nn.Module):
                 dequantized = self.weight[:, columns].float() * self.weight_scale[:, None]
                 outlier_part = rows[:, columns] @ dequantized.T
                 rows = rows.index_fill(1, columns, 0.0)
-        scale = self.input_scale if self.static else activation_scale(rows, self.activation)
+        zero_points = {}
+        if self.asymmetric:
+            scale, x_zero_point = zeropoint_params(rows)
+            zero_points = {"x_zero_point": x_zero_point, "weight_zero_point": int(self.weight_zero_point)}
+        else:
+            scale = self.input_scale if self.static else activation_scale(rows, self.activation)
         if self.backend == "fbgemm" and self._packed is None:
-            self._packed = pack_weight(self.weight, self.weight_scale, self.bias)
-        out = int8_linear(rows, scale, self.weight, self.weight_scale, self.bias, self.backend, self._packed)
+            self._packed = pack_weight(self.weight, self.weight_scale, self.bias, zero_points.get("weight_zero_point", 0))
+        out = int8_linear(rows, scale, self.weight, self.weight_scale, self.bias, self.backend, self._packed,
+                          **zero_points)
         if outlier_part is not None:
             out = out.add_(outlier_part)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
