@@ -61,3 +61,10 @@ def test_agrees_with_bitsandbytes_linear8bitlt():
     assert ((mine - theirs).norm() / exact.norm()).item() < 4e-3
     # ... and leanlm is at least as accurate.
     assert (mine - exact).norm() <= (theirs - exact).norm() * 1.05
+
+
+def test_the_share_of_float_dimensions_is_counted():
+    module = _vector_wise(torch.randn(8, 256), 6.0)
+    module(_inputs_with_outliers())
+    module(torch.zeros(4, 256))
+    assert module.decomposition_counts == {"dims": 512, "outlier_dims": 2}

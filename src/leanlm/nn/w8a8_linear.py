@@ -61,6 +61,8 @@ class W8A8Linear(nn.Module):
         self.register_buffer("input_scale", torch.ones(()) if static else None)
         self.register_buffer("weight_zero_point", torch.zeros((), dtype=torch.long) if asymmetric else None)
         self._packed = None  # fbgemm's packed weight, rebuilt lazily whenever the int8 weight changes
+        # Input dimensions seen, and how many of them went through the float path (LLM.int8() only).
+        self.decomposition_counts = {"dims": 0, "outlier_dims": 0}
 
     @classmethod
     def from_float(
@@ -108,6 +110,8 @@ class W8A8Linear(nn.Module):
         outlier_part = None
         if self.outlier_threshold is not None:
             columns = (torch.linalg.vector_norm(rows, float("inf"), dim=0) >= self.outlier_threshold).nonzero()[:, 0]
+            self.decomposition_counts["dims"] += self.in_features
+            self.decomposition_counts["outlier_dims"] += columns.numel()
             if columns.numel():
                 dequantized = self.weight[:, columns].float() * self.weight_scale[:, None]
                 outlier_part = rows[:, columns] @ dequantized.T
