@@ -174,13 +174,9 @@ def command_quantize(args) -> None:
 
 
 def command_analyze(args) -> None:
-    import copy
-
     from leanlm.data import calibration_batches
-    from leanlm.evaluation.outliers import analyze_outliers, plot_outliers
-    from leanlm.methods import SmoothQuantConfig, collect_input_absmax, smooth_
+    from leanlm.evaluation.outliers import analyze_outliers, plot_outliers, smoothing_view
     from leanlm.models import load_model
-    from leanlm.models.architectures import linear_weight_out_in
 
     loaded = load_model(args.model)
     batches = calibration_batches(loaded.tokenizer, n_samples=args.samples, seq_len=args.seq_len, source=args.text)
@@ -192,16 +188,7 @@ def command_analyze(args) -> None:
     print(f"layers affected: {report.layers_affected_pct:.1f}%   positions affected: "
           f"{report.tokens_affected_pct:.1f}%   largest magnitude: {report.max_magnitude:.1f}")
     if args.plot:
-        # Fig. 3.2: the q/k/v input of the layer with the largest activation, before and after smoothing.
-        table = loaded.table
-        layer = int(report.channel_absmax.amax(dim=1).argmax())
-        name = f"{table.blocks}.{layer}.{table.attention_inputs[0]}"
-        stats = collect_input_absmax(loaded.model, batches[:2])
-        smoothed = copy.deepcopy(loaded.model)
-        after = smooth_(smoothed, stats, SmoothQuantConfig(alpha=0.5)).input_absmax[name]
-        weight_max = lambda model: linear_weight_out_in(model.get_submodule(name), table).abs().amax(dim=0)  # noqa: E731
-        view = {"name": name, "alpha": 0.5, "x_before": stats[name], "x_after": after,
-                "w_before": weight_max(loaded.model).detach(), "w_after": weight_max(smoothed).detach()}
+        view = smoothing_view(loaded.model, batches[:2], report, alpha=0.5)
         title = args.model + (f" ({loaded.weights_note})" if loaded.weights_note else "")
         plot_outliers(report, args.plot, title, view)
         print(f"plot: {args.plot}")

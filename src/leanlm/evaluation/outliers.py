@@ -12,13 +12,14 @@ where at least one outlier feature reaches the magnitude, and the largest magnit
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanlm.models.architectures import architecture_for, decoder_blocks
+from leanlm.models.architectures import architecture_for, decoder_blocks, linear_weight_out_in
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,25 @@ def analyze_outliers(model: nn.Module, batches: torch.Tensor, criteria: OutlierC
         channel_absmax=channel_absmax,
         criteria=criteria,
     )
+
+
+def smoothing_view(model: nn.Module, batches: torch.Tensor, report: OutlierReport, alpha: float = 0.5) -> dict:
+    """Thesis Fig. 3.2's data: per input channel, max|X| and max|W| of the q/k/v projection of the layer with
+    the largest activation, before and after SmoothQuant's smoothing (on a copy of the model)."""
+    from leanlm.methods import SmoothQuantConfig, collect_input_absmax, smooth_
+
+    table = architecture_for(model)
+    layer = int(report.channel_absmax.amax(dim=1).argmax())
+    name = f"{table.blocks}.{layer}.{table.attention_inputs[0]}"
+    stats = collect_input_absmax(model, batches)
+    smoothed = copy.deepcopy(model)
+    after = smooth_(smoothed, stats, SmoothQuantConfig(alpha=alpha)).input_absmax[name]
+
+    def weight_absmax(source: nn.Module) -> torch.Tensor:
+        return linear_weight_out_in(source.get_submodule(name), table).detach().abs().amax(dim=0)
+
+    return {"name": name, "alpha": alpha, "x_before": stats[name], "x_after": after,
+            "w_before": weight_absmax(model), "w_after": weight_absmax(smoothed)}
 
 
 def plot_outliers(report: OutlierReport, path, title: str, smoothing: dict | None = None) -> None:
