@@ -1,0 +1,90 @@
+"""Block-wise k-bit quantization (thesis eq. 3.1) with optional double quantization of the block constants
+(QLoRA section 5.2), and the exact bits-per-parameter account of every configuration.
+
+Blocking views the tensor as one flat sequence cut into blocks of `block_size` values (the last block may be
+shorter), each scaled by its absmax; `block_size=None` means one block per row (per output channel). Double
+quantization subtracts the mean of the (positive) block constants and quantizes them with the 8-bit dynamic
+map in blocks of 256, keeping one float32 constant per second-level block and the mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from leanlm.errors import ConfigError
+from leanlm.formats.codebooks import DYNAMIC8, Codebook
+
+_TINY = 1e-38  # bitsandbytes' floor for an all-zero block: its values then quantize to code(0)
+SECOND_LEVEL_BLOCK = 256
+
+
+@dataclass
+class BlockwiseQuantized:
+    codes: torch.Tensor  # uint8, one code per value (unpacked), flat
+    absmax: torch.Tensor  # float32 per block, or uint8 codes of the second level when double-quantized
+    shape: tuple[int, ...]
+    block_size: int
+    codebook: Codebook
+    # Double quantization: second-level constants (float32 per 256 first-level blocks) and the subtracted mean.
+    absmax_scale: torch.Tensor | None = None
+    absmax_offset: torch.Tensor | None = None
+
+    @property
+    def double_quantized(self) -> bool:
+        return self.absmax_scale is not None
+
+    def block_constants(self) -> torch.Tensor:
+        if not self.double_quantized:
+            return self.absmax
+        return _dequantize_flat(self.absmax, self.absmax_scale, DYNAMIC8, SECOND_LEVEL_BLOCK) + self.absmax_offset
+
+    def dequantize(self) -> torch.Tensor:
+        return _dequantize_flat(self.codes, self.block_constants(), self.codebook, self.block_size).reshape(self.shape)
+
+
+def _blocks(flat: torch.Tensor, block_size: int) -> list[torch.Tensor]:
+    return list(torch.split(flat, block_size))
+
+
+def _quantize_flat(flat: torch.Tensor, codebook: Codebook, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    full = flat.numel() - flat.numel() % block_size
+    absmax = flat[:full].reshape(-1, block_size).abs().amax(dim=1)
+    if full < flat.numel():
+        absmax = torch.cat([absmax, flat[full:].abs().amax()[None]])
+    per_value = absmax.clamp(min=_TINY).repeat_interleave(block_size)[: flat.numel()]
+    normalized = torch.clamp(flat * (1.0 / per_value), -1, 1)
+    return codebook.nearest(normalized), absmax
+
+
+def _dequantize_flat(codes: torch.Tensor, absmax: torch.Tensor, codebook: Codebook, block_size: int) -> torch.Tensor:
+    return codebook.values[codes.long()] * absmax.repeat_interleave(block_size)[: codes.numel()]
+
+
+def quantize_blockwise(
+    tensor: torch.Tensor, codebook: Codebook, block_size: int | None = 64, double_quant: bool = False
+) -> BlockwiseQuantized:
+    """Quantize `tensor` (any shape; a 2-D weight for per-row blocks) to `codebook`."""
+    if block_size is None:
+        if tensor.ndim != 2:
+            raise ConfigError("per-row blocks need a 2-D weight")
+        block_size = tensor.shape[1]
+    if block_size < 1:
+        raise ConfigError(f"block size must be positive, got {block_size}")
+    codes, absmax = _quantize_flat(tensor.detach().float().reshape(-1), codebook, block_size)
+    result = BlockwiseQuantized(codes, absmax, tuple(tensor.shape), block_size, codebook)
+    if double_quant:
+        offset = absmax.mean()
+        result.absmax, result.absmax_scale = _quantize_flat(absmax - offset, DYNAMIC8, SECOND_LEVEL_BLOCK)
+        result.absmax_offset = offset
+    return result
+
+
+def bits_per_parameter(bits: int, block_size: int, double_quant: bool, outlier_fraction: float = 0.0,
+                       constant_bits: int = 32) -> float:
+    """Exact storage per weight: k-bit codes, the block constants (float32, or 8-bit + float32 per 256 blocks
+    with double quantization, plus one float32 mean per tensor, which vanishes per parameter) and 16-bit
+    outliers kept aside at `outlier_fraction` (proxy quantization: +p(16 - k)). The codebook is shared."""
+    constants = (8 / block_size + 32 / (block_size * SECOND_LEVEL_BLOCK)) if double_quant else constant_bits / block_size
+    return bits + constants + outlier_fraction * (16 - bits)

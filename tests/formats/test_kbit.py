@@ -1,0 +1,94 @@
+"""k-bit data types, block-wise quantization, double quantization, packing and the bits account."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from leanlm.errors import ConfigError
+from leanlm.formats.blockwise import bits_per_parameter, quantize_blockwise
+from leanlm.formats.codebooks import DTYPES, DYNAMIC8, FP4_BITSANDBYTES, NF4, codebook, floating, normal_float
+from leanlm.formats.packing import pack, packed_bytes, unpack
+
+bitsandbytes_missing = importlib.util.find_spec("bitsandbytes") is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", range(3, 9))
+def test_every_type_has_2_to_the_k_codes_within_unit_range(dtype, bits):
+    values = codebook(dtype, bits).values
+    assert values.numel() == 2**bits and values.abs().max() == 1.0 and (values == 0).any()
+
+
+def test_nf4_is_the_normal_quantile_construction():
+    assert torch.allclose(normal_float(4).values, NF4.values, atol=2e-7)
+    assert NF4.values[7] == 0 and NF4.values[0] == -1 and NF4.values[15] == 1
+    # 8 positive and 7 negative values: the asymmetric fix that gives an exact zero
+    assert (NF4.values > 0).sum() == 8 and (NF4.values < 0).sum() == 7
+
+
+def test_float_types_follow_the_ieee_layout():
+    e2m1 = sorted(set(floating(2, 1).values.abs().tolist()))
+    assert e2m1 == pytest.approx([0, 1 / 12, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 1])  # {0, .5, 1, 1.5, 2, 3, 4, 6} / 6
+    e3m0 = sorted(set(floating(3, 0).values.abs().tolist()))
+    assert e3m0 == pytest.approx([0] + [2.0**-i for i in range(6, -1, -1)])
+
+
+def test_dynamic_type_spans_decades():
+    positive = DYNAMIC8.values[DYNAMIC8.values > 0]
+    assert positive.min() < 1e-6 and positive.max() == 1.0
+
+
+def test_unknown_type_and_bits_are_refused():
+    with pytest.raises(ConfigError, match="unknown data type"):
+        codebook("posit", 4)
+    with pytest.raises(ConfigError, match="bits must be between"):
+        codebook("int", 9)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_packing_round_trips_at_exactly_k_bits(bits):
+    codes = torch.randint(0, 2**bits, (1001,), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.numel() == packed_bytes(1001, bits) == (1001 * bits + 7) // 8
+    assert torch.equal(unpack(packed, bits, 1001), codes)
+
+
+def test_blockwise_error_shrinks_with_the_block_size():
+    torch.manual_seed(0)
+    weight = torch.randn(128, 512) * torch.logspace(-1, 1, 512)  # columns of very different scales
+    errors = [(quantize_blockwise(weight, NF4, size).dequantize() - weight).norm() for size in (4096, 256, 32)]
+    assert errors[0] > errors[1] > errors[2]
+    per_row = quantize_blockwise(weight, NF4, None)
+    assert per_row.block_size == 512 and per_row.absmax.numel() == 128
+
+
+def test_bits_account():
+    assert bits_per_parameter(4, 64, double_quant=False) == 4.5  # 32-bit constant per 64 values
+    assert bits_per_parameter(4, 64, double_quant=True) == pytest.approx(4 + 8 / 64 + 32 / (64 * 256))  # 4.127
+    assert bits_per_parameter(4, 64, False, constant_bits=16) == 4.25  # the k-bit study's 16-bit constants
+    assert bits_per_parameter(3, 128, False, outlier_fraction=0.02) == pytest.approx(3 + 0.25 + 0.02 * 13)
+
+
+@pytest.mark.skipif(bitsandbytes_missing, reason="bitsandbytes is not installed")
+@pytest.mark.parametrize("quant_type, book", [("nf4", NF4), ("fp4", FP4_BITSANDBYTES)])
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_quantize_4bit_matches_bitsandbytes(quant_type, book, double_quant):
+    import bitsandbytes.functional as bnbf
+
+    torch.manual_seed(1)
+    weight = torch.randn(257, 192) * 0.05  # a partial last block as well
+    theirs, state = bnbf.quantize_4bit(weight, blocksize=64, quant_type=quant_type, compress_statistics=double_quant)
+    ours = quantize_blockwise(weight, book, 64, double_quant)
+    assert torch.equal(pack(ours.codes, 4), theirs.flatten())  # first-level codes, packed: bit for bit
+    if not double_quant:
+        assert torch.equal(ours.absmax, state.absmax)
+        assert torch.equal(ours.dequantize(), bnbf.dequantize_4bit(theirs, state))
+        return
+    assert torch.equal(ours.absmax_offset, state.offset) and torch.equal(ours.absmax_scale, state.state2.absmax)
+    # Second level: bitsandbytes' CPU kernel finds each 8-bit code by an approximate binary search, so at a few
+    # near-ties it keeps the farther neighbour; leanlm always takes the nearest, never worse.
+    assert (ours.absmax != state.absmax).float().mean() < 0.01
+    exact = torch.stack([block.abs().max() for block in torch.split(weight.flatten(), 64)])
+    theirs_constants = bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    assert torch.all((ours.block_constants() - exact).abs() <= (theirs_constants - exact).abs() + 1e-6)
