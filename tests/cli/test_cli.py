@@ -93,3 +93,25 @@ def test_llm_int8_checkpoint_round_trip(tiny_llama_dir, tmp_path):
     record = json.loads((out / "leanlm_quant.json").read_text())
     assert record["method"] == "llm-int8" and record["outlier_threshold"] == 6.0
     assert main(["eval", str(out), "--max-tokens", "128", "--seq-len", "64"]) == 0
+
+
+def test_kbit_checkpoint_records_measured_average_bits(tiny_llama_dir, tmp_path):
+    out = tmp_path / "nf4"
+    assert main(["quantize", str(tiny_llama_dir), "--method", "kbit", "--dtype", "nf", "--bits", "4",
+                 "--block-size", "64", "--double-quant", "--out", str(out)]) == 0
+    record = json.loads((out / "leanlm_quant.json").read_text())
+    assert record["method"] == "kbit" and 4.12 < record["avg_bits"] < 4.2
+    assert main(["eval", str(out), "--max-tokens", "128", "--seq-len", "64"]) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "kbit", "--block-size", "big"], "expected a whole number"),
+    (["--method", "w8a8", "--bits", "4"], "apply to --method kbit"),
+    (["--method", "kbit", "--bits", "2"], "invalid choice"),
+])
+def test_kbit_option_errors(argv, message, tmp_path, capsys):
+    try:
+        code = main(["quantize", "smollm2-135m", *argv, "--out", str(tmp_path / "x")])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2 and message in capsys.readouterr().err

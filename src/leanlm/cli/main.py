@@ -114,6 +114,10 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _block_size(text: str) -> int | str:
+    return text if text == "row" else _positive_int(text)
+
+
 def _alpha(text: str) -> float | str:
     if text == "auto":
         return text
@@ -126,51 +130,62 @@ def _alpha(text: str) -> float | str:
     return value
 
 
-def command_quantize(args) -> None:
-    import time
+def _int8_config(args):
+    from leanlm.methods import SmoothQuantConfig, W8A8Config, llm_int8_config
 
-    from leanlm.methods import (
-        CalibrationSettings,
-        SmoothQuantConfig,
-        W8A8Config,
-        llm_int8_config,
-        quantize_loaded_w8a8_,
-        save_quantized,
-    )
-    from leanlm.models import load_model
-
-    if args.out.exists() and any(args.out.iterdir()):
-        raise ConfigError(f"--out {args.out} exists and is not empty; choose a new directory")
     if args.threshold is not None and args.method != "llm-int8":
         raise ConfigError("--threshold applies to --method llm-int8 only")
-    smoothing = None
-    if args.method == "smoothquant":
-        alpha = 0.5 if args.alpha in (None, "auto") else args.alpha
-        smoothing = SmoothQuantConfig(alpha, args.smooth_extension, args.smooth_extension)
-    elif args.alpha is not None:
+    if args.alpha is not None and args.method != "smoothquant":
         raise ConfigError("--alpha applies to --method smoothquant only")
     if args.method == "llm-int8":
         if args.level not in (None, "O1") or args.weight_granularity != "per_tensor" or args.no_bmm:
             raise ConfigError("llm-int8 fixes its own granularities (vector-wise, per-token); only --threshold applies")
-        config = llm_int8_config(None if args.threshold == float("inf") else (args.threshold or 6.0))
+        return llm_int8_config(None if args.threshold == float("inf") else (args.threshold or 6.0))
+    smoothing = None
+    if args.method == "smoothquant":
+        alpha = 0.5 if args.alpha in (None, "auto") else args.alpha
+        smoothing = SmoothQuantConfig(alpha, args.smooth_extension, args.smooth_extension)
+    return W8A8Config(
+        level=args.level or ("O3" if args.method == "smoothquant" else "O2"),
+        weight_granularity=args.weight_granularity,
+        group_size=args.group_size,
+        smoothquant=smoothing,
+        quantize_bmm=not args.no_bmm,
+        quantize_probs=args.quantize_probs,
+    )
+
+
+def command_quantize(args) -> None:
+    import time
+
+    from leanlm.methods import CalibrationSettings, KbitConfig, quantize_kbit_, quantize_loaded_w8a8_, save_quantized
+    from leanlm.models import load_model
+
+    if args.out.exists() and any(args.out.iterdir()):
+        raise ConfigError(f"--out {args.out} exists and is not empty; choose a new directory")
+    kbit_options = [args.dtype, args.bits, args.block_size, args.exponent_bits]
+    if args.method == "kbit":
+        block_size = None if args.block_size == "row" else (args.block_size or 64)
+        config = KbitConfig(args.dtype or "nf", args.bits or 4, block_size, args.double_quant, args.exponent_bits)
+    elif any(option is not None for option in kbit_options) or args.double_quant:
+        raise ConfigError("--dtype, --bits, --block-size, --double-quant and --exponent-bits apply to --method kbit")
     else:
-        config = W8A8Config(
-            level=args.level or ("O3" if args.method == "smoothquant" else "O2"),
-            weight_granularity=args.weight_granularity,
-            group_size=args.group_size,
-            smoothquant=smoothing,
-            quantize_bmm=not args.no_bmm,
-            quantize_probs=args.quantize_probs,
-        )
-    calibration = CalibrationSettings(n_samples=args.calib_samples, seq_len=args.calib_seq_len, seed=args.seed)
+        config = _int8_config(args)
     loaded = load_model(args.model)
     started = time.perf_counter()
-    record = quantize_loaded_w8a8_(loaded.model, loaded.tokenizer, config, calibration, search=args.alpha == "auto")
+    if args.method == "kbit":
+        record = quantize_kbit_(loaded.model, config)
+        summary = f"kbit {config.dtype}{config.bits}, average {record['avg_bits']:.3f} bits per weight"
+    else:
+        calibration = CalibrationSettings(n_samples=args.calib_samples, seq_len=args.calib_seq_len, seed=args.seed)
+        record = quantize_loaded_w8a8_(loaded.model, loaded.tokenizer, config, calibration,
+                                       search=args.alpha == "auto")
+        alpha = record["smoothquant"]["alpha"] if record.get("smoothquant") else None
+        summary = (f"{record['method']} {record['level']}, weights {record['weight_granularity']}"
+                   + (f", alpha {alpha}" if alpha is not None else ""))
     record["quantize_seconds"] = time.perf_counter() - started
     out = save_quantized(loaded, loaded.model, record, args.out)
-    chosen = record["smoothquant"]["alpha"] if record.get("smoothquant") else None
-    print(f"wrote {out} ({record['method']} {record['level']}, weights {record['weight_granularity']}"
-          + (f", alpha {chosen}" if chosen is not None else "") + f") in {record['quantize_seconds']:.0f} s")
+    print(f"wrote {out} ({summary}) in {record['quantize_seconds']:.0f} s")
 
 
 def command_analyze(args) -> None:
@@ -208,9 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     quantize = commands.add_parser("quantize", help="quantize a model and write a reloadable checkpoint")
     quantize.add_argument("model", help="registry name, model directory or .gguf file")
-    quantize.add_argument("--method", required=True, choices=["w8a8", "smoothquant", "llm-int8"],
+    quantize.add_argument("--method", required=True, choices=["w8a8", "smoothquant", "llm-int8", "kbit"],
                           help="w8a8: naive int8 weights and activations; smoothquant: smoothing first; "
-                               "llm-int8: vector-wise int8 with outlier dimensions in float")
+                               "llm-int8: vector-wise int8 with outlier dimensions in float; "
+                               "kbit: weight-only k-bit (NF4, FP4, int, dynamic)")
+    quantize.add_argument("--dtype", choices=["int", "int_asym", "fp", "nf", "dynamic"],
+                          help="kbit: data type (default nf)")
+    quantize.add_argument("--bits", type=int, choices=range(3, 9), help="kbit: bits per weight (default 4)")
+    quantize.add_argument("--block-size", type=_block_size, help="kbit: values per absmax constant, or 'row' (default 64)")
+    quantize.add_argument("--double-quant", action="store_true", help="kbit: 8-bit block constants (QLoRA)")
+    quantize.add_argument("--exponent-bits", type=int, help="kbit --dtype fp: exponent bits (default ~half)")
     quantize.add_argument("--threshold", type=_positive_float,
                           help="llm-int8: outlier magnitude (default 6.0; inf: no decomposition)")
     quantize.add_argument("--level", choices=["O1", "O2", "O3"],

@@ -3,6 +3,7 @@ quantized-checkpoint format they all save to."""
 
 from leanlm.methods.calibration import collect_input_absmax
 from leanlm.methods.checkpoint import QUANT_FILE, is_quantized_checkpoint, load_any, load_quantized, save_quantized
+from leanlm.methods.kbit import KbitConfig, quantize_kbit_
 from leanlm.methods.smoothquant import SmoothQuantConfig, smooth_
 from leanlm.methods.w8a8 import (
     LEVELS,
@@ -24,6 +25,8 @@ __all__ = [
     "load_any",
     "load_quantized",
     "save_quantized",
+    "KbitConfig",
+    "quantize_kbit_",
     "SmoothQuantConfig",
     "smooth_",
     "LEVELS",

@@ -1,0 +1,92 @@
+"""KbitLinear: weight-only k-bit linear (thesis ch. 3, QLoRA's NF4): packed k-bit codes of any data type,
+block-wise absmax constants (optionally double-quantized), activations stay float32.
+
+Storage is really k bits per weight (`packed` holds the bit stream); `bits_per_weight` is the exact account.
+The forward pass here is the plain-PyTorch reference: de-quantize, then matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from leanlm.formats.blockwise import SECOND_LEVEL_BLOCK, BlockwiseQuantized, quantize_blockwise
+from leanlm.formats.codebooks import Codebook, codebook
+from leanlm.formats.packing import pack, packed_bytes, unpack
+
+
+class KbitLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: str = "nf",
+        bits: int = 4,
+        block_size: int | None = 64,  # None: one block per output row
+        double_quant: bool = False,
+        exponent_bits: int | None = None,  # float types only
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype, self.bits, self.double_quant, self.exponent_bits = dtype, bits, double_quant, exponent_bits
+        self.block_size = block_size or in_features
+        self.per_row = block_size is None
+        count = in_features * out_features
+        blocks = -(-count // self.block_size)
+        self.register_buffer("packed", torch.zeros(packed_bytes(count, bits), dtype=torch.uint8))
+        if double_quant:
+            self.register_buffer("absmax", torch.zeros(blocks, dtype=torch.uint8))
+            self.register_buffer("absmax_scale", torch.zeros(-(-blocks // SECOND_LEVEL_BLOCK)))
+            self.register_buffer("absmax_offset", torch.zeros(()))
+        else:
+            self.register_buffer("absmax", torch.zeros(blocks))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+
+    @property
+    def codebook(self) -> Codebook:
+        return codebook(self.dtype, self.bits, self.exponent_bits)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: str = "nf", bits: int = 4,
+                   block_size: int | None = 64, double_quant: bool = False,
+                   exponent_bits: int | None = None) -> "KbitLinear":
+        out_features, in_features = weight.shape
+        module = cls(in_features, out_features, bias is not None, dtype, bits, block_size, double_quant, exponent_bits)
+        quantized = quantize_blockwise(weight, module.codebook, block_size, double_quant)
+        module.packed = pack(quantized.codes, bits)
+        module.absmax = quantized.absmax
+        if double_quant:
+            module.absmax_scale, module.absmax_offset = quantized.absmax_scale, quantized.absmax_offset
+        if bias is not None:
+            module.bias = bias.detach().float().clone()
+        return module
+
+    def constructor_args(self) -> dict:
+        return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
+                "dtype": self.dtype, "bits": self.bits, "block_size": None if self.per_row else self.block_size,
+                "double_quant": self.double_quant, "exponent_bits": self.exponent_bits}
+
+    def quantized(self) -> BlockwiseQuantized:
+        count = self.in_features * self.out_features
+        return BlockwiseQuantized(
+            unpack(self.packed, self.bits, count), self.absmax, (self.out_features, self.in_features),
+            self.block_size, self.codebook,
+            self.absmax_scale if self.double_quant else None, self.absmax_offset if self.double_quant else None,
+        )
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.quantized().dequantize()
+
+    def bits_per_weight(self) -> float:
+        """Measured: bits of every stored tensor of this module (bias excluded) per weight."""
+        stored = [self.packed, self.absmax] + ([self.absmax_scale, self.absmax_offset] if self.double_quant else [])
+        return sum(t.numel() * t.element_size() * 8 for t in stored) / (self.in_features * self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        blocks = "per-row" if self.per_row else f"block {self.block_size}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.codebook.name}, {blocks}"
+                f"{', double-quant' if self.double_quant else ''}")
