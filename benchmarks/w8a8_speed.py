@@ -79,13 +79,9 @@ def bench_linear(in_features: int, out_features: int, rows: list[int], repeats: 
             f"{name} {t['median_ms']:.2f} ms ({t['speedup_vs_fp32']:.2f}x)" for name, t in timings.items()), flush=True)
     bytes_fp32 = linear.weight.numel() * 4
     results["weight_bytes_ratio"] = {
-        name: _module_bytes(module) / bytes_fp32 for name, module in modules.items() if name != "fp32"
+        name: weight_bytes(module) / bytes_fp32 for name, module in modules.items() if name != "fp32"
     }
     return results
-
-
-def _module_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values() if isinstance(t, torch.Tensor))
 
 
 def model_variants(loaded) -> dict[str, nn.Module]:
@@ -135,8 +131,8 @@ def bench_model(lengths: list[int], repeats: int) -> dict:
         "share_of_fp32_prefill": head_fp32 / results["by_length"][str(lengths[0])]["fp32"]["median_s"],
         "share_of_leanlm_O1_prefill": head_fp32 / results["by_length"][str(lengths[0])]["leanlm O1"]["median_s"],
     }
-    linear_bytes = {name: sum(_module_bytes(m) for _, m in iter_quantizable_linears(model))
-                    for name, model in variants.items() if not name.startswith("torchao")}
+    linear_bytes = {name: sum(weight_bytes(m) for _, m in iter_quantizable_linears(model))
+                    for name, model in variants.items()}
     results["block_linear_bytes_ratio"] = {name: b / linear_bytes["fp32"] for name, b in linear_bytes.items()}
     results["model_weight_bytes"] = {name: weight_bytes(model) for name, model in variants.items()}
     return results

@@ -36,3 +36,18 @@ def test_results_are_written_with_their_environment(tmp_path, monkeypatch):
     payload = json.loads(path.read_text())
     assert payload["ratio"] == 2.0 and payload["environment"]["torch"] == torch.__version__
     assert (tmp_path / "demo.png").read_bytes() == b"png"
+
+
+def test_weight_bytes_reads_through_tensor_subclasses():
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("torchao") is None:
+        pytest.skip("torchao is not installed")
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False))
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    # int8 weight plus one float32 scale per output row
+    assert 256 * 128 <= weight_bytes(model) <= 256 * 128 + 128 * 4 + 64

@@ -104,16 +104,28 @@ def peak_memory() -> Iterator[PeakMemory]:
         record.peak_bytes = max(record.peak_bytes, _status_kib("VmRSS") * 1024)
 
 
+def _stored_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors that hold `tensor`'s data: itself, or the inner tensors of a tensor subclass (the
+    way torchao stores quantized weights)."""
+    if type(tensor) not in (torch.Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        for name in names:
+            yield from _stored_tensors(getattr(tensor, name))
+    else:
+        yield tensor
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every tensor in the state dict (parameters and persistent buffers) as stored, counting shared
     storage (tied embeddings) once. Packed low-bit weights count at their packed size."""
     seen, total = set(), 0
-    for tensor in model.state_dict().values():
-        storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key not in seen:
-            seen.add(key)
-            total += tensor.numel() * tensor.element_size()
+    for value in model.state_dict().values():
+        for tensor in _stored_tensors(value):
+            storage = tensor.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += tensor.numel() * tensor.element_size()
     return total
 
 
