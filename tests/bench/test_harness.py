@@ -49,5 +49,5 @@ def test_weight_bytes_reads_through_tensor_subclasses():
 
     model = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False))
     quantize_(model, Int8DynamicActivationInt8WeightConfig())
-    # int8 weight plus one float32 scale per output row
-    assert 256 * 128 <= weight_bytes(model) <= 256 * 128 + 128 * 4 + 64
+    # the int8 weight plus small per-row metadata, not the float32 size the subclass reports
+    assert 256 * 128 <= weight_bytes(model) <= 256 * 128 + 128 * 8 + 64
