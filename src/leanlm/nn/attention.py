@@ -79,14 +79,17 @@ def int8_bmm_attention(module, query, key, value, attention_mask, scaling=None, 
         query, key, value = quantizer.quantize(query, "q"), quantizer.quantize(key, "k"), quantizer.quantize(value, "v")
     key, value = _repeat_heads(key, query.shape[1]), _repeat_heads(value, query.shape[1])
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
+    if not (quantize and quantizer.quantize_probs):
+        # Nothing to do between the two matmuls: PyTorch's fused attention on the (quantized) q, k, v.
+        out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    if mask is not None:
+        scores = scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    if quantize and quantizer.quantize_probs:
-        probs = torch.round(probs * QMAX) / QMAX
-    out = torch.matmul(probs, value)
-    return out.transpose(1, 2).contiguous(), probs
+    probs = torch.round(probs * QMAX) / QMAX
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
 AttentionInterface.register(ATTENTION_NAME, int8_bmm_attention)
