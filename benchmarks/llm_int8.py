@@ -23,7 +23,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from leanlm.bench import time_call, weight_bytes, write_results  # noqa: E402
+from leanlm.bench import time_modules, time_prefill, write_results  # noqa: E402
+from leanlm.bench.peers import bitsandbytes_int8_linear  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.methods import W8A8Config, llm_int8_config, quantize_w8a8_  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, iter_quantizable_linears, load_model  # noqa: E402
@@ -49,35 +50,18 @@ def float_dims_share(model: nn.Module) -> float:
     return sum(c["outlier_dims"] for c in counts) / dims if dims else 0.0
 
 
-def bitsandbytes_linear(linear: nn.Linear) -> nn.Module:
-    import bitsandbytes as bnb
-
-    module = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                 has_fp16_weights=False, threshold=6.0)
-    module.load_state_dict(linear.state_dict())
-    return module.to("cpu").eval()  # in training mode its CPU path skips activation quantization
-
-
 def bench_linear(rows: list[int], repeats: int) -> dict:
     torch.manual_seed(0)
     linear = nn.Linear(4096, 4096, bias=False)
     modules = {"fp32": linear, "leanlm llm-int8": W8A8Linear.from_float(
         linear.weight, None, "per_channel", activation="per_token", outlier_threshold=6.0),
-        "bitsandbytes llm-int8": bitsandbytes_linear(linear)}
+        "bitsandbytes llm-int8": bitsandbytes_int8_linear(linear, threshold=6.0)}
     results = {}
     for m in rows:
         x = torch.randn(m, 4096)
         x[:, [11, 1000, 2047]] *= 20  # a few outlier features, so both take the decomposition path
         exact = linear(x).detach()
-        entry = {}
-        for name, module in modules.items():
-            slow = name.startswith("bitsandbytes") and m >= 64
-            timing = time_call(lambda: module(x), warmup=1, repeats=2 if slow else repeats)
-            with torch.inference_mode():
-                error = ((module(x) - exact).norm() / exact.norm()).item()
-            entry[name] = {"median_ms": timing.median * 1e3, "relative_error": error}
-        for value in entry.values():
-            value["speedup_vs_fp32"] = entry["fp32"]["median_ms"] / value["median_ms"]
+        entry = time_modules(modules, x, exact, repeats, slow=lambda name: name.startswith("bitsandbytes") and m >= 64)
         entry["leanlm llm-int8"]["speedup_vs_bitsandbytes"] = (
             entry["bitsandbytes llm-int8"]["median_ms"] / entry["leanlm llm-int8"]["median_ms"])
         results[str(m)] = entry
@@ -93,16 +77,10 @@ def bench_model(loaded, length: int, repeats: int) -> dict:
     variants["leanlm llm-int8"] = ours
     theirs = copy.deepcopy(loaded.model)
     for name, module in list(iter_quantizable_linears(theirs)):
-        theirs.set_submodule(name, bitsandbytes_linear(module))
+        theirs.set_submodule(name, bitsandbytes_int8_linear(module, threshold=6.0))
     variants["bitsandbytes llm-int8"] = theirs
     ids = torch.randint(0, loaded.tokenizer.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
-    results = {}
-    for name, model in variants.items():
-        timing = time_call(lambda: model(input_ids=ids, use_cache=False), warmup=1, repeats=repeats)
-        results[name] = {"median_s": timing.median, "tokens_per_second": length / timing.median,
-                         "weight_bytes": weight_bytes(model)}
-    for value in results.values():
-        value["speedup_vs_fp32"] = results["fp32"]["median_s"] / value["median_s"]
+    results = time_prefill(variants, ids, repeats)
     print(f"prefill {length}: " + ", ".join(f"{n} {v['tokens_per_second']:.0f} tok/s" for n, v in results.items()))
     return results
 

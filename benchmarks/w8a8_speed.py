@@ -1,5 +1,5 @@
 """W8A8 speed and memory, side by side in one process: FP32, leanlm W8A8 (O1 / O2 / O3, fbgemm int8 GEMM),
-bitsandbytes Linear8bitLt (CPU, threshold 0: plain vector-wise int8) and torchao int8 dynamic activation +
+bitsandbytes Linear8bitLt (CPU, eval mode, threshold 0: plain vector-wise int8) and torchao int8 dynamic activation +
 int8 weight. Writes benchmarks/results/w8a8_speed.json + .png.
 
     python benchmarks/w8a8_speed.py            # 4096x4096 linear, SmolLM2's shapes, whole-model prefill
@@ -22,7 +22,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from leanlm.bench import time_call, weight_bytes, write_results  # noqa: E402
+from leanlm.bench import time_call, time_modules, time_prefill, weight_bytes, write_results  # noqa: E402
+from leanlm.bench.peers import bitsandbytes_int8_linear, torchao_int8_dynamic_  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.methods import SmoothQuantConfig, W8A8Config, calibrate, quantize_w8a8_  # noqa: E402
 from leanlm.models import iter_quantizable_linears, load_model  # noqa: E402
@@ -34,21 +35,13 @@ LEVEL_ACTIVATION = {"O1": ("per_token", None), "O2": ("per_tensor", None), "O3":
 
 def peer_linears(linear: nn.Linear) -> dict[str, nn.Module]:
     """Every implementation of one float linear, keyed by name."""
-    import bitsandbytes as bnb
-    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
-
     modules: dict[str, nn.Module] = {"fp32": linear}
     for level, (activation, static_scale) in LEVEL_ACTIVATION.items():
         scale = torch.tensor(static_scale) if static_scale else None
         modules[f"leanlm {level}"] = W8A8Linear.from_float(linear.weight, linear.bias, "per_tensor",
                                                            activation=activation, input_scale=scale)
-    int8lt = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                 has_fp16_weights=False, threshold=0.0)
-    int8lt.load_state_dict(linear.state_dict())
-    modules["bitsandbytes int8"] = int8lt.to("cpu")
-    torchao_model = nn.Sequential(copy.deepcopy(linear))
-    quantize_(torchao_model, Int8DynamicActivationInt8WeightConfig())
-    modules["torchao int8 dyn"] = torchao_model
+    modules["bitsandbytes int8"] = bitsandbytes_int8_linear(linear, threshold=0.0)
+    modules["torchao int8 dyn"] = torchao_int8_dynamic_(nn.Sequential(copy.deepcopy(linear)))
     return modules
 
 
@@ -60,17 +53,7 @@ def bench_linear(in_features: int, out_features: int, rows: list[int], repeats: 
     for m in rows:
         x = torch.randn(m, in_features)
         expected = linear(x).detach()
-        timings = {}
-        for name, module in modules.items():
-            slow = name.startswith("bitsandbytes") and m >= 64
-            timing = time_call(lambda: module(x), warmup=1, repeats=2 if slow else repeats)
-            with torch.inference_mode():
-                error = ((module(x) - expected).norm() / expected.norm()).item()
-            timings[name] = {"median_ms": timing.median * 1e3, "min_ms": timing.min * 1e3,
-                             "max_ms": timing.max * 1e3, "relative_error": error}
-        fp32 = timings["fp32"]["median_ms"]
-        for entry in timings.values():
-            entry["speedup_vs_fp32"] = fp32 / entry["median_ms"]
+        timings = time_modules(modules, x, expected, repeats, slow=lambda name: name.startswith("bitsandbytes") and m >= 64)
         bnb_ms = timings["bitsandbytes int8"]["median_ms"]
         for level in LEVEL_ACTIVATION:
             timings[f"leanlm {level}"]["speedup_vs_bitsandbytes"] = bnb_ms / timings[f"leanlm {level}"]["median_ms"]
@@ -85,8 +68,6 @@ def bench_linear(in_features: int, out_features: int, rows: list[int], repeats: 
 
 
 def model_variants(loaded) -> dict[str, nn.Module]:
-    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
-
     float_model = loaded.model
     variants: dict[str, nn.Module] = {"fp32": float_model}
     stats = calibrate(float_model, calibration_batches(loaded.tokenizer, n_samples=4, seq_len=256))
@@ -94,10 +75,8 @@ def model_variants(loaded) -> dict[str, nn.Module]:
         model = copy.deepcopy(float_model)
         quantize_w8a8_(model, W8A8Config(level=level, smoothquant=SmoothQuantConfig(0.5), quantize_bmm=False), stats)
         variants[f"leanlm {level}"] = model
-    torchao_model = copy.deepcopy(float_model)
-    block_linears = {name for name, _ in iter_quantizable_linears(torchao_model)}
-    quantize_(torchao_model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda m, fqn: fqn in block_linears)
-    variants["torchao int8 dyn"] = torchao_model
+    block_linears = {name for name, _ in iter_quantizable_linears(float_model)}
+    variants["torchao int8 dyn"] = torchao_int8_dynamic_(copy.deepcopy(float_model), block_linears.__contains__)
     return variants
 
 
@@ -107,13 +86,7 @@ def bench_model(lengths: list[int], repeats: int) -> dict:
     results: dict = {"by_length": {}}
     for length in lengths:
         ids = torch.randint(0, loaded.tokenizer.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
-        timings = {}
-        for name, model in variants.items():
-            timing = time_call(lambda: model(input_ids=ids, use_cache=False), warmup=1, repeats=repeats)
-            timings[name] = {"median_s": timing.median, "min_s": timing.min, "max_s": timing.max,
-                             "tokens_per_second": length / timing.median}
-        for entry in timings.values():
-            entry["speedup_vs_fp32"] = timings["fp32"]["median_s"] / entry["median_s"]
+        timings = time_prefill(variants, ids, repeats)
         results["by_length"][str(length)] = timings
         print(f"prefill {length}: " + ", ".join(
             f"{name} {t['tokens_per_second']:.0f} tok/s ({t['speedup_vs_fp32']:.2f}x)" for name, t in timings.items()),
@@ -134,7 +107,7 @@ def bench_model(lengths: list[int], repeats: int) -> dict:
     linear_bytes = {name: sum(weight_bytes(m) for _, m in iter_quantizable_linears(model))
                     for name, model in variants.items()}
     results["block_linear_bytes_ratio"] = {name: b / linear_bytes["fp32"] for name, b in linear_bytes.items()}
-    results["model_weight_bytes"] = {name: weight_bytes(model) for name, model in variants.items()}
+    results["model_weight_bytes"] = {name: t["weight_bytes"] for name, t in timings.items()}
     return results
 
 

@@ -51,3 +51,16 @@ def test_weight_bytes_reads_through_tensor_subclasses():
     quantize_(model, Int8DynamicActivationInt8WeightConfig())
     # the int8 weight plus small per-row metadata, not the float32 size the subclass reports
     assert 256 * 128 <= weight_bytes(model) <= 256 * 128 + 128 * 8 + 64
+
+
+def test_time_modules_and_prefill_report_ratios_against_fp32():
+    from leanlm.bench import time_modules, time_prefill
+
+    linear = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+    results = time_modules({"fp32": linear, "half": torch.nn.Sequential(linear, torch.nn.Identity())}, x,
+                           linear(x).detach(), repeats=2)
+    assert results["fp32"]["speedup_vs_fp32"] == 1.0 and results["half"]["relative_error"] == 0.0
+    model = tiny_model("llama")
+    timings = time_prefill({"fp32": model}, torch.randint(0, 128, (1, 8)), repeats=1)
+    assert timings["fp32"]["tokens_per_second"] > 0 and timings["fp32"]["weight_bytes"] == weight_bytes(model)

@@ -7,8 +7,10 @@ from leanlm.bench.harness import (
     peak_memory,
     results_dir,
     time_call,
+    time_modules,
+    time_prefill,
     weight_bytes,
     write_results,
 )
 
-__all__ = ["PeakMemory", "Timing", "environment", "peak_memory", "results_dir", "time_call", "weight_bytes", "write_results"]
+__all__ = ["PeakMemory", "Timing", "environment", "peak_memory", "results_dir", "time_call", "time_modules", "time_prefill", "weight_bytes", "write_results"]

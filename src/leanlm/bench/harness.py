@@ -48,6 +48,34 @@ def time_call(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 5, mi
     return Timing(statistics.median(samples), min(samples), max(samples), len(samples))
 
 
+def time_modules(modules: dict[str, nn.Module], x: torch.Tensor, reference: torch.Tensor, repeats: int,
+                 slow: Callable[[str], bool] = lambda name: False) -> dict[str, dict]:
+    """Each module applied to `x`: timing (ms), relative error against `reference`, and speed-up over the module
+    named "fp32". `slow` names get 2 repeats only."""
+    results = {}
+    for name, module in modules.items():
+        timing = time_call(lambda: module(x), warmup=1, repeats=2 if slow(name) else repeats)
+        with torch.inference_mode():
+            error = ((module(x) - reference).norm() / reference.norm()).item()
+        results[name] = {"median_ms": timing.median * 1e3, "min_ms": timing.min * 1e3, "max_ms": timing.max * 1e3,
+                         "relative_error": error}
+    for entry in results.values():
+        entry["speedup_vs_fp32"] = results["fp32"]["median_ms"] / entry["median_ms"]
+    return results
+
+
+def time_prefill(models: dict[str, nn.Module], ids: torch.Tensor, repeats: int) -> dict[str, dict]:
+    """One forward of `ids` through each model: timing, tokens per second, speed-up over "fp32", weight bytes."""
+    results = {}
+    for name, model in models.items():
+        timing = time_call(lambda: model(input_ids=ids, use_cache=False), warmup=1, repeats=repeats)
+        results[name] = {"median_s": timing.median, "min_s": timing.min, "max_s": timing.max,
+                         "tokens_per_second": ids.numel() / timing.median, "weight_bytes": weight_bytes(model)}
+    for entry in results.values():
+        entry["speedup_vs_fp32"] = results["fp32"]["median_s"] / entry["median_s"]
+    return results
+
+
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as handle:
         for line in handle:
