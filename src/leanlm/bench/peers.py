@@ -23,5 +23,6 @@ def torchao_int8_dynamic_(model: nn.Module, include: Callable[[str], bool] = lam
     """torchao's int8 dynamic-activation, int8-weight quantization of the linears whose names pass `include`."""
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
-    quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda module, name: include(name))
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(),
+              filter_fn=lambda module, name: isinstance(module, nn.Linear) and include(name))
     return model
