@@ -2,7 +2,7 @@
 bitsandbytes' Linear8bitLt (threshold 6.0, eval mode), side by side in one process.
 Writes benchmarks/results/llm_int8.json + .png.
 
-    python benchmarks/llm_int8.py                                   # full WikiText-2, --limit 500
+    python benchmarks/llm_int8.py                                   # full WikiText-2, --limit 100
     python benchmarks/llm_int8.py --max-tokens 16384 --limit 20     # a quick subset
 
 Table rows (attention's matmuls stay float, as in the chapter): absmax (per-tensor), zeropoint (per-tensor
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import warnings
 
 import matplotlib
@@ -23,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from leanlm.bench import time_modules, time_prefill, write_results  # noqa: E402
+from leanlm.bench import results_dir, time_modules, time_prefill, write_results  # noqa: E402
 from leanlm.bench.peers import bitsandbytes_int8_linear  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.methods import W8A8Config, llm_int8_config, quantize_w8a8_  # noqa: E402
@@ -41,6 +42,8 @@ QUANTIZERS: dict[str, W8A8Config | None] = {
     "vector-wise": llm_int8_config(None),
     "vector-wise + decomposition (LLM.int8())": llm_int8_config(6.0),
 }
+PARTS = {"table": ("table",), "sweep": ("threshold_sweep",),
+         "speed": ("speed_linear_4096", "speed_model_prefill_512")}
 THRESHOLDS = (1.0, 2.0, 4.0, 6.0, 8.0, None)  # None: no decomposition (infinite threshold)
 
 
@@ -85,14 +88,52 @@ def bench_model(loaded, length: int, repeats: int) -> dict:
     return results
 
 
+def plot_results(payload: dict, sweep_tokens: int, title: str):
+    """A drawing function for write_results; draws whatever parts of the payload exist so far."""
+
+    def draw(path):
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+        sweep = payload["threshold_sweep"]
+        keys = list(sweep)
+        if keys:
+            left.plot(range(len(keys)), [sweep[k]["perplexity"] for k in keys], marker="o")
+            left.set_xticks(range(len(keys)), keys)
+            twin = left.twinx()
+            twin.bar(range(len(keys)), [100 * sweep[k]["float_dims_share"] for k in keys], alpha=0.3, color="gray")
+            twin.set_ylabel("% of input dimensions in float")
+        left.set_xlabel("outlier threshold")
+        left.set_ylabel(f"WikiText-2 perplexity (first {sweep_tokens} tokens)")
+        speed = payload.get("speed_linear_4096", {})
+        ms = list(speed)
+        for name in ("leanlm llm-int8", "bitsandbytes llm-int8"):
+            if ms:
+                right.plot(ms, [speed[m][name]["speedup_vs_fp32"] for m in ms], marker="o", label=name)
+        right.axhline(1.0, color="black", linewidth=0.8)
+        right.set_yscale("log")
+        right.set_xlabel("M (rows)")
+        right.set_ylabel("speed-up over FP32, 4096x4096 linear")
+        if ms:
+            right.legend()
+        fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    return draw
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--max-tokens", type=int, default=None, help="first N WikiText-2 tokens (default: all)")
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--limit", type=int, default=500, help="items per zero-shot task")
+    parser.add_argument("--limit", type=int, default=100, help="items per zero-shot task")
     parser.add_argument("--sweep-tokens", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["table", "sweep", "speed"],
+                        help="parts to leave out; their results from the previous run are kept")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the table rows and sweep points a previous run with the same settings finished")
     args = parser.parse_args()
 
     loaded = load_model(args.model)
@@ -100,58 +141,56 @@ def main() -> None:
                             seq_len=args.seq_len)
     payload: dict = {"model": args.model, "weights_note": loaded.weights_note, "settings": vars(settings),
                      "table": {}, "threshold_sweep": {}}
-    for name, config in QUANTIZERS.items():
-        model = copy.deepcopy(loaded.model)
-        if config is not None:
-            quantize_w8a8_(model, config)
-        result = evaluate(model, loaded.tokenizer, settings)
-        payload["table"][name] = {"config": config.as_record() if config else None,
-                                  "float_dims_share": float_dims_share(model), **result}
-        print(f"{name}: wikitext2 {result['results']['wikitext2']['perplexity']:.3f}, "
-              f"zero-shot {result['zero_shot_average']:.4f}", flush=True)
+    previous_path = results_dir() / "llm_int8.json"
+    previous = json.loads(previous_path.read_text()) if previous_path.exists() else {}
+    for part in args.skip:
+        for key in PARTS[part]:
+            if key in previous:
+                payload[key] = previous[key]
+    if args.resume and previous.get("settings") == json.loads(json.dumps(payload["settings"])):
+        payload["table"] = previous.get("table", {})
+        payload["threshold_sweep"] = previous.get("threshold_sweep", {})
+    title = f"{args.model} LLM.int8()" + (f" ({loaded.weights_note})" if loaded.weights_note else "")
 
-    sweep = EvalSettings(tasks=("wikitext2",), max_tokens=args.sweep_tokens, seq_len=args.seq_len)
-    for threshold in THRESHOLDS:
-        model = copy.deepcopy(loaded.model)
-        quantize_w8a8_(model, llm_int8_config(threshold))
-        ppl = evaluate(model, loaded.tokenizer, sweep)["results"]["wikitext2"]["perplexity"]
-        key = "inf" if threshold is None else str(threshold)
-        payload["threshold_sweep"][key] = {"perplexity": ppl, "float_dims_share": float_dims_share(model)}
-        print(f"threshold {key}: {ppl:.3f}, {100 * float_dims_share(model):.2f}% of dims in float", flush=True)
+    def save() -> None:
+        write_results("llm_int8", payload, plot_results(payload, args.sweep_tokens, title))
 
-    payload["speed_linear_4096"] = bench_linear([1, 16, 64, 512], args.repeats)
-    payload["speed_model_prefill_512"] = bench_model(loaded, 512, args.repeats)
+    if "table" not in args.skip:
+        for name, config in QUANTIZERS.items():
+            if name in payload["table"]:
+                continue
+            model = copy.deepcopy(loaded.model)
+            if config is not None:
+                quantize_w8a8_(model, config)
+            result = evaluate(model, loaded.tokenizer, settings)
+            payload["table"][name] = {"config": config.as_record() if config else None,
+                                      "float_dims_share": float_dims_share(model), **result}
+            print(f"{name}: wikitext2 {result['results']['wikitext2']['perplexity']:.3f}, "
+                  f"zero-shot {result['zero_shot_average']:.4f}", flush=True)
+            save()
+
+    if "sweep" not in args.skip:
+        sweep = EvalSettings(tasks=("wikitext2",), max_tokens=args.sweep_tokens, seq_len=args.seq_len)
+        for threshold in THRESHOLDS:
+            if ("inf" if threshold is None else str(threshold)) in payload["threshold_sweep"]:
+                continue
+            model = copy.deepcopy(loaded.model)
+            quantize_w8a8_(model, llm_int8_config(threshold))
+            ppl = evaluate(model, loaded.tokenizer, sweep)["results"]["wikitext2"]["perplexity"]
+            key = "inf" if threshold is None else str(threshold)
+            payload["threshold_sweep"][key] = {"perplexity": ppl, "float_dims_share": float_dims_share(model)}
+            print(f"threshold {key}: {ppl:.3f}, {100 * float_dims_share(model):.2f}% of dims in float", flush=True)
+            save()
+
+    if "speed" not in args.skip:
+        payload["speed_linear_4096"] = bench_linear([1, 16, 64, 512], args.repeats)
+        payload["speed_model_prefill_512"] = bench_model(loaded, 512, args.repeats)
+        save()
 
     rows = [[name, row["results"]["wikitext2"]["perplexity"], row["zero_shot_average"],
              f"{100 * row['float_dims_share']:.2f}%"] for name, row in payload["table"].items()]
     print(format_table(["quantizer", "wikitext2 ppl", "zero-shot avg", "dims in float"], rows, markdown=True))
-
-    def plot(path):
-        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
-        keys = list(payload["threshold_sweep"])
-        left.plot(range(len(keys)), [payload["threshold_sweep"][k]["perplexity"] for k in keys], marker="o")
-        left.set_xticks(range(len(keys)), keys)
-        left.set_xlabel("outlier threshold")
-        left.set_ylabel(f"WikiText-2 perplexity (first {args.sweep_tokens} tokens)")
-        twin = left.twinx()
-        twin.bar(range(len(keys)), [100 * payload["threshold_sweep"][k]["float_dims_share"] for k in keys],
-                 alpha=0.3, color="gray")
-        twin.set_ylabel("% of input dimensions in float")
-        speed = payload["speed_linear_4096"]
-        ms = list(speed)
-        for name in ("leanlm llm-int8", "bitsandbytes llm-int8"):
-            right.plot(ms, [speed[m][name]["speedup_vs_fp32"] for m in ms], marker="o", label=name)
-        right.axhline(1.0, color="black", linewidth=0.8)
-        right.set_yscale("log")
-        right.set_xlabel("M (rows)")
-        right.set_ylabel("speed-up over FP32, 4096x4096 linear")
-        right.legend()
-        fig.suptitle(f"{args.model} LLM.int8()" + (f" ({loaded.weights_note})" if loaded.weights_note else ""),
-                     fontsize=9)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-
-    print(f"wrote {write_results('llm_int8', payload, plot)}")
+    print(f"wrote {results_dir() / 'llm_int8.json'}")
 
 
 if __name__ == "__main__":

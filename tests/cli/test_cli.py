@@ -105,3 +105,34 @@ def test_kbit_checkpoint_records_measured_average_bits(tiny_llama_dir, tmp_path)
     record = json.loads((out / "leanlm_quant.json").read_text())
     assert record["method"] == "kbit" and 4.12 < record["avg_bits"] < 4.2
     assert main(["eval", str(out), "--max-tokens", "128", "--seq-len", "64"]) == 0
+
+
+def test_stream_writes_the_contract_keys_and_a_plot(tiny_llama_dir, tmp_path, capsys):
+    out, plot = tmp_path / "s.json", tmp_path / "s.png"
+    code = main(["stream", str(tiny_llama_dir), "--max-tokens", "400", "--window", "28", "--chunk", "8",
+                 "--recompute-tokens", "4", "--latency-steps", "32", "--json", str(out), "--plot", str(plot)])
+    assert code == 0
+    payload = json.loads(out.read_text())
+    for strategy in ("dense", "window", "recompute", "streaming"):
+        assert {"perplexity", "tokens", "ms_per_token", "peak_memory_bytes"} <= set(payload["settings"][strategy])
+    assert plot.stat().st_size > 0
+    assert "streaming" in capsys.readouterr().out
+
+
+def test_chat_reads_messages_from_stdin_and_outlives_its_cache(tiny_llama_dir, monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n\nWhat is two plus two?\nAnd three?\n"))
+    code = main(["chat", str(tiny_llama_dir), "--window", "24", "--max-new-tokens", "6"])
+    assert code == 0
+    assert capsys.readouterr().out.count("assistant> ") == 3  # the blank line is skipped
+
+
+def test_stream_refuses_a_learned_position_model(tmp_path, smollm2_tokenizer, capsys):
+    from tiny import tiny_model
+
+    tiny_model("gpt2", vocab_size=len(smollm2_tokenizer)).save_pretrained(tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    code = main(["stream", str(tmp_path), "--max-tokens", "300", "--window", "28", "--setting", "streaming"])
+    assert code == 2
+    assert "absolute position" in capsys.readouterr().err

@@ -210,6 +210,70 @@ def command_analyze(args) -> None:
     _write_json(args.json, payload)
 
 
+def command_stream(args) -> None:
+    from leanlm.evaluation.streaming import STRATEGIES, StreamSettings, plot_stream, stream_evaluate
+    from leanlm.methods import load_any
+
+    settings = StreamSettings(sinks=args.sinks, window=args.window, max_tokens=args.max_tokens, chunk=args.chunk,
+                              recompute_tokens=args.recompute_tokens, latency_steps=args.latency_steps,
+                              strategies=tuple(dict.fromkeys(args.setting or STRATEGIES)))
+    loaded = load_any(args.model)
+    results = stream_evaluate(loaded.model, loaded.tokenizer, settings)
+    payload = {"model": args.model, "weights_note": loaded.weights_note, **results}
+    title = (f"{args.model}: {settings.max_tokens}-token stream, cache {settings.cache_size} tokens "
+             f"(streaming: {settings.sinks} sinks + {settings.window}), chunk {settings.chunk}"
+             + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
+    print(f"\n{title}")
+    rows = []
+    for strategy in settings.strategies:
+        entry = results["settings"][strategy]
+        rows.append([strategy, entry["perplexity"], entry["tokens"], entry.get("perplexity_on_recompute_targets"),
+                     entry["ms_per_token"], entry["peak_memory_bytes"] / 2**20,
+                     entry.get("stopped") or entry.get("scored") or ""])
+    start, stop = results["recompute_targets"]
+    print(format_table(["strategy", "perplexity", "tokens", f"ppl on tokens {start}-{stop}", "ms/token",
+                        "peak MiB", "note"], rows))
+    if args.plot:
+        plot_stream(results, args.plot, title)
+        print(f"plot: {args.plot}")
+    _write_json(args.json, payload)
+
+
+def command_chat(args) -> None:
+    from leanlm.chat import ChatSettings, StreamingChat
+    from leanlm.methods import load_any
+    from leanlm.methods.streaming import StreamingConfig
+
+    settings = ChatSettings(streaming=StreamingConfig(sinks=args.sinks, window=args.window),
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    loaded = load_any(args.model)
+    chat = StreamingChat(loaded.model, loaded.tokenizer, settings)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {args.model} (cache: {args.sinks} sinks + {args.window} recent tokens); Ctrl-D ends")
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        if not line.strip():
+            continue
+        print("assistant> ", end="", flush=True)
+        chat.reply(line.strip(), on_text=lambda piece: print(piece, end="", flush=True))
+        print(flush=True)
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from leanlm.showcase import QUICK_SETTINGS
 
@@ -262,6 +326,37 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--json", type=Path, help="write the report as one JSON object to this path")
     analyze.add_argument("--plot", type=Path, help="write a PNG: channel heat map + before/after SmoothQuant")
     analyze.set_defaults(handler=command_analyze)
+
+    stream = commands.add_parser("stream", help="streaming perplexity, latency and memory over a long text "
+                                 "(dense, window, re-computation, StreamingLLM)")
+    stream.add_argument("model", help="registry name, model directory, .gguf file or quantized checkpoint")
+    stream.add_argument("--sinks", type=_non_negative_int, default=4, help="StreamingLLM's attention sinks (default 4)")
+    stream.add_argument("--window", type=_positive_int, default=1020,
+                        help="recent tokens StreamingLLM keeps (default 1020); window attention and re-computation "
+                             "get sinks + window tokens")
+    stream.add_argument("--max-tokens", type=_positive_int, default=100_000,
+                        help="stream length: WikiText-2 test then LAMBADA test text (default 100000)")
+    stream.add_argument("--chunk", type=_positive_int, default=32,
+                        help="tokens per forward for the cache strategies; 1 = token by token (default 32)")
+    stream.add_argument("--recompute-tokens", type=_positive_int, default=64,
+                        help="targets scored by sliding window with re-computation (default 64)")
+    stream.add_argument("--latency-steps", type=_positive_int, default=2048,
+                        help="single-token decode steps timed for the latency curve (default 2048)")
+    stream.add_argument("--setting", action="append", choices=["dense", "window", "recompute", "streaming"],
+                        help="run only this setting (repeatable; default: all four)")
+    stream.add_argument("--json", type=Path, help="write the results as one JSON object to this path")
+    stream.add_argument("--plot", type=Path, help="write a PNG: windowed perplexity and per-token latency")
+    stream.set_defaults(handler=command_stream)
+
+    chat = commands.add_parser("chat", help="multi-round chat that never runs out of context (StreamingLLM); "
+                               "reads one message per line from stdin when it is not a terminal")
+    chat.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"an instruct model (default {DEFAULT_MODEL})")
+    chat.add_argument("--sinks", type=_non_negative_int, default=4)
+    chat.add_argument("--window", type=_positive_int, default=2000, help="recent tokens kept (default 2000)")
+    chat.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    chat.add_argument("--seed", type=int, default=0)
+    chat.set_defaults(handler=command_chat)
 
     showcase = commands.add_parser("showcase", help="every leanlm method side by side on one model, in minutes")
     showcase.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")

@@ -68,6 +68,7 @@ def int8_linear(
     packed: PackedInt8Weight | None = None,
     x_zero_point: int = 0,  # per-tensor scales only
     weight_zero_point: int = 0,
+    overwrite_input: bool = False,  # x is a scratch copy: per-token scaling may happen in place
 ) -> torch.Tensor:
     if backend == "reference":
         x_int = torch.clamp(torch.round(x / x_scale) + x_zero_point, QMIN, QMAX) - x_zero_point
@@ -82,5 +83,6 @@ def int8_linear(
     # clamped to 0..255: exactly the symmetric int8 grid -128..127, shifted.
     if x_scale.numel() == 1:
         return op(x.contiguous(), float(x_scale), 128 + x_zero_point, packed.with_bias)
-    out = op((x / x_scale).contiguous(), 1.0, 128, packed.without_bias).mul_(x_scale)
+    scaled = x.div_(x_scale) if overwrite_input and x.is_contiguous() else (x / x_scale).contiguous()
+    out = op(scaled, 1.0, 128, packed.without_bias).mul_(x_scale)
     return out.add_(bias) if bias is not None else out

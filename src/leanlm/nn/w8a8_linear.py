@@ -107,15 +107,16 @@ class W8A8Linear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"W8A8Linear expects {self.in_features} input features, got shape {tuple(x.shape)}")
         rows = x.reshape(-1, self.in_features).float()
-        outlier_part = None
+        outlier_inputs = outlier_weight = None
+        rows_are_ours = False  # whether `rows` is a private copy the kernel may scale in place
         if self.outlier_threshold is not None:
             columns = (torch.linalg.vector_norm(rows, float("inf"), dim=0) >= self.outlier_threshold).nonzero()[:, 0]
             self.decomposition_counts["dims"] += self.in_features
             self.decomposition_counts["outlier_dims"] += columns.numel()
             if columns.numel():
-                dequantized = self.weight[:, columns].float() * self.weight_scale[:, None]
-                outlier_part = rows[:, columns] @ dequantized.T
-                rows = rows.index_fill(1, columns, 0.0)
+                outlier_weight = self.weight[:, columns].float() * self.weight_scale[:, None]
+                outlier_inputs = rows[:, columns]
+                rows, rows_are_ours = rows.index_fill(1, columns, 0.0), True
         zero_points = {}
         if self.asymmetric:
             scale, x_zero_point = zeropoint_params(rows)
@@ -125,9 +126,9 @@ class W8A8Linear(nn.Module):
         if self.backend == "fbgemm" and self._packed is None:
             self._packed = pack_weight(self.weight, self.weight_scale, self.bias, zero_points.get("weight_zero_point", 0))
         out = int8_linear(rows, scale, self.weight, self.weight_scale, self.bias, self.backend, self._packed,
-                          **zero_points)
-        if outlier_part is not None:
-            out = out.add_(outlier_part)
+                          overwrite_input=rows_are_ours, **zero_points)
+        if outlier_inputs is not None:
+            out = out.addmm_(outlier_inputs, outlier_weight.T)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:

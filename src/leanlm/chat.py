@@ -1,0 +1,94 @@
+"""A multi-round chat that never runs out of context (thesis section 4.4.3): every turn is appended to one
+StreamingLLM cache, so the conversation can go on for ever at a constant cost per token; what scrolls out of
+the window is forgotten, the attention sinks (the first tokens: the chat template's system prompt) stay.
+
+Each turn feeds only the text the chat template adds since the previous turn, in chunks no longer than the
+window, then decodes token by token, handing each new piece of text to a callback as soon as it is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from leanlm.errors import ConfigError
+from leanlm.evaluation.tokens import encode
+from leanlm.methods.streaming import StreamingConfig, sink_cache
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    streaming: StreamingConfig = StreamingConfig(sinks=4, window=2000)  # the reference chat demo's sizes
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be positive, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+
+
+class StreamingChat:
+    def __init__(self, model, tokenizer, settings: ChatSettings = ChatSettings()):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ConfigError("this model's tokenizer has no chat template; `leanlm chat` needs an instruct model")
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.cache = sink_cache(model, settings.streaming)
+        self.messages: list[dict] = []
+        self.fed_text = ""  # everything the cache has read so far, as text
+        self.generator = torch.Generator().manual_seed(settings.seed)
+        self.stop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+                         if isinstance(i, int) and i != tokenizer.unk_token_id}
+
+    def reply(self, user_text: str, on_text: Callable[[str], None] = lambda piece: None) -> str:
+        self.messages.append({"role": "user", "content": user_text})
+        rendered = self.tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        # Chat templates only append, so the new turn is a suffix of the rendering; if one ever rewrites earlier
+        # turns, the rendering of this turn alone is fed instead.
+        if rendered.startswith(self.fed_text):
+            new_text = rendered[len(self.fed_text):]
+        else:
+            new_text = self.tokenizer.apply_chat_template(self.messages[-1:], tokenize=False, add_generation_prompt=True)
+        logits = self._feed(encode(self.tokenizer, new_text))
+        self.fed_text = rendered
+        generated: list[int] = []
+        shown = ""
+        with torch.inference_mode():
+            for _ in range(self.settings.max_new_tokens):
+                token = self._pick(logits)
+                if token in self.stop_ids:
+                    break
+                generated.append(token)
+                text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                    on_text(text[len(shown):])
+                    shown = text
+                logits = self._feed([token])
+        answer = self.tokenizer.decode(generated, skip_special_tokens=True)
+        if answer != shown:
+            on_text(answer[len(shown):])
+        self.messages.append({"role": "assistant", "content": answer})
+        self.fed_text += answer
+        return answer
+
+    def _feed(self, ids: list[int]) -> torch.Tensor:
+        """Read `ids` into the cache in chunks that fit the window; the last position's logits."""
+        if not ids:
+            raise ConfigError("the chat template produced no tokens for this turn")
+        chunk = self.settings.streaming.window
+        with torch.inference_mode():
+            for start in range(0, len(ids), chunk):
+                piece = torch.tensor([ids[start : start + chunk]])
+                logits = self.model(input_ids=piece, past_key_values=self.cache, use_cache=True,
+                                    logits_to_keep=1).logits
+        return logits[0, -1]
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        if self.settings.temperature == 0:
+            return int(logits.argmax())
+        probabilities = torch.softmax(logits.float() / self.settings.temperature, dim=-1)
+        return int(torch.multinomial(probabilities, 1, generator=self.generator))

@@ -1,0 +1,106 @@
+"""StreamingLLM (thesis chapter 4): attention sinks + a rolling KV window, with positions assigned in the cache.
+
+    cache = sink_cache(model, StreamingConfig(sinks=4, window=1020))
+    model.generate(input_ids, past_key_values=cache, max_new_tokens=10_000)      # or a manual token loop
+
+`sink_cache` checks that the model's positions can be re-assigned (RoPE: the keys are re-rotated on eviction;
+learned absolute positions cannot be, ALiBi families have no table yet), and installs, once per model, a forward
+pre-hook that gives the new tokens their *cache* positions (cache length .. cache length + n - 1) whenever a
+SinkCache is passed. transformers' `generate` would otherwise pass text positions, which grow without bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from leanlm.cache.sink_cache import SinkCache, rope_key_shift
+from leanlm.errors import ConfigError, UnsupportedArchitectureError
+from leanlm.models.architectures import architecture_for
+
+# RoPE variants whose rotation is linear in the position (so a shift composes); "dynamic" rescales with length.
+SHIFTABLE_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+_HOOK_ATTRIBUTE = "_leanlm_cache_positions_hook"
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    sinks: int = 4  # initial tokens kept forever (the thesis' default; Table 4.2)
+    window: int = 1020  # most recent tokens kept (cache = sinks + window = 1024, the thesis' size for 2K models)
+
+    def __post_init__(self):
+        if self.sinks < 0:
+            raise ConfigError(f"sinks must be >= 0, got {self.sinks}")
+        if self.window < 1:
+            raise ConfigError(f"window must be >= 1, got {self.window}")
+
+    @property
+    def cache_size(self) -> int:
+        return self.sinks + self.window
+
+
+def sink_cache(model: nn.Module, config: StreamingConfig = StreamingConfig()) -> SinkCache:
+    """A fresh SinkCache for one stream (or one batch of equal-length streams) through `model`."""
+    key_shift = _key_shift(model)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and config.cache_size >= limit:
+        raise ConfigError(
+            f"cache of {config.cache_size} tokens (sinks {config.sinks} + window {config.window}) reaches the model's "
+            f"trained context of {limit}; StreamingLLM keeps the cache inside it (the thesis uses half of it)"
+        )
+    _install_position_hook(model)
+    return SinkCache(config.sinks, config.window, key_shift)
+
+
+def _key_shift(model: nn.Module):
+    table = architecture_for(model)
+    if table.positions != "rope" or table.rotary_embedding is None:
+        raise UnsupportedArchitectureError(
+            f"{table.family} encodes positions as {table.positions!r}: a token's absolute position is baked into its "
+            "embedding, so StreamingLLM cannot re-assign positions inside the cache (it needs RoPE or ALiBi)"
+        )
+    if any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or ()):
+        raise UnsupportedArchitectureError(
+            f"{table.family} mixes sliding-window and full-attention layers (config.layer_types); the sink cache "
+            "supports models whose layers all use full attention"
+        )
+    rotary = model.get_submodule(table.rotary_embedding)
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rope_type not in SHIFTABLE_ROPE_TYPES:
+        raise UnsupportedArchitectureError(
+            f"RoPE type {rope_type!r} changes its frequencies with the sequence length, so cached keys cannot be "
+            f"shifted; supported: {', '.join(SHIFTABLE_ROPE_TYPES)}"
+        )
+    return rope_key_shift(rotary.inv_freq)
+
+
+def _install_position_hook(model: nn.Module) -> None:
+    if getattr(model, _HOOK_ATTRIBUTE, None) is None:
+        setattr(model, _HOOK_ATTRIBUTE, model.register_forward_pre_hook(_cache_positions, with_kwargs=True))
+
+
+def _cache_positions(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: with a SinkCache, the new tokens get positions cache_length .. cache_length + n - 1."""
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, SinkCache):
+        return None
+    inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    if inputs is None and args:
+        inputs = args[0]
+    if inputs is None:
+        raise ConfigError("a forward with a SinkCache needs input_ids or inputs_embeds")
+    batch, length = inputs.shape[:2]
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        if mask.ndim != 2 or not bool(mask.all()):
+            raise ConfigError(
+                "a SinkCache streams equal-length sequences: the attention mask must be all ones (no padding); "
+                "its sink slots would otherwise hold padding"
+            )
+        # generate's mask covers every token of the stream; the cache's own length is what the model must see.
+        kwargs["attention_mask"] = None
+    start = cache.get_seq_length()
+    kwargs["position_ids"] = torch.arange(start, start + length, device=inputs.device).expand(batch, length)
+    return args, kwargs
