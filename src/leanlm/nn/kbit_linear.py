@@ -2,7 +2,8 @@
 block-wise absmax constants (optionally double-quantized), activations stay float32.
 
 Storage is really k bits per weight (`packed` holds the bit stream); `bits_per_weight` is the exact account.
-The forward pass here is the plain-PyTorch reference: de-quantize, then matmul.
+The forward pass runs leanlm's AVX2 kernel where the layout allows (4-bit codes, blocks tiling each row), else
+the plain-PyTorch reference (de-quantize, then matmul), which is also the kernel's test oracle.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 from leanlm.formats.blockwise import SECOND_LEVEL_BLOCK, BlockwiseQuantized, quantize_blockwise
 from leanlm.formats.codebooks import Codebook, codebook
 from leanlm.formats.packing import pack, packed_bytes, unpack
+from leanlm.kernels.kbit_gemm import KbitBackend, code_table, default_backend, kbit_linear, supports_fast_path
 
 
 class KbitLinear(nn.Module):
@@ -26,8 +28,11 @@ class KbitLinear(nn.Module):
         block_size: int | None = 64,  # None: one block per output row
         double_quant: bool = False,
         exponent_bits: int | None = None,  # float types only
+        backend: KbitBackend | None = None,  # None: the fast kernel where it applies, chosen at the first forward
     ):
         super().__init__()
+        self.backend = backend
+        self._kernel_inputs = None  # (float absmax, code table): derived from the buffers, rebuilt after a load
         self.in_features, self.out_features = in_features, out_features
         self.dtype, self.bits, self.double_quant, self.exponent_bits = dtype, bits, double_quant, exponent_bits
         self.block_size = block_size or in_features
@@ -83,8 +88,28 @@ class KbitLinear(nn.Module):
         stored = [self.packed, self.absmax] + ([self.absmax_scale, self.absmax_offset] if self.double_quant else [])
         return sum(t.numel() * t.element_size() * 8 for t in stored) / (self.in_features * self.out_features)
 
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._kernel_inputs = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _resolve_backend(self) -> KbitBackend:
+        if self.backend is None:
+            fits = supports_fast_path(self.bits, self.block_size, self.in_features)
+            self.backend = default_backend() if fits else "reference"
+        return self.backend
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"KbitLinear expects {self.in_features} input features, got shape {tuple(x.shape)}")
+        if self._resolve_backend() == "reference" or x.requires_grad:
+            return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+        if self._kernel_inputs is None:
+            self._kernel_inputs = (self.quantized().block_constants().float().contiguous(),
+                                   code_table(self.codebook.values))
+        absmax, table = self._kernel_inputs
+        rows = x.reshape(-1, self.in_features).float()
+        out = kbit_linear(rows, self.packed, absmax, table, self.out_features, self.block_size, self.bias, self.backend)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         blocks = "per-row" if self.per_row else f"block {self.block_size}"

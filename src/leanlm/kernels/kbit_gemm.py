@@ -1,0 +1,108 @@
+"""The weight-only k-bit linear: y = x @ W^T + b with W = codebook[codes] * absmax[block].
+
+`reference` is plain PyTorch (de-quantize the whole weight, then matmul): the test oracle, and the path for any
+k other than 4 or blocks that straddle rows. `avx2` is leanlm's C++ kernel (`csrc/kbit4_gemm.cpp`), compiled on
+first use with the system's C++ compiler into leanlm's cache: for small M (decode) it decodes 4-bit codes in
+registers and never writes a float weight (memory-bound: 4.5 bits moved per weight instead of 32); for large M
+it decodes tiles of output rows and hands them to PyTorch's SGEMM, so the decoding is amortised over M.
+
+PyTorch's own CPU ops were the first choice and do not fit: `_weight_int4pack_mm_for_cpu` is affine int4 (no
+code book, so no NF4/FP4), `_weight_int8pack_mm` is 8-bit per-channel only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from leanlm.errors import ConfigError
+from leanlm.formats.packing import unpack
+
+KbitBackend = Literal["reference", "avx2"]
+SMALL_M = 16  # up to this many rows the register-decoding GEMV wins; above, decode tiles + SGEMM
+TILE_ROWS = 512  # output rows decoded at once on the large-M path (TILE_ROWS x K float32 of scratch)
+_SOURCE = Path(__file__).parent / "csrc" / "kbit4_gemm.cpp"
+_log = logging.getLogger(__name__)
+
+
+def _cache_dir() -> Path:
+    root = Path(os.environ.get("LEANLM_CACHE", Path.home() / ".cache" / "leanlm"))
+    return root / "kernels" / f"torch-{torch.__version__}"
+
+
+@lru_cache(maxsize=1)
+def _extension():
+    """The compiled kernel, or None (with the reason logged once) where it cannot be built or run."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        _log.warning("k-bit kernel: this CPU has no AVX2; using the reference path")
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        directory = _cache_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(name="leanlm_kbit4", sources=[str(_SOURCE)], build_directory=str(directory),
+                                  extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False)
+    except Exception as error:  # no compiler, no headers: the reference path still works
+        _log.warning("k-bit kernel could not be built (%s); using the reference path", str(error).splitlines()[0])
+        return None
+
+
+def avx2_available() -> bool:
+    return _extension() is not None
+
+
+def default_backend() -> KbitBackend:
+    return "avx2" if avx2_available() else "reference"
+
+
+def supports_fast_path(bits: int, block_size: int, in_features: int) -> bool:
+    """The kernel's layout: 4-bit codes, blocks of a multiple of 16 values that tile each row exactly."""
+    return bits == 4 and block_size % 16 == 0 and in_features % block_size == 0
+
+
+def code_table(values: torch.Tensor) -> torch.Tensor:
+    """A code book as the kernel's 16-entry float32 table (smaller code books are padded; the padding is never
+    indexed because no code points at it)."""
+    if values.numel() > 16:
+        raise ConfigError(f"a 4-bit table has 16 entries, got a code book of {values.numel()}")
+    table = torch.zeros(16, dtype=torch.float32)
+    table[: values.numel()] = values.float()
+    return table
+
+
+def kbit_linear(
+    x: torch.Tensor,  # (M, K) float32
+    packed: torch.Tensor,  # uint8, two codes per byte, first code in the high nibble
+    absmax: torch.Tensor,  # (N * K / block,) float32
+    table: torch.Tensor,  # (16,) float32
+    out_features: int,
+    block_size: int,
+    bias: torch.Tensor | None,
+    backend: KbitBackend,
+) -> torch.Tensor:
+    in_features = x.shape[1]
+    if backend == "reference":
+        codes = unpack(packed, 4, out_features * in_features).long()
+        weight = (table[codes].reshape(-1, block_size) * absmax[:, None]).reshape(out_features, in_features)
+        return torch.nn.functional.linear(x, weight, bias)
+    if backend != "avx2":
+        raise ValueError(f"unknown k-bit backend {backend!r}; choose reference or avx2")
+    extension = _extension()
+    if extension is None:
+        raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
+    x = x.contiguous()
+    if x.shape[0] <= SMALL_M:
+        out = extension.kbit4_gemv(x, packed, absmax, table, out_features, block_size)
+    else:
+        out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+        for first in range(0, out_features, TILE_ROWS):
+            last = min(first + TILE_ROWS, out_features)
+            tile = extension.dequantize_rows(packed, absmax, table, in_features, block_size, first, last)
+            out[:, first:last] = x @ tile.T
+    return out.add_(bias) if bias is not None else out

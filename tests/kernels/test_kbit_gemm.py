@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from leanlm.formats.blockwise import quantize_blockwise
+from leanlm.formats.codebooks import codebook
+from leanlm.formats.packing import pack
+from leanlm.kernels.kbit_gemm import avx2_available, code_table, kbit_linear, supports_fast_path
+from leanlm.nn import KbitLinear
+
+needs_avx2 = pytest.mark.skipif(not avx2_available(), reason="the AVX2 k-bit kernel cannot be built or run here")
+
+
+def operands(out_features, in_features, dtype, block):
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features)
+    book = codebook(dtype, 4)
+    quantized = quantize_blockwise(weight, book, block)
+    return quantized, pack(quantized.codes, 4), code_table(book.values), torch.randn(out_features)
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 17, 300])
+@pytest.mark.parametrize("dtype, block", [("nf", 64), ("fp", 16), ("int", 128), ("nf", 512)])
+def test_fast_path_matches_the_reference(rows, dtype, block):
+    quantized, packed, table, bias = operands(96, 512, dtype, block)
+    x = torch.randn(rows, 512)
+    expected = x @ quantized.dequantize().T + bias
+    reference = kbit_linear(x, packed, quantized.absmax, table, 96, block, bias, "reference")
+    fast = kbit_linear(x, packed, quantized.absmax, table, 96, block, bias, "avx2")
+    torch.testing.assert_close(reference, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-4)
+
+
+@needs_avx2
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_kbit_linear_module_takes_the_fast_path_and_agrees(double_quant):
+    torch.manual_seed(1)
+    weight, bias = torch.randn(64, 256), torch.randn(64)
+    fast = KbitLinear.from_float(weight, bias, "nf", 4, 64, double_quant)
+    slow = KbitLinear.from_float(weight, bias, "nf", 4, 64, double_quant)
+    slow.backend = "reference"
+    x = torch.randn(2, 5, 256)
+    torch.testing.assert_close(fast(x), slow(x), rtol=1e-5, atol=1e-4)
+    assert fast.backend == "avx2"
+
+
+def test_layouts_the_kernel_does_not_cover_use_the_reference():
+    assert supports_fast_path(4, 64, 4096) and not supports_fast_path(3, 64, 4096)
+    assert not supports_fast_path(4, 64, 4000) and not supports_fast_path(4, 40, 4000)
+    module = KbitLinear.from_float(torch.randn(8, 96), None, "int", 3, 32)
+    module(torch.randn(1, 96))
+    assert module.backend == "reference"
