@@ -163,12 +163,14 @@ def command_quantize(args) -> None:
 
     if args.out.exists() and any(args.out.iterdir()):
         raise ConfigError(f"--out {args.out} exists and is not empty; choose a new directory")
-    kbit_options = [args.dtype, args.bits, args.block_size, args.exponent_bits]
+    kbit_options = [args.dtype, args.bits, args.block_size, args.exponent_bits, args.proxy_fraction]
     if args.method == "kbit":
         block_size = None if args.block_size == "row" else (args.block_size or 64)
-        config = KbitConfig(args.dtype or "nf", args.bits or 4, block_size, args.double_quant, args.exponent_bits)
+        config = KbitConfig(args.dtype or "nf", args.bits or 4, block_size, args.double_quant, args.exponent_bits,
+                            args.proxy_fraction or 0.0)
     elif any(option is not None for option in kbit_options) or args.double_quant:
-        raise ConfigError("--dtype, --bits, --block-size, --double-quant and --exponent-bits apply to --method kbit")
+        raise ConfigError("--dtype, --bits, --block-size, --double-quant, --exponent-bits and --proxy-fraction "
+                          "apply to --method kbit")
     else:
         config = _int8_config(args)
     loaded = load_model(args.model)
@@ -297,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--block-size", type=_block_size, help="kbit: values per absmax constant, or 'row' (default 64)")
     quantize.add_argument("--double-quant", action="store_true", help="kbit: 8-bit block constants (QLoRA)")
     quantize.add_argument("--exponent-bits", type=int, help="kbit --dtype fp: exponent bits (default ~half)")
+    quantize.add_argument("--proxy-fraction", type=float,
+                          help="kbit: share of input dimensions kept in 16-bit, chosen by the previous layer's "
+                               "weight std (proxy quantization; the thesis uses 0.02)")
     quantize.add_argument("--threshold", type=_positive_float,
                           help="llm-int8: outlier magnitude (default 6.0; inf: no decomposition)")
     quantize.add_argument("--level", choices=["O1", "O2", "O3"],

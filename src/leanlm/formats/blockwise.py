@@ -85,6 +85,8 @@ def bits_per_parameter(bits: int, block_size: int, double_quant: bool, outlier_f
                        constant_bits: int = 32) -> float:
     """Exact storage per weight: k-bit codes, the block constants (float32, or 8-bit + float32 per 256 blocks
     with double quantization, plus one float32 mean per tensor, which vanishes per parameter) and 16-bit
-    outliers kept aside at `outlier_fraction` (proxy quantization: +p(16 - k)). The codebook is shared."""
+    outlier columns kept aside at `outlier_fraction` (proxy quantization). leanlm keeps the k-bit codes of those
+    columns (as zeros) so the packed layout stays regular: +16p, where the thesis' account, which drops them,
+    has +p(16 - k). The codebook and the column indices (32 bits per column, not per weight) are left out."""
     constants = (8 / block_size + 32 / (block_size * SECOND_LEVEL_BLOCK)) if double_quant else constant_bits / block_size
-    return bits + constants + outlier_fraction * (16 - bits)
+    return bits + constants + outlier_fraction * 16

@@ -100,9 +100,12 @@ def kbit_linear(
     if x.shape[0] <= SMALL_M:
         out = extension.kbit4_gemv(x, packed, absmax, table, out_features, block_size)
     else:
-        out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+        # Computed as out^T = W x^T, so that each tile's result is a contiguous block of rows.
+        out_t = torch.empty(out_features, x.shape[0], dtype=torch.float32)
+        scratch = torch.empty(min(TILE_ROWS, out_features), in_features, dtype=torch.float32)
         for first in range(0, out_features, TILE_ROWS):
-            last = min(first + TILE_ROWS, out_features)
-            tile = extension.dequantize_rows(packed, absmax, table, in_features, block_size, first, last)
-            out[:, first:last] = x @ tile.T
+            tile = scratch[: min(TILE_ROWS, out_features - first)]
+            extension.dequantize_rows(packed, absmax, table, block_size, first, tile)
+            torch.mm(tile, x.T, out=out_t[first : first + tile.shape[0]])
+        out = out_t.T.contiguous()
     return out.add_(bias) if bias is not None else out

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from leanlm.errors import ConfigError
 from leanlm.formats.blockwise import bits_per_parameter
 from leanlm.formats.codebooks import DTYPES
-from leanlm.models.architectures import architecture_for, iter_quantizable_linears, linear_weight_out_in
+from leanlm.models.architectures import (
+    architecture_for,
+    iter_quantizable_linears,
+    linear_weight_out_in,
+    proxy_source_weights,
+)
 from leanlm.nn import KbitLinear
 
 
@@ -22,6 +28,7 @@ class KbitConfig:
     block_size: int | None = 64  # None: one block per output row
     double_quant: bool = False  # 8-bit constants in second-level blocks of 256 (QLoRA)
     exponent_bits: int | None = None  # float types: the e of e/m
+    proxy_fraction: float = 0.0  # p of proxy quantization: input dims kept in 16-bit (thesis uses 0.02)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -30,24 +37,40 @@ class KbitConfig:
             raise ConfigError(f"bits must be between 3 and 8, got {self.bits}")
         if self.block_size is not None and self.block_size < 2:
             raise ConfigError(f"block size must be at least 2, got {self.block_size}")
+        if not 0.0 <= self.proxy_fraction < 1.0:
+            raise ConfigError(f"proxy fraction must be in [0, 1), got {self.proxy_fraction}")
 
     def nominal_bits(self) -> float | None:
         """The account for fixed-size blocks (per-row blocks depend on the layer width)."""
-        return None if self.block_size is None else bits_per_parameter(self.bits, self.block_size, self.double_quant)
+        if self.block_size is None:
+            return None
+        return bits_per_parameter(self.bits, self.block_size, self.double_quant, self.proxy_fraction)
 
 
 def quantize_kbit_(model: nn.Module, config: KbitConfig) -> dict:
     """Quantize the block linears of `model` in place; returns the record, with the measured average bits per
     weight of the quantized linears ("avg_bits")."""
     table = architecture_for(model)
+    # Chosen from the float weights before any layer is replaced.
+    proxy = {name: proxy_columns(source, config.proxy_fraction)
+             for name, source in proxy_source_weights(model, table).items()} if config.proxy_fraction else {}
     weights = stored_bits = 0
     for name, module in tqdm(list(iter_quantizable_linears(model, table)), desc="quantizing", unit="linear", leave=False):
         quantized = KbitLinear.from_float(linear_weight_out_in(module, table), getattr(module, "bias", None),
                                           config.dtype, config.bits, config.block_size, config.double_quant,
-                                          config.exponent_bits)
+                                          config.exponent_bits, proxy.get(name))
         model.set_submodule(name, quantized)
         count = quantized.in_features * quantized.out_features
         weights += count
         stored_bits += quantized.bits_per_weight() * count
     return {"method": "kbit", **asdict(config), "avg_bits": stored_bits / weights,
             "nominal_bits": config.nominal_bits()}
+
+
+def proxy_columns(source_weight: torch.Tensor, fraction: float) -> torch.Tensor | None:
+    """Thesis eq. 3.2: the `fraction` of output units of the previous layer whose weights have the largest
+    standard deviation; their dimensions are the next layer's outlier inputs."""
+    count = round(fraction * source_weight.shape[0])
+    if count == 0:
+        return None
+    return source_weight.detach().float().std(dim=1).topk(count).indices

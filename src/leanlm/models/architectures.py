@@ -234,3 +234,43 @@ def rotary_fraction(config) -> float:
             if key in source and source[key] is not None:
                 return float(source[key])
     return 1.0
+
+
+def proxy_source_weights(model: nn.Module, table: ArchitectureTable | None = None) -> dict[str, torch.Tensor]:
+    """For proxy quantization (thesis section 3.3): for each quantizable linear (full name), the (out, in) weight
+    of the layer whose output units are that linear's input dimensions.
+
+    Linears reading the residual stream get the last layer that wrote to it: the previous block's MLP output for
+    attention inputs (the token embedding, transposed, for block 0), the same block's attention output for MLP
+    inputs. Attention's output gets the value projection and the MLP's output its up projection, where the table
+    has them as `linear_feeds` producers (else the last MLP input, whose units pass through the activation)."""
+    table = table or architecture_for(model)
+    blocks = decoder_blocks(model, table)
+    producers = {feed.consumer: feed.producer for feed in table.linear_feeds}
+    producers.setdefault(table.mlp_output, table.mlp_inputs[-1])
+    sources: dict[str, torch.Tensor] = {}
+    residual_writer = model.get_input_embeddings().weight.t()  # (hidden, vocab): its rows are the hidden units
+    for index, block in enumerate(blocks):
+        prefix = f"{table.blocks}.{index}."
+        for path in table.attention_inputs:
+            sources[prefix + path] = residual_writer
+        attention_output = linear_weight_out_in(block.get_submodule(table.attention_output), table)
+        for path in table.mlp_inputs:
+            sources[prefix + path] = attention_output
+        for consumer, producer in producers.items():
+            weight = linear_weight_out_in(block.get_submodule(producer), table)
+            inputs = linear_weight_out_in(block.get_submodule(consumer), table).shape[1]
+            if inputs != weight.shape[0] and inputs % weight.shape[0] == 0:
+                weight = _repeat_kv_heads(weight, inputs // weight.shape[0], model.config)
+            if weight.shape[0] == inputs:
+                sources[prefix + consumer] = weight
+        residual_writer = linear_weight_out_in(block.get_submodule(table.mlp_output), table)
+    return sources
+
+
+def _repeat_kv_heads(value_weight: torch.Tensor, groups: int, config) -> torch.Tensor:
+    """Grouped-query attention: each key/value head serves `groups` query heads, so the value projection's rows,
+    head by head, repeated `groups` times line up with the output projection's input dimensions."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = value_weight.reshape(-1, head_dim, value_weight.shape[1])
+    return heads.repeat_interleave(groups, dim=0).reshape(-1, value_weight.shape[1])

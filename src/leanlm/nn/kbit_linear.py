@@ -29,6 +29,7 @@ class KbitLinear(nn.Module):
         double_quant: bool = False,
         exponent_bits: int | None = None,  # float types only
         backend: KbitBackend | None = None,  # None: the fast kernel where it applies, chosen at the first forward
+        proxy_dims: int = 0,  # input dimensions kept in 16-bit (proxy quantization, thesis section 3.3)
     ):
         super().__init__()
         self.backend = backend
@@ -47,6 +48,11 @@ class KbitLinear(nn.Module):
         else:
             self.register_buffer("absmax", torch.zeros(blocks))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        # Proxy quantization: these input columns are stored in float16 beside the k-bit weight (whose codes
+        # for them encode zeros, so the columns neither count twice nor inflate their blocks' absmax).
+        self.register_buffer("proxy_columns", torch.zeros(proxy_dims, dtype=torch.int32) if proxy_dims else None)
+        self.register_buffer("proxy_weight", torch.zeros(out_features, proxy_dims, dtype=torch.float16)
+                             if proxy_dims else None)
 
     @property
     def codebook(self) -> Codebook:
@@ -54,10 +60,18 @@ class KbitLinear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: str = "nf", bits: int = 4,
-                   block_size: int | None = 64, double_quant: bool = False,
-                   exponent_bits: int | None = None) -> "KbitLinear":
+                   block_size: int | None = 64, double_quant: bool = False, exponent_bits: int | None = None,
+                   proxy_columns: torch.Tensor | None = None) -> "KbitLinear":
         out_features, in_features = weight.shape
-        module = cls(in_features, out_features, bias is not None, dtype, bits, block_size, double_quant, exponent_bits)
+        proxy_dims = 0 if proxy_columns is None else proxy_columns.numel()
+        module = cls(in_features, out_features, bias is not None, dtype, bits, block_size, double_quant, exponent_bits,
+                     proxy_dims=proxy_dims)
+        weight = weight.detach().float()
+        if proxy_dims:
+            columns = proxy_columns.long().sort().values
+            module.proxy_columns = columns.to(torch.int32)
+            module.proxy_weight = weight[:, columns].half()
+            weight = weight.index_fill(1, columns, 0.0)
         quantized = quantize_blockwise(weight, module.codebook, block_size, double_quant)
         module.packed = pack(quantized.codes, bits)
         module.absmax = quantized.absmax
@@ -70,7 +84,8 @@ class KbitLinear(nn.Module):
     def constructor_args(self) -> dict:
         return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
                 "dtype": self.dtype, "bits": self.bits, "block_size": None if self.per_row else self.block_size,
-                "double_quant": self.double_quant, "exponent_bits": self.exponent_bits}
+                "double_quant": self.double_quant, "exponent_bits": self.exponent_bits,
+                "proxy_dims": 0 if self.proxy_columns is None else self.proxy_columns.numel()}
 
     def quantized(self) -> BlockwiseQuantized:
         count = self.in_features * self.out_features
@@ -81,11 +96,16 @@ class KbitLinear(nn.Module):
         )
 
     def dequantized_weight(self) -> torch.Tensor:
-        return self.quantized().dequantize()
+        """The weight this layer computes with, proxy columns included."""
+        weight = self.quantized().dequantize()
+        if self.proxy_columns is not None:
+            weight[:, self.proxy_columns.long()] = self.proxy_weight.float()
+        return weight
 
     def bits_per_weight(self) -> float:
         """Measured: bits of every stored tensor of this module (bias excluded) per weight."""
         stored = [self.packed, self.absmax] + ([self.absmax_scale, self.absmax_offset] if self.double_quant else [])
+        stored += [self.proxy_columns, self.proxy_weight] if self.proxy_columns is not None else []
         return sum(t.numel() * t.element_size() * 8 for t in stored) / (self.in_features * self.out_features)
 
     def _load_from_state_dict(self, *args, **kwargs):
@@ -109,9 +129,12 @@ class KbitLinear(nn.Module):
         absmax, table = self._kernel_inputs
         rows = x.reshape(-1, self.in_features).float()
         out = kbit_linear(rows, self.packed, absmax, table, self.out_features, self.block_size, self.bias, self.backend)
+        if self.proxy_columns is not None:
+            out.addmm_(rows[:, self.proxy_columns.long()], self.proxy_weight.float().T)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         blocks = "per-row" if self.per_row else f"block {self.block_size}"
+        proxy = f", {self.proxy_columns.numel()} proxy dims in fp16" if self.proxy_columns is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.codebook.name}, {blocks}"
-                f"{', double-quant' if self.double_quant else ''}")
+                f"{', double-quant' if self.double_quant else ''}{proxy}")

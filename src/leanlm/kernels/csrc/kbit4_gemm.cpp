@@ -4,8 +4,8 @@
 // of codes is decoded into registers and multiplied into every row of x, so the memory traffic is the packed
 // weights (4 bits) plus the constants; that is the point at batch-1 decode, which is memory-bound.
 //
-// `dequantize_rows` decodes a range of output rows to float32, for the large-M path (decode a tile, then an
-// ordinary SGEMM) that Python drives.
+// `dequantize_rows` decodes a range of output rows into a float32 scratch tile, for the large-M path (decode a
+// tile, then an ordinary SGEMM) that Python drives.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -106,20 +106,23 @@ torch::Tensor kbit4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor ab
   return out;
 }
 
-torch::Tensor dequantize_rows(torch::Tensor packed, torch::Tensor absmax, torch::Tensor table, int64_t in_features,
-                              int64_t block, int64_t first_row, int64_t last_row) {
+void dequantize_rows(torch::Tensor packed, torch::Tensor absmax, torch::Tensor table, int64_t block,
+                     int64_t first_row, torch::Tensor out) {
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.is_contiguous(), "out: contiguous float32");
+  const int64_t in_features = out.size(1), rows = out.size(0);
   TORCH_CHECK(block % 16 == 0 && in_features % block == 0, "block must be a multiple of 16 dividing in_features");
-  auto out = torch::empty({last_row - first_row, in_features}, torch::kFloat);
+  TORCH_CHECK(packed.numel() >= (first_row + rows) * in_features / 2, "rows beyond the packed weight");
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* ap = absmax.data_ptr<float>();
   const float* tp = table.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t blocks_per_row = in_features / block;
-  at::parallel_for(first_row, last_row, 8, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, rows, 8, [&](int64_t first, int64_t last) {
     const __m256 low_table = _mm256_loadu_ps(tp);
     const __m256 high_table = _mm256_loadu_ps(tp + 8);
-    for (int64_t n = first; n < last; ++n) {
-      float* row_out = op + (n - first_row) * in_features;
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t n = first_row + i;
+      float* row_out = op + i * in_features;
       for (int64_t b = 0; b < blocks_per_row; ++b) {
         const __m256 scale = _mm256_set1_ps(ap[n * blocks_per_row + b]);
         for (int64_t k = b * block; k < (b + 1) * block; k += 16) {
@@ -131,10 +134,9 @@ torch::Tensor dequantize_rows(torch::Tensor packed, torch::Tensor absmax, torch:
       }
     }
   });
-  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kbit4_gemv", &kbit4_gemv, "4-bit weight-only linear, weights decoded in registers (AVX2)");
-  m.def("dequantize_rows", &dequantize_rows, "4-bit weights of output rows [first, last) to float32 (AVX2)");
+  m.def("dequantize_rows", &dequantize_rows, "4-bit weights of out.size(0) output rows from first_row into out (AVX2)");
 }

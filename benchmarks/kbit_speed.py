@@ -1,0 +1,145 @@
+"""Weight-only NF4 linears side by side in one process: FP32, leanlm (AVX2 kernel; NF4 and NF4 + double
+quantization), bitsandbytes `Linear4bit` (nf4) and torchao's NF4 tensor, on a 4096 x 4096 linear at M = 1, 16,
+64, 512; plus SmolLM2's batch-1 decode tokens/s in FP32 and with every block linear in leanlm NF4 + DQ.
+Writes benchmarks/results/kbit_speed.json + .png.
+
+    python benchmarks/kbit_speed.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+import warnings
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from leanlm.bench import time_modules, weight_bytes, write_results  # noqa: E402
+from leanlm.methods import KbitConfig, quantize_kbit_  # noqa: E402
+from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
+from leanlm.nn import KbitLinear  # noqa: E402
+from leanlm.report import format_table  # noqa: E402
+
+warnings.filterwarnings("ignore")
+ROWS = (1, 16, 64, 512)
+
+
+class TorchaoNF4Linear(nn.Module):
+    """torchao's NF4 tensor (QLoRA's format: block 64, scalers double-quantized in blocks of 256)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        self.weight = nn.Parameter(to_nf4(linear.weight.detach()), requires_grad=False)
+
+    def forward(self, x):
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+        return linear_nf4(x, self.weight)
+
+
+def bitsandbytes_nf4(linear: nn.Linear) -> nn.Module:
+    import bitsandbytes as bnb
+
+    module = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                               compute_dtype=torch.float32, quant_type="nf4", compress_statistics=True)
+    module.load_state_dict(linear.state_dict())
+    return module.to("cpu").eval()  # the move quantizes
+
+
+def bench_linear(repeats: int) -> dict:
+    torch.manual_seed(0)
+    linear = nn.Linear(4096, 4096, bias=False)
+    modules = {
+        "fp32": linear,
+        "leanlm nf4": KbitLinear.from_float(linear.weight, None, "nf", 4, 64, double_quant=False),
+        "leanlm nf4+dq": KbitLinear.from_float(linear.weight, None, "nf", 4, 64, double_quant=True),
+        "bitsandbytes nf4": bitsandbytes_nf4(linear),
+        "torchao nf4": TorchaoNF4Linear(linear),
+    }
+    results = {"weight_bytes": {name: weight_bytes(m) for name, m in modules.items()}}
+    for m in ROWS:
+        x = torch.randn(m, 4096)
+        with torch.inference_mode():
+            exact = linear(x)
+        slow = lambda name: name.startswith(("bitsandbytes", "torchao")) and m >= 64  # noqa: E731
+        entry = time_modules(modules, x, exact, repeats, slow=slow)
+        for name in ("leanlm nf4", "leanlm nf4+dq"):
+            entry[name]["speedup_vs_bitsandbytes"] = entry["bitsandbytes nf4"]["median_ms"] / entry[name]["median_ms"]
+            entry[name]["speedup_vs_torchao"] = entry["torchao nf4"]["median_ms"] / entry[name]["median_ms"]
+        results[str(m)] = entry
+        print(f"M={m}: " + ", ".join(f"{n} {v['median_ms']:.2f} ms ({v['speedup_vs_fp32']:.2f}x)"
+                                     for n, v in entry.items()), flush=True)
+    return results
+
+
+def decode_tokens_per_second(model, prompt: torch.Tensor, new_tokens: int) -> float:
+    with torch.inference_mode():
+        model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up
+        started = time.perf_counter()
+        model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        return new_tokens / (time.perf_counter() - started)
+
+
+def bench_decode(model_name: str, new_tokens: int) -> dict:
+    loaded = load_model(model_name)
+    prompt = loaded.tokenizer("The history of the city begins", return_tensors="pt").input_ids
+    loaded.model.generation_config.pad_token_id = loaded.tokenizer.eos_token_id
+    nf4 = copy.deepcopy(loaded.model)
+    quantize_kbit_(nf4, KbitConfig(dtype="nf", bits=4, block_size=64, double_quant=True))
+    results = {}
+    for name, model in {"fp32": loaded.model, "leanlm nf4+dq": nf4}.items():
+        results[name] = {"tokens_per_second": decode_tokens_per_second(model, prompt, new_tokens),
+                         "weight_bytes": weight_bytes(model)}
+        print(f"decode {name}: {results[name]['tokens_per_second']:.1f} tok/s", flush=True)
+    results["leanlm nf4+dq"]["speedup_vs_fp32"] = (results["leanlm nf4+dq"]["tokens_per_second"]
+                                                   / results["fp32"]["tokens_per_second"])
+    results["note"] = loaded.weights_note
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    payload = {"linear_4096": bench_linear(args.repeats), "decode": bench_decode(args.model, args.new_tokens),
+               "settings": vars(args)}
+
+    names = ["fp32", "leanlm nf4", "leanlm nf4+dq", "bitsandbytes nf4", "torchao nf4"]
+    rows = [[m] + [f"{payload['linear_4096'][str(m)][n]['median_ms']:.2f} "
+                   f"({payload['linear_4096'][str(m)][n]['speedup_vs_fp32']:.2f}x)" for n in names] for m in ROWS]
+    print(format_table(["M", *names], rows, markdown=True))
+
+    def plot(path):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for name in names[1:]:
+            ax.plot(ROWS, [payload["linear_4096"][str(m)][name]["speedup_vs_fp32"] for m in ROWS], marker="o",
+                    label=name)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("M (rows)")
+        ax.set_ylabel("speed-up over FP32, 4096x4096 linear")
+        ax.legend(fontsize=8)
+        decode = payload["decode"]
+        ax.set_title(f"{args.model} decode: fp32 {decode['fp32']['tokens_per_second']:.1f} tok/s, "
+                     f"leanlm nf4+dq {decode['leanlm nf4+dq']['tokens_per_second']:.1f} tok/s", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    print(f"wrote {write_results('kbit_speed', payload, plot)}")
+
+
+if __name__ == "__main__":
+    main()
