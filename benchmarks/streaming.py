@@ -15,6 +15,7 @@ Writes benchmarks/results/streaming_<model>.json + .png (and stream_<model>.png:
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import matplotlib
@@ -31,6 +32,7 @@ from leanlm.evaluation.streaming import (  # noqa: E402
     cached_nll,
     long_text_tokens,
     plot_stream,
+    strategy_latency,
     stream_evaluate,
 )
 from leanlm.methods.streaming import StreamingConfig, sink_cache  # noqa: E402
@@ -38,6 +40,7 @@ from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
 from leanlm.report import format_table  # noqa: E402
 
 SINKS = (0, 1, 2, 4, 8)
+PARTS = ("probe", "stream", "latency", "sinks", "sizes")  # latency: re-time the stream's strategies only
 CACHE_SIZES = (256, 512, 1024, 2048)
 
 
@@ -92,6 +95,8 @@ def main() -> None:
     parser.add_argument("--ablation-tokens", type=int, default=20_000)
     parser.add_argument("--probe-texts", type=int, default=256)
     parser.add_argument("--probe-length", type=int, default=16)
+    parser.add_argument("--only", nargs="*", choices=PARTS, default=list(PARTS),
+                        help="run only these parts; the others keep their results from the previous run")
     args = parser.parse_args()
     torch.set_num_threads(2)
 
@@ -104,17 +109,28 @@ def main() -> None:
     note = f" ({loaded.weights_note})" if loaded.weights_note else ""
     title = f"{args.model}{note}: StreamingLLM"
     payload: dict = {"model": args.model, "weights_note": loaded.weights_note, "settings": vars(args)}
+    previous_path = results_dir() / f"streaming_{name}.json"
+    if previous_path.exists():
+        previous = json.loads(previous_path.read_text())
+        payload.update({key: value for key, value in previous.items() if key not in ("settings", "environment")})
 
     def save():
         payload["seconds"] = time.perf_counter() - started
         write_results(f"streaming_{name}", payload, plot_ablations(payload, title))
 
-    texts = [t for t in data.lambada_test_texts()][: args.probe_texts]
-    payload["sink_probe"] = f"{len(texts)} LAMBADA passages x {args.probe_length} tokens"
-    payload["first_token_attention"] = attention_sink_mass(model, tokenizer, texts, args.probe_length)
-    save()
+    if "probe" in args.only:
+        texts = [t for t in data.lambada_test_texts()][: args.probe_texts]
+        payload["sink_probe"] = f"{len(texts)} LAMBADA passages x {args.probe_length} tokens"
+        payload["first_token_attention"] = attention_sink_mass(model, tokenizer, texts, args.probe_length)
+        save()
 
-    payload["stream"] = stream_evaluate(model, tokenizer, settings)
+    trained = getattr(model.config, "max_position_embeddings", None)
+    if "stream" in args.only:
+        payload["stream"] = stream_evaluate(model, tokenizer, settings)
+    elif "latency" in args.only:
+        stream_tokens = torch.tensor(long_text_tokens(tokenizer, args.max_tokens))
+        for strategy, entry in payload["stream"]["settings"].items():
+            entry.update(strategy_latency(model, stream_tokens, strategy, settings, trained))
     stream = payload["stream"]["settings"]
     stream["streaming"]["speedup_vs_recompute"] = stream["recompute"]["ms_per_token"] / stream["streaming"]["ms_per_token"]
     plot_stream(payload["stream"], results_dir() / f"stream_{name}.png",
@@ -123,14 +139,15 @@ def main() -> None:
 
     tokens = torch.tensor(long_text_tokens(tokenizer, args.ablation_tokens))
     cache = settings.cache_size
-    payload["sinks_ablation"] = ablation(model, tokens, {
-        f"{s}+{cache - s}": StreamingConfig(sinks=s, window=cache - s) for s in SINKS}, args.chunk)
-    save()
-    trained = getattr(model.config, "max_position_embeddings", None)
-    sizes = [c for c in CACHE_SIZES if trained is None or c < trained]
-    payload["cache_size_ablation"] = ablation(model, tokens, {
-        f"4+{c - 4}": StreamingConfig(sinks=4, window=c - 4) for c in sizes}, args.chunk)
-    save()
+    if "sinks" in args.only:
+        payload["sinks_ablation"] = ablation(model, tokens, {
+            f"{s}+{cache - s}": StreamingConfig(sinks=s, window=cache - s) for s in SINKS}, args.chunk)
+        save()
+    if "sizes" in args.only:
+        sizes = [c for c in CACHE_SIZES if trained is None or c < trained]
+        payload["cache_size_ablation"] = ablation(model, tokens, {
+            f"4+{c - 4}": StreamingConfig(sinks=4, window=c - 4) for c in sizes}, args.chunk)
+        save()
 
     rows = [[s, stream[s]["perplexity"], stream[s]["tokens"], stream[s].get("perplexity_on_recompute_targets"),
              stream[s]["ms_per_token"], stream[s]["peak_memory_bytes"] / 2**20] for s in settings.strategies]

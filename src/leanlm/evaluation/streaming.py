@@ -108,17 +108,20 @@ def recompute_nll(model, tokens: torch.Tensor, window: int, targets: range, batc
     return torch.cat(nll)
 
 
-def decode_latency(model, tokens: torch.Tensor, cache, steps: int, samples: int = 32) -> list[tuple[int, float]]:
-    """(stream position, ms) of single-token forwards through `cache`, `samples` of them spread over `steps`."""
+def decode_latency(model, tokens: torch.Tensor, cache, steps: int, samples: int = 32) -> list[list[float]]:
+    """Single-token forwards through `cache` for `steps` tokens of the stream: [position, mean ms per token over
+    the last segment, KV cache bytes] at `samples` evenly spaced positions."""
     every = max(1, steps // samples)
-    samples = []
+    curve = []
     with torch.inference_mode():
+        started = time.perf_counter()
         for step in range(min(steps, tokens.numel())):
-            started = time.perf_counter()
             model(input_ids=tokens[None, step : step + 1], past_key_values=cache, use_cache=True)
             if step % every == every - 1:
-                samples.append((step + 1, 1000 * (time.perf_counter() - started)))
-    return samples
+                now = time.perf_counter()
+                curve.append([step + 1, 1000 * (now - started) / every, cache_bytes(cache)])
+                started = time.perf_counter()
+    return curve
 
 
 def recompute_latency(model, tokens: torch.Tensor, window: int, repeats: int = 3) -> float:
@@ -178,29 +181,42 @@ def _slice_targets(nll: torch.Tensor, targets: range) -> torch.Tensor | None:
     return nll[targets.start - 1 : targets.stop - 1] if nll.numel() >= targets.stop - 1 else None
 
 
+def _dense_length(tokens: torch.Tensor, trained: int | None) -> int:
+    return tokens.numel() if trained is None else min(tokens.numel(), trained)
+
+
+def _make_cache(model, strategy: str, settings: StreamSettings):
+    if strategy == "dense":
+        return DynamicCache(config=model.config)
+    return sink_cache(model, settings.streaming_config(with_sinks=strategy == "streaming"))
+
+
+def strategy_latency(model, tokens: torch.Tensor, strategy: str, settings: StreamSettings, trained) -> dict:
+    """Per-token decode latency of one strategy: {"ms_per_token" (steady state: the median over the second half
+    of the curve), "latency_curve" ([position, ms, KV bytes] ...)}; re-computation has one forward per token."""
+    if strategy == "recompute":
+        return {"ms_per_token": recompute_latency(model, tokens, settings.cache_size), "latency_curve": []}
+    steps = min(settings.latency_steps, _dense_length(tokens, trained)) if strategy == "dense" else settings.latency_steps
+    curve = decode_latency(model, tokens, _make_cache(model, strategy, settings), steps)
+    steady = sorted(ms for _, ms, _ in curve[len(curve) // 2 :]) or [float("nan")]
+    return {"ms_per_token": steady[len(steady) // 2], "latency_curve": curve}
+
+
 def _run_strategy(model, tokens, strategy: str, settings: StreamSettings, targets: range, trained) -> dict:
     if strategy == "recompute":
-        nll = recompute_nll(model, tokens, settings.cache_size, targets)
-        ms = recompute_latency(model, tokens, settings.cache_size)
-        return {"nll": nll, "ms_per_token": ms, "latency_curve": [], "scored": "re-computation targets only",
-                "cache_bytes": 0}
-    if strategy == "dense":
-        length = tokens.numel() if trained is None else min(tokens.numel(), trained)
-        cache = DynamicCache(config=model.config)
-        nll = cached_nll(model, tokens[:length], cache, settings.chunk, "dense")
-        note = (f"stopped at the trained context ({trained} tokens) of a {tokens.numel()}-token stream"
-                if length < tokens.numel() else "whole stream")
-        entry = {"nll": nll, "stopped": note, "cache_bytes": cache_bytes(cache)}
-        latency = decode_latency(model, tokens, DynamicCache(config=model.config),
-                                 min(settings.latency_steps, length))
+        entry = {"nll": recompute_nll(model, tokens, settings.cache_size, targets),
+                 "scored": "re-computation targets only", "cache_bytes": 0}
     else:
-        config = settings.streaming_config(with_sinks=strategy == "streaming")
-        cache = sink_cache(model, config)
-        nll = cached_nll(model, tokens, cache, settings.chunk, strategy)
-        entry = {"nll": nll, "sinks": config.sinks, "window": config.window, "cache_bytes": cache_bytes(cache)}
-        latency = decode_latency(model, tokens, sink_cache(model, config), settings.latency_steps)
-    steady = [ms for _, ms in latency[len(latency) // 2 :]] or [float("nan")]
-    entry.update(latency_curve=latency, ms_per_token=sorted(steady)[len(steady) // 2])
+        length = _dense_length(tokens, trained) if strategy == "dense" else tokens.numel()
+        cache = _make_cache(model, strategy, settings)
+        entry = {"nll": cached_nll(model, tokens[:length], cache, settings.chunk, strategy),
+                 "cache_bytes": cache_bytes(cache)}
+        if strategy == "dense":
+            entry["stopped"] = (f"stopped at the trained context ({trained} tokens) of a {tokens.numel()}-token "
+                                "stream" if length < tokens.numel() else "whole stream")
+        else:
+            entry.update(sinks=cache.sinks, window=cache.window)
+    entry.update(strategy_latency(model, tokens, strategy, settings, trained))
     return entry
 
 
@@ -234,7 +250,7 @@ def plot_stream(results: dict, path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (quality, latency) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (quality, latency, memory) = plt.subplots(1, 3, figsize=(18, 4.5))
     for strategy in STRATEGIES:
         entry = results["settings"].get(strategy)
         if not entry:
@@ -243,8 +259,9 @@ def plot_stream(results: dict, path, title: str) -> None:
         if strategy != "recompute":
             quality.plot([1024 * (i + 1) for i in range(len(curve))], curve, label=strategy, linewidth=1)
             if entry["latency_curve"]:
-                positions, ms = zip(*entry["latency_curve"])
+                positions, ms, kv_bytes = zip(*entry["latency_curve"])
                 latency.plot(positions, ms, label=strategy)
+                memory.plot(positions, [b / 2**20 for b in kv_bytes], label=strategy)
         else:
             start, stop = results["recompute_targets"]
             quality.scatter([stop], [entry["perplexity"]], marker="*", s=120, color="black",
@@ -260,8 +277,11 @@ def plot_stream(results: dict, path, title: str) -> None:
     quality.legend(fontsize=8)
     latency.set_yscale("log")
     latency.set_xlabel("tokens into the stream (decoded one at a time)")
-    latency.set_ylabel("ms per token")
+    latency.set_ylabel("ms per token (mean over each segment)")
     latency.legend(fontsize=8)
+    memory.set_xlabel("tokens into the stream (decoded one at a time)")
+    memory.set_ylabel("KV cache MiB")
+    memory.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
