@@ -14,14 +14,22 @@ from leanlm.models import DEFAULT_MODEL
 from leanlm.report import format_table
 
 
-def _positive_int(text: str) -> int:
+def _whole_number(text: str, minimum: int, meaning: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {meaning}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole_number(text, 1, "a positive number")
+
+
+def _non_negative_int(text: str) -> int:
+    return _whole_number(text, 0, "0 or more")
 
 
 def _task_list(text: str) -> tuple[str, ...]:
@@ -264,16 +272,6 @@ def command_chat(args) -> None:
         print("assistant> ", end="", flush=True)
         chat.reply(line.strip(), on_text=lambda piece: print(piece, end="", flush=True))
         print(flush=True)
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
