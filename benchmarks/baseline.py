@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from leanlm.bench import results_dir, time_call, write_results  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
+from leanlm.report import save_figure  # noqa: E402
 
 
 def main() -> None:
@@ -74,9 +75,7 @@ def plot_baseline(payload: dict, args, loaded):
         right.set_xticks(list(left_pos), names)
         right.set_title(f"zero-shot, first {settings['limit']} items per task")
         right.legend()
-        fig.suptitle(f"{args.model} FP32" + (f" ({loaded.weights_note})" if loaded.weights_note else ""), fontsize=9)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        save_figure(fig, path, f"{args.model} FP32" + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
 
     return plot
 

@@ -24,7 +24,7 @@ from leanlm.bench import time_modules, weight_bytes, write_results  # noqa: E402
 from leanlm.methods import KbitConfig, quantize_kbit_  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
 from leanlm.nn import KbitLinear  # noqa: E402
-from leanlm.report import format_table  # noqa: E402
+from leanlm.report import format_table, save_figure  # noqa: E402
 
 warnings.filterwarnings("ignore")
 ROWS = (1, 16, 64, 512)
@@ -134,9 +134,7 @@ def main() -> None:
         decode = payload["decode"]
         ax.set_title(f"{args.model} decode: fp32 {decode['fp32']['tokens_per_second']:.1f} tok/s, "
                      f"leanlm nf4+dq {decode['leanlm nf4+dq']['tokens_per_second']:.1f} tok/s", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, path)
 
     print(f"wrote {write_results('kbit_speed', payload, plot)}")
 

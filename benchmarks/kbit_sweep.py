@@ -31,6 +31,7 @@ from leanlm.formats.codebooks import DTYPES  # noqa: E402
 from leanlm.methods import KbitConfig, quantize_kbit_  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, iter_quantizable_linears, load_model  # noqa: E402
 from leanlm.nn import KbitLinear  # noqa: E402
+from leanlm.report import save_figure  # noqa: E402
 
 BLOCKS = ("32", "64", "128", "256", "row")
 
@@ -99,10 +100,7 @@ def main() -> None:
             ax.set_ylabel(f"WikiText-2 perplexity (first {args.max_tokens} tokens)")
             ax.set_title(title, fontsize=9)
             ax.legend(fontsize=8)
-        fig.suptitle(f"{args.model}" + (f" ({loaded.weights_note})" if loaded.weights_note else ""), fontsize=9)
-        fig.tight_layout()
-        fig.savefig(png, dpi=110)
-        plt.close(fig)
+        save_figure(fig, png, f"{args.model}" + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
 
     if "fp32" not in payload:
         result = evaluate(loaded.model, loaded.tokenizer, settings)["results"]["wikitext2"]

@@ -30,7 +30,7 @@ from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E
 from leanlm.methods import W8A8Config, llm_int8_config, quantize_w8a8_  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, iter_quantizable_linears, load_model  # noqa: E402
 from leanlm.nn import W8A8Linear  # noqa: E402
-from leanlm.report import format_table  # noqa: E402
+from leanlm.report import format_table, save_figure  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -114,10 +114,7 @@ def plot_results(payload: dict, sweep_tokens: int, title: str):
         right.set_ylabel("speed-up over FP32, 4096x4096 linear")
         if ms:
             right.legend()
-        fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, path, title)
 
     return draw
 

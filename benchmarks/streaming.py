@@ -37,7 +37,7 @@ from leanlm.evaluation.streaming import (  # noqa: E402
 )
 from leanlm.methods.streaming import StreamingConfig, sink_cache  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
-from leanlm.report import format_table  # noqa: E402
+from leanlm.report import format_table, save_figure  # noqa: E402
 
 SINKS = (0, 1, 2, 4, 8)
 PARTS = ("probe", "stream", "latency", "sinks", "sizes")  # latency: re-time the stream's strategies only
@@ -75,10 +75,7 @@ def plot_ablations(payload: dict, title: str):
             mass.set_ylabel("mean attention probability on token 0")
             mass.set_ylim(0, 1)
             mass.set_title(f"attention sink ({payload['sink_probe']})", fontsize=9)
-        fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, path, title)
 
     return draw
 

@@ -25,7 +25,7 @@ from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.methods import ZEROQUANT, SmoothQuantConfig, W8A8Config, calibrate, quantize_w8a8_  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
-from leanlm.report import format_table  # noqa: E402
+from leanlm.report import format_table, save_figure  # noqa: E402
 
 
 def rows(alpha_by_level: dict[str, float]) -> dict[str, W8A8Config | None]:
@@ -78,9 +78,7 @@ def plot_accuracy(payload: dict, sweep_tokens: int, title: str):
         right.set_xlabel("migration strength alpha (per-channel weights)")
         right.set_ylabel(f"WikiText-2 perplexity (first {sweep_tokens} tokens)")
         right.legend()
-        fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        save_figure(fig, path, title)
 
     return draw
 

@@ -28,6 +28,7 @@ from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.methods import SmoothQuantConfig, W8A8Config, calibrate, quantize_w8a8_  # noqa: E402
 from leanlm.models import iter_quantizable_linears, load_model  # noqa: E402
 from leanlm.nn import W8A8Linear  # noqa: E402
+from leanlm.report import save_figure  # noqa: E402
 
 warnings.filterwarnings("ignore")
 LEVEL_ACTIVATION = {"O1": ("per_token", None), "O2": ("per_tensor", None), "O3": ("per_tensor", 0.05)}
@@ -138,8 +139,7 @@ def plot(payload: dict):
         right.set_ylabel("prefill tokens / s")
         right.set_title("SmolLM2-135M prefill (lm_head FP32)")
         right.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        save_figure(fig, path)
 
     return draw
 

@@ -138,3 +138,68 @@ def test_stream_refuses_a_learned_position_model(tmp_path, smollm2_tokenizer, ca
     code = main(["stream", str(tmp_path), "--max-tokens", "300", "--window", "28", "--setting", "streaming"])
     assert code == 2
     assert "absolute position" in capsys.readouterr().err
+
+
+def _finetune_argv(model_dir, data, out, *extra):
+    return ["finetune", str(model_dir), "--method", "qlora", "--data", str(data), "--out", str(out),
+            "--max-steps", "120", "--batch-size", "2", "--seq-len", "32", "--save-every", "2", "--rank", "4", *extra]
+
+
+def test_finetune_killed_and_resumed_gives_the_same_adapters(tiny_llama_dir, tmp_path):
+    """A real interruption: the training process is SIGKILLed after a checkpoint, then resumed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+    from safetensors.torch import load_file
+
+    from leanlm.data import plain_text
+
+    data = tmp_path / "train.txt"
+    data.write_text("\n".join(plain_text("lambada-dev").splitlines()[:150]) + "\n")
+    killed_out, whole_out = tmp_path / "killed", tmp_path / "whole"
+    process = subprocess.Popen([sys.executable, "-m", "leanlm.cli.main", *_finetune_argv(tiny_llama_dir, data, killed_out)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    state = killed_out / "checkpoint" / "trainer_state.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if state.is_file() and json.loads(state.read_text() or "{}" ).get("step", 0) >= 6:
+            break
+        time.sleep(0.02)
+    assert process.poll() is None, "training ended before it could be interrupted"
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    interrupted_at = max(json.loads((d / "trainer_state.json").read_text())["step"]
+                         for d in killed_out.iterdir() if (d / "trainer_state.json").is_file())
+    assert 6 <= interrupted_at < 120
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same arithmetic as the killed process
+    try:
+        assert main(_finetune_argv(tiny_llama_dir, data, killed_out, "--resume")) == 0
+        assert main(_finetune_argv(tiny_llama_dir, data, whole_out, "--json", str(tmp_path / "f.json"))) == 0
+    finally:
+        torch.set_num_threads(threads)
+    resumed = load_file(str(killed_out / "adapter_model.safetensors"))
+    whole = load_file(str(whole_out / "adapter_model.safetensors"))
+    assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)
+    payload = json.loads((tmp_path / "f.json").read_text())
+    assert {"train_loss_first", "train_loss_last", "eval_perplexity", "peak_memory_bytes", "steps"} <= set(payload)
+    assert payload["steps"] == 120 and (whole_out / "adapter_config.json").is_file()
+
+
+def test_merge_writes_a_float_model_with_the_adapters_folded_in(tiny_llama_dir, tmp_path):
+    data = tmp_path / "train.txt"
+    data.write_text("\n".join(f"line {i} of some text to learn from" for i in range(200)) + "\n")
+    adapter = tmp_path / "adapter"
+    assert main(_finetune_argv(tiny_llama_dir, data, adapter, "--max-steps", "3")) == 0
+    assert main(["merge", str(tiny_llama_dir), "--adapter", str(adapter), "--out", str(tmp_path / "merged")]) == 0
+    merged = load_model(str(tmp_path / "merged"))
+    assert merged.model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)
+    assert main(["merge", str(tiny_llama_dir), "--adapter", str(adapter), "--out", str(tmp_path / "q"),
+                 "--requantize", "nf4-dq"]) == 0
+    assert main(["eval", str(tmp_path / "q"), "--tasks", "wikitext2", "--max-tokens", "256", "--seq-len", "64"]) == 0

@@ -50,3 +50,15 @@ def test_layouts_the_kernel_does_not_cover_use_the_reference():
     module = KbitLinear.from_float(torch.randn(8, 96), None, "int", 3, 32)
     module(torch.randn(1, 96))
     assert module.backend == "reference"
+
+
+@pytest.mark.skipif(not avx2_available(), reason="the AVX2 k-bit kernel cannot be built on this machine")
+def test_kernel_dequantization_equals_the_reference():
+    from leanlm.nn import KbitLinear
+
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128)
+    fast = KbitLinear.from_float(weight, None, "nf", 4, 64, double_quant=True)
+    slow = KbitLinear.from_float(weight, None, "nf", 4, 64, double_quant=True)
+    fast.backend, slow.backend = "avx2", "reference"
+    torch.testing.assert_close(fast.dequantized_weight(), slow.dequantized_weight(), rtol=0, atol=0)

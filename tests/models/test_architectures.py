@@ -1,5 +1,4 @@
 import pytest
-from torch import nn
 
 from leanlm.errors import UnsupportedArchitectureError
 from leanlm.models import TABLES, architecture_for, iter_quantizable_linears, supported_model_types

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from leanlm.errors import ConfigError, LeanLMError
-from leanlm.evaluation import ALL_TASKS, ZERO_SHOT_TASKS, EvalSettings
+from leanlm.evaluation import ALL_TASKS, EvalSettings
 from leanlm.models import DEFAULT_MODEL
 from leanlm.report import format_table
 
@@ -274,6 +274,58 @@ def command_chat(args) -> None:
         print(flush=True)
 
 
+def command_finetune(args) -> None:
+    import torch
+
+    from leanlm.methods import LoRAConfig, add_lora_
+    from leanlm.models import load_model
+    from leanlm.training import FinetuneSettings, finetune, read_documents
+
+    if args.method == "lora" and args.base not in (None, "float"):
+        raise ConfigError(f"--method lora trains over a float base; use --method qlora for --base {args.base}")
+    lora = LoRAConfig(base="float" if args.method == "lora" else (args.base or "nf4-dq"), rank=args.rank,
+                      alpha=args.lora_alpha, dropout=args.dropout)
+    settings = FinetuneSettings(
+        max_steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+        held_out_fraction=args.held_out, save_every=args.save_every, seed=args.seed,
+        gradient_checkpointing=args.gradient_checkpointing, optimizer_bits=args.optimizer_bits)
+    documents = read_documents(args.data)
+    loaded = load_model(args.model)
+    torch.manual_seed(args.seed)
+    setup = add_lora_(loaded.model, lora)
+    print(f"{lora.method}: {setup['trainable_parameters']:,} trainable parameters over a {lora.base} base"
+          + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
+    record = finetune(loaded.model, loaded.tokenizer, documents, settings, lora, args.out, args.model,
+                      resume=args.resume)
+    payload = {"model": args.model, "weights_note": loaded.weights_note, "data": str(args.data),
+               "base_quantization": setup["base_quantization"], **record}
+    print(f"steps {record['steps']}: train loss {record['train_loss_first']:.3f} -> {record['train_loss_last']:.3f}, "
+          f"held-out perplexity {record['eval_perplexity']:.3f}, peak memory {record['peak_memory_bytes'] / 2**20:.0f} "
+          f"MiB, {record['tokens_per_second']:.0f} tokens/s; adapter in {args.out}")
+    _write_json(args.json, payload)
+    _write_json(args.out / "leanlm_finetune.json", payload)
+
+
+def command_merge(args) -> None:
+    from leanlm.methods import LORA_BASES, add_lora_, load_adapters_, merge_lora_, save_quantized
+    from leanlm.methods.qlora import read_adapter_config
+    from leanlm.models import load_model
+
+    lora = read_adapter_config(args.adapter)
+    loaded = load_model(args.model)
+    add_lora_(loaded.model, lora)
+    load_adapters_(loaded.model, args.adapter)
+    requantize = LORA_BASES[args.requantize] if args.requantize else None
+    record = merge_lora_(loaded.model, requantize)
+    if requantize is None:
+        loaded.model.save_pretrained(args.out)
+        loaded.tokenizer.save_pretrained(args.out)
+    else:
+        save_quantized(loaded, loaded.model, {"method": "kbit", **record, "lora_base": lora.base}, args.out)
+        print(f"re-quantized to {args.requantize}: relative weight error {record['requantization_relative_error']:.5f}")
+    print(f"merged adapters from {args.adapter} into {args.out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from leanlm.showcase import QUICK_SETTINGS
 
@@ -360,6 +412,41 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     chat.add_argument("--seed", type=int, default=0)
     chat.set_defaults(handler=command_chat)
+
+    finetune = commands.add_parser("finetune", help="LoRA / QLoRA fine-tuning; writes a PEFT adapter")
+    finetune.add_argument("model", help="registry name, model directory or .gguf file")
+    finetune.add_argument("--method", choices=["qlora", "lora"], default="qlora",
+                          help="qlora: adapters over a frozen 4-bit base; lora: over the float base")
+    finetune.add_argument("--base", choices=["nf4-dq", "nf4", "fp4", "int4", "float"],
+                          help="qlora: the base's 4-bit format (default nf4-dq: NF4 + double quantization)")
+    finetune.add_argument("--data", type=Path, required=True,
+                          help="plain text (one document per line) or JSONL (text / messages / instruction+output)")
+    finetune.add_argument("--out", type=Path, required=True, help="directory for the adapter and checkpoints")
+    finetune.add_argument("--max-steps", type=_positive_int, default=200)
+    finetune.add_argument("--batch-size", type=_positive_int, default=4)
+    finetune.add_argument("--seq-len", type=_positive_int, default=256)
+    finetune.add_argument("--lr", type=_positive_float, default=2e-4)
+    finetune.add_argument("--rank", type=_positive_int, default=16, help="LoRA r (default 16)")
+    finetune.add_argument("--lora-alpha", type=_positive_float, default=16.0, help="scale s = alpha / r")
+    finetune.add_argument("--dropout", type=float, default=0.05, help="LoRA dropout on the adapter path")
+    finetune.add_argument("--held-out", type=float, default=0.05, help="share of documents held out (default 0.05)")
+    finetune.add_argument("--save-every", type=_positive_int, default=50, help="steps between checkpoints")
+    finetune.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    finetune.add_argument("--gradient-checkpointing", action="store_true",
+                          help="recompute block activations in backward (less memory, ~30%% more time)")
+    finetune.add_argument("--optimizer-bits", type=int, choices=[8, 32], default=8,
+                          help="AdamW moment storage: block-wise 8-bit (default) or float32")
+    finetune.add_argument("--seed", type=int, default=0)
+    finetune.add_argument("--json", type=Path, help="write the results as one JSON object to this path")
+    finetune.set_defaults(handler=command_finetune)
+
+    merge = commands.add_parser("merge", help="fold LoRA adapters into the de-quantized base weights")
+    merge.add_argument("model", help="the base the adapter was trained on (registry name, directory, .gguf)")
+    merge.add_argument("--adapter", type=Path, required=True, help="a PEFT-format adapter directory")
+    merge.add_argument("--out", type=Path, required=True, help="directory for the merged model")
+    merge.add_argument("--requantize", choices=["nf4-dq", "nf4", "fp4", "int4"],
+                       help="re-quantize the merged weights (reports the error it adds); default: float32")
+    merge.set_defaults(handler=command_merge)
 
     showcase = commands.add_parser("showcase", help="every leanlm method side by side on one model, in minutes")
     showcase.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")

@@ -20,6 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from leanlm.models.architectures import architecture_for, decoder_blocks, linear_weight_out_in
+from leanlm.report import save_figure
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,4 @@ def plot_outliers(report: OutlierReport, path, title: str, smoothing: dict | Non
         ax.set_ylabel("max |value|")
         ax.set_title(f"SmoothQuant a={smoothing['alpha']}: {smoothing['name']}", fontsize=9)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)

@@ -33,6 +33,7 @@ from leanlm.bench.harness import peak_memory
 from leanlm.errors import ConfigError
 from leanlm.evaluation.tokens import bos_prefix, encode
 from leanlm.methods.streaming import StreamingConfig, sink_cache
+from leanlm.report import save_figure
 
 STRATEGIES = ("dense", "window", "recompute", "streaming")
 
@@ -282,7 +283,4 @@ def plot_stream(results: dict, path, title: str) -> None:
     memory.set_xlabel("tokens into the stream (decoded one at a time)")
     memory.set_ylabel("KV cache MiB")
     memory.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)

@@ -79,17 +79,25 @@ def normal_float(bits: int) -> Codebook:
     return Codebook(f"nf{bits}", bits, (values / values.max()).float())
 
 
-def dynamic_exponent(bits: int) -> Codebook:
+def dynamic_exponent(bits: int, signed: bool = True) -> Codebook:
     _check_bits(bits)
-    exponents = bits - 1  # every non-sign bit can serve as exponent (indicator-bit encoding)
+    if not signed:
+        # The sign bit becomes one more exponent step (for non-negative tensors such as Adam's second moment);
+        # the tiniest region (a single value) gives way to the exact 0 so that 2^bits values remain.
+        regions = range(1, bits)
+        exponents = bits
+    else:
+        regions = range(bits - 1)
+        exponents = bits - 1  # every non-sign bit can serve as exponent (indicator-bit encoding)
     values = []
-    for i in range(exponents):
+    for i in regions:
         edges = torch.linspace(0.1, 1, 2**i + 1, dtype=torch.float32)
         centres = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - (exponents - 1))
-        values += [*centres.tolist(), *(-centres).tolist()]
+        values += [*centres.tolist(), *((-centres).tolist() if signed else [])]
     values += [0.0, 1.0]
     # Sorted, so that codes are the order of the values (the layout bitsandbytes stores its 8-bit map in).
-    return Codebook(f"dynamic{bits}", bits, torch.sort(torch.tensor(values, dtype=torch.float32)).values)
+    name = f"dynamic{bits}" if signed else f"dynamic{bits}_unsigned"
+    return Codebook(name, bits, torch.sort(torch.tensor(values, dtype=torch.float32)).values)
 
 
 # bitsandbytes' FP4 as its kernels index it (sign bit on top, then e2m1 with its own subnormal 0.0625 / 12):
@@ -106,7 +114,8 @@ NF4 = Codebook("nf4", 4, torch.tensor([
     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
     0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 ]))
-DYNAMIC8 = dynamic_exponent(8)  # the map of double quantization's second level
+DYNAMIC8 = dynamic_exponent(8)  # the map of double quantization's second level (and of 8-bit Adam's 1st moment)
+DYNAMIC8_UNSIGNED = dynamic_exponent(8, signed=False)  # 8-bit Adam's 2nd moment
 
 
 @lru_cache(maxsize=None)

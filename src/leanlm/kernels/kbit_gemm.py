@@ -109,3 +109,14 @@ def kbit_linear(
             torch.mm(tile, x.T, out=out_t[first : first + tile.shape[0]])
         out = out_t.T.contiguous()
     return out.add_(bias) if bias is not None else out
+
+
+def dequantize_weight(packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, out_features: int,
+                      in_features: int, block_size: int) -> torch.Tensor:
+    """The whole (out, in) float32 weight, decoded by the kernel (the backward pass of a frozen k-bit layer)."""
+    extension = _extension()
+    if extension is None:
+        raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
+    weight = torch.empty(out_features, in_features, dtype=torch.float32)
+    extension.dequantize_rows(packed, absmax, table, block_size, 0, weight)
+    return weight

@@ -14,7 +14,14 @@ from torch import nn
 from leanlm.formats.blockwise import SECOND_LEVEL_BLOCK, BlockwiseQuantized, quantize_blockwise
 from leanlm.formats.codebooks import Codebook, codebook
 from leanlm.formats.packing import pack, packed_bytes, unpack
-from leanlm.kernels.kbit_gemm import KbitBackend, code_table, default_backend, kbit_linear, supports_fast_path
+from leanlm.kernels.kbit_gemm import (
+    KbitBackend,
+    code_table,
+    default_backend,
+    dequantize_weight,
+    kbit_linear,
+    supports_fast_path,
+)
 
 
 class KbitLinear(nn.Module):
@@ -97,7 +104,11 @@ class KbitLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight this layer computes with, proxy columns included."""
-        weight = self.quantized().dequantize()
+        if self._resolve_backend() == "reference":
+            weight = self.quantized().dequantize()
+        else:
+            weight = dequantize_weight(self.packed, *self._kernel_state(), self.out_features, self.in_features,
+                                       self.block_size)
         if self.proxy_columns is not None:
             weight[:, self.proxy_columns.long()] = self.proxy_weight.float()
         return weight
@@ -112,6 +123,13 @@ class KbitLinear(nn.Module):
         self._kernel_inputs = None
         super()._load_from_state_dict(*args, **kwargs)
 
+    def _kernel_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 block constants, 16-entry code table), derived once from the buffers."""
+        if self._kernel_inputs is None:
+            self._kernel_inputs = (self.quantized().block_constants().float().contiguous(),
+                                   code_table(self.codebook.values))
+        return self._kernel_inputs
+
     def _resolve_backend(self) -> KbitBackend:
         if self.backend is None:
             fits = supports_fast_path(self.bits, self.block_size, self.in_features)
@@ -121,12 +139,14 @@ class KbitLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"KbitLinear expects {self.in_features} input features, got shape {tuple(x.shape)}")
-        if self._resolve_backend() == "reference" or x.requires_grad:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _FrozenKbitMatmul.apply(x, self)
+        return self._forward_frozen(x)
+
+    def _forward_frozen(self, x: torch.Tensor) -> torch.Tensor:
+        if self._resolve_backend() == "reference":
             return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
-        if self._kernel_inputs is None:
-            self._kernel_inputs = (self.quantized().block_constants().float().contiguous(),
-                                   code_table(self.codebook.values))
-        absmax, table = self._kernel_inputs
+        absmax, table = self._kernel_state()
         rows = x.reshape(-1, self.in_features).float()
         out = kbit_linear(rows, self.packed, absmax, table, self.out_features, self.block_size, self.bias, self.backend)
         if self.proxy_columns is not None:
@@ -138,3 +158,18 @@ class KbitLinear(nn.Module):
         proxy = f", {self.proxy_columns.numel()} proxy dims in fp16" if self.proxy_columns is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.codebook.name}, {blocks}"
                 f"{', double-quant' if self.double_quant else ''}{proxy}")
+
+
+class _FrozenKbitMatmul(torch.autograd.Function):
+    """Gradients through a frozen k-bit weight (QLoRA): the backward pass needs only dX = dY W, so it de-quantizes
+    the weight again instead of autograd keeping a float copy of it alive for every layer until backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: KbitLinear) -> torch.Tensor:
+        ctx.layer = layer
+        return layer._forward_frozen(x)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        weight = ctx.layer.dequantized_weight().to(grad_output.dtype)
+        return grad_output @ weight, None

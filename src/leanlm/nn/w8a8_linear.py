@@ -15,7 +15,6 @@ With `asymmetric` both operands use per-tensor zero points (LLM.int8()'s "zeropo
 
 from __future__ import annotations
 
-from typing import Literal
 
 import torch
 from torch import nn

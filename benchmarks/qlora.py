@@ -1,0 +1,143 @@
+"""QLoRA thesis Tables 5.2/5.3 at small scale: LoRA fine-tuning over a float32 base vs QLoRA over NF4 + double
+quantization, NF4, FP4 (e2m1) and Int4 bases (blocks of 64), same seed, data, steps and adapters. Trains on the
+LAMBADA development text, evaluates perplexity on held-out LAMBADA test text and the zero-shot average on a
+stated --limit; records each run's peak memory (RSS during training, in its own process), model bytes and training
+tokens/s. Writes
+benchmarks/results/qlora_<model>.json + .png; results are saved after every run and `--resume` skips finished runs.
+
+    python benchmarks/qlora.py                                  # 5 runs x 100 steps of 4 x 128 tokens
+    python benchmarks/qlora.py --steps 20 --bases float nf4-dq  # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from leanlm.bench import results_dir, write_results  # noqa: E402
+from leanlm.data import plain_text, verified_path  # noqa: E402
+from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
+from leanlm.evaluation.perplexity import perplexity  # noqa: E402
+from leanlm.methods import LORA_BASES, LoRAConfig, add_lora_, load_adapters_  # noqa: E402
+from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
+from leanlm.report import save_figure  # noqa: E402
+
+TRAIN_TEXT = "lambada/lambada_development_plain_text.txt"
+
+
+def held_out_and_zero_shot(model, tokenizer, args) -> dict:
+    held_out = perplexity(model, tokenizer, plain_text("lambada-test"), seq_len=args.seq_len,
+                          max_tokens=args.eval_tokens, desc="lambada-test")
+    zero_shot = evaluate(model, tokenizer, EvalSettings(tasks=ZERO_SHOT_TASKS, limit=args.limit))
+    return {"lambada_test_perplexity": held_out.perplexity, "lambada_test_tokens": held_out.tokens,
+            "zero_shot_average": zero_shot["zero_shot_average"], "zero_shot": zero_shot["results"]}
+
+
+def run(loaded, base: str, args) -> dict:
+    """Train in a fresh `leanlm finetune` process (so its peak memory is its own), then evaluate the adapter here
+    over the same base format (quantization is deterministic, so the base is rebuilt exactly)."""
+    lora = LoRAConfig(base=base, rank=args.rank, alpha=args.lora_alpha, dropout=args.dropout)
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "leanlm.cli.main", "finetune", args.model,
+                   "--method", lora.method, "--data", str(verified_path(TRAIN_TEXT)), "--out", out,
+                   "--max-steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+                   "--lr", str(args.lr), "--rank", str(args.rank), "--lora-alpha", str(args.lora_alpha),
+                   "--dropout", str(args.dropout), "--seed", str(args.seed), "--save-every", str(args.steps),
+                   "--json", str(Path(out) / "run.json")] + (["--base", base] if base != "float" else [])
+        subprocess.run(command, check=True)
+        record = json.loads((Path(out) / "run.json").read_text())
+        model = copy.deepcopy(loaded.model)
+        add_lora_(model, lora)
+        load_adapters_(model, out)
+    model.eval()
+    return {**record, **held_out_and_zero_shot(model, loaded.tokenizer, args)}
+
+
+def plot_results(payload: dict, title: str):
+    def draw(path):
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+        for name, row in payload["runs"].items():
+            losses = torch.tensor(row["losses"])
+            window = max(1, len(losses) // 15)
+            smooth = losses.unfold(0, window, 1).mean(dim=1) if len(losses) >= window else losses
+            left.plot(range(window, len(losses) + 1), smooth, label=name)
+        left.set_xlabel("step")
+        left.set_ylabel("training loss (moving mean)")
+        left.legend()
+        names = list(payload["runs"])
+        right.bar(names, [payload["runs"][n]["lambada_test_perplexity"] for n in names], color="tab:blue")
+        if payload.get("before"):
+            right.axhline(payload["before"]["lambada_test_perplexity"], color="black", linestyle="--",
+                          linewidth=0.8, label="before fine-tuning")
+            right.legend()
+        right.set_ylabel("held-out LAMBADA test perplexity")
+        low = min(payload["runs"][n]["lambada_test_perplexity"] for n in names) if names else 0
+        right.set_ylim(bottom=0.95 * low)
+        save_figure(fig, path, title)
+
+    return draw
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--bases", nargs="*", default=list(LORA_BASES), choices=list(LORA_BASES))
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--lora-alpha", type=float, default=16.0)
+    parser.add_argument("--dropout", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-tokens", type=int, default=16384, help="first N tokens of LAMBADA test text")
+    parser.add_argument("--limit", type=int, default=50, help="items per zero-shot task")
+    parser.add_argument("--resume", action="store_true", help="keep runs a previous run with the same settings finished")
+    args = parser.parse_args()
+
+    loaded = load_model(args.model)
+    settings = {k: v for k, v in vars(args).items() if k not in ("bases", "resume")}
+    name = f"qlora_{Path(args.model).stem}"
+    payload = {"model": args.model, "weights_note": loaded.weights_note, "settings": settings, "runs": {}}
+    previous_path = results_dir() / f"{name}.json"
+    if args.resume and previous_path.exists():
+        previous = json.loads(previous_path.read_text())
+        if previous.get("settings") == settings:
+            payload["runs"], payload["before"] = previous.get("runs", {}), previous.get("before")
+    title = (f"{args.model} LoRA / QLoRA, {args.steps} steps x {args.batch_size} x {args.seq_len} tokens of LAMBADA dev"
+             + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
+
+    def save() -> None:
+        write_results(name, payload, plot_results(payload, title))
+
+    if not payload.get("before"):
+        payload["before"] = held_out_and_zero_shot(loaded.model, loaded.tokenizer, args)
+        print(f"before fine-tuning: lambada-test ppl {payload['before']['lambada_test_perplexity']:.3f}, "
+              f"zero-shot {payload['before']['zero_shot_average']:.4f}", flush=True)
+        save()
+    for base in args.bases:
+        label = "LoRA (float32 base)" if base == "float" else f"QLoRA ({base})"
+        if label in payload["runs"]:
+            continue
+        payload["runs"][label] = run(loaded, base, args)
+        row = payload["runs"][label]
+        print(f"{label}: loss {row['train_loss_first']:.3f} -> {row['train_loss_last']:.3f}, lambada-test ppl "
+              f"{row['lambada_test_perplexity']:.3f}, zero-shot {row['zero_shot_average']:.4f}, peak "
+              f"{row['peak_memory_bytes'] / 2**20:.0f} MiB, {row['tokens_per_second']:.0f} tok/s", flush=True)
+        save()
+    print(f"wrote {results_dir() / (name + '.json')}")
+
+
+if __name__ == "__main__":
+    main()

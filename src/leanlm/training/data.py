@@ -1,0 +1,80 @@
+"""Fine-tuning data: a plain-text file (one document per non-empty line) or JSONL records, rendered to token
+ids, split into train and held-out documents, and packed into fixed-length blocks.
+
+JSONL records may hold `{"text": ...}`, chat `{"messages": [{"role", "content"}, ...]}`, or instruction data
+`{"instruction", "input"?, "output"}` (Alpaca style, turned into a user/assistant exchange). Conversations go
+through the tokenizer's chat template where it has one, so the model is tuned on the format it is used with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from leanlm.errors import DataError
+from leanlm.evaluation.tokens import bos_prefix, encode
+
+Document = str | list[dict]  # plain text, or a conversation
+
+
+def read_documents(path: str | os.PathLike) -> list[Document]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"fine-tuning data {path} does not exist or is not a file")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix != ".jsonl":
+        documents = [line.strip() for line in lines if line.strip()]
+    else:
+        documents = [_record_document(line, path, number) for number, line in enumerate(lines, 1) if line.strip()]
+    if not documents:
+        raise DataError(f"fine-tuning data {path} holds no documents")
+    return documents
+
+
+def _record_document(line: str, path: Path, number: int) -> Document:
+    try:
+        record = json.loads(line)
+    except ValueError as error:
+        raise DataError(f"{path}:{number} is not valid JSON: {error}") from None
+    if isinstance(record, dict):
+        if isinstance(record.get("text"), str):
+            return record["text"]
+        messages = record.get("messages")
+        if isinstance(messages, list) and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages):
+            return messages
+        if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
+            prompt = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
+            return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+    raise DataError(f"{path}:{number}: expected a record with 'text', 'messages' (role/content list) or "
+                    f"'instruction' + 'output'; got {line[:80]!r}")
+
+
+def document_ids(tokenizer, document: Document) -> list[int]:
+    """Token ids of one document, ended by the end-of-sequence token so packed documents stay apart."""
+    if isinstance(document, str):
+        ids = bos_prefix(tokenizer) + encode(tokenizer, document)
+    elif tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template(document, tokenize=True, return_dict=False)
+    else:
+        ids = bos_prefix(tokenizer) + encode(tokenizer, "".join(f"{m['role']}: {m['content']}\n" for m in document))
+    return [*ids, tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else list(ids)
+
+
+def split_documents(documents: list[Document], held_out_fraction: float, seed: int
+                    ) -> tuple[list[Document], list[Document]]:
+    """(train, held-out): a seeded shuffle, at least one document on each side."""
+    if len(documents) < 2:
+        raise DataError(f"need at least 2 documents for a train/held-out split, got {len(documents)}")
+    order = torch.randperm(len(documents), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = min(len(documents) - 1, max(1, round(held_out_fraction * len(documents))))
+    return [documents[i] for i in order[held:]], [documents[i] for i in order[:held]]
+
+
+def pack_blocks(tokenizer, documents: list[Document], seq_len: int) -> torch.Tensor:
+    """(blocks, seq_len) token ids: the documents' ids concatenated and cut; the last partial block is dropped."""
+    stream = [token for document in documents for token in document_ids(tokenizer, document)]
+    count = len(stream) // seq_len
+    return torch.tensor(stream[: count * seq_len], dtype=torch.long).reshape(count, seq_len)

@@ -1,0 +1,225 @@
+"""The fine-tuning loop for LoRA / QLoRA: packed blocks, AdamW (8-bit states by default), constant learning
+rate after a linear warm-up and gradient clipping (QLoRA's recipe), atomic checkpoints that resume bit-exactly.
+
+A checkpoint (`OUT/checkpoint/`) holds the adapters, the optimizer state and the RNG state as safetensors and
+the step and loss history as JSON. The batch of step t is a pure function of (seed, t) - every epoch is a
+seeded permutation of the blocks - so an interrupted run that resumes from step k sees exactly the batches and
+dropout masks an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from leanlm.bench.harness import peak_memory, weight_bytes
+from leanlm.errors import ConfigError, DataError
+from leanlm.methods.qlora import (
+    LoRAConfig,
+    adapter_tensors,
+    load_adapter_tensors_,
+    save_adapters,
+)
+from leanlm.training.data import Document, pack_blocks, split_documents
+from leanlm.training.optimizers import AdamW
+from leanlm.report import save_figure
+
+CHECKPOINT_DIR = "checkpoint"
+LOSS_CURVE = "loss_curve.png"
+
+
+@dataclass(frozen=True)
+class FinetuneSettings:
+    max_steps: int = 200
+    batch_size: int = 4
+    seq_len: int = 256
+    lr: float = 2e-4  # QLoRA's published rate for small models
+    warmup_fraction: float = 0.03
+    grad_clip: float = 0.3  # max gradient norm (QLoRA)
+    weight_decay: float = 0.0
+    held_out_fraction: float = 0.05
+    max_eval_blocks: int = 64
+    save_every: int = 50  # steps between checkpoints
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    optimizer_bits: int = 8  # 8: block-wise 8-bit moments; 32: float32
+
+    def __post_init__(self):
+        for name in ("max_steps", "batch_size", "save_every", "max_eval_blocks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ConfigError(f"seq-len must be at least 2, got {self.seq_len}")
+        if not 0.0 < self.held_out_fraction < 1.0:
+            raise ConfigError(f"held-out fraction must be in (0, 1), got {self.held_out_fraction}")
+
+    def resumable_with(self, other: "FinetuneSettings") -> bool:
+        """Everything but the step budget must match for a resumed run to continue the same run."""
+        return {**asdict(self), "max_steps": 0} == {**asdict(other), "max_steps": 0}
+
+
+def _batch_indices(step: int, settings: FinetuneSettings, blocks: int) -> torch.Tensor:
+    samples = range(step * settings.batch_size, (step + 1) * settings.batch_size)
+    epochs = {sample // blocks for sample in samples}
+    orders = {epoch: torch.randperm(blocks, generator=torch.Generator().manual_seed(settings.seed * 100_003 + epoch))
+              for epoch in epochs}
+    return torch.stack([orders[s // blocks][s % blocks] for s in samples])
+
+
+@torch.no_grad()
+def block_perplexity(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> float:
+    """exp(mean next-token NLL) over every predicted token of the blocks."""
+    total, count = 0.0, 0
+    for start in range(0, len(blocks), batch_size):
+        batch = blocks[start:start + batch_size]
+        logits = model(input_ids=batch).logits[:, :-1].float()
+        total += nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                             reduction="sum").item()
+        count += batch[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def _write_checkpoint(out: Path, model, optimizer: AdamW, state: dict) -> None:
+    """Written beside the old one and swapped in by renames, so a kill at any moment leaves a whole checkpoint."""
+    final, fresh, stale = out / CHECKPOINT_DIR, out / f"{CHECKPOINT_DIR}.new", out / f"{CHECKPOINT_DIR}.old"
+    shutil.rmtree(fresh, ignore_errors=True)
+    fresh.mkdir(parents=True)
+    save_file(adapter_tensors(model), str(fresh / "adapters.safetensors"))
+    save_file(optimizer.state_tensors(), str(fresh / "optimizer.safetensors"))
+    save_file({"torch": torch.get_rng_state()}, str(fresh / "rng.safetensors"))
+    (fresh / "trainer_state.json").write_text(json.dumps(state) + "\n")
+    if final.exists():
+        shutil.rmtree(stale, ignore_errors=True)
+        final.rename(stale)
+    fresh.rename(final)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+def _recover_checkpoint(out: Path) -> Path | None:
+    """The newest whole checkpoint; a kill between the two renames leaves it under `.old`."""
+    for name in (CHECKPOINT_DIR, f"{CHECKPOINT_DIR}.old"):
+        if (out / name / "trainer_state.json").is_file():
+            return out / name
+    return None
+
+
+def finetune(model: nn.Module, tokenizer, documents: list[Document], settings: FinetuneSettings,
+             lora: LoRAConfig, out_dir: str | os.PathLike, base_model: str, resume: bool = False,
+             progress: bool = True) -> dict:
+    """Train the LoRA adapters of `model` (see `add_lora_`) on `documents`; write the PEFT adapter, the loss
+    curve and a checkpoint to `out_dir`. Returns the record (losses, held-out perplexity, peak memory, ...)."""
+    out = Path(out_dir)
+    train_docs, held_docs = split_documents(documents, settings.held_out_fraction, settings.seed)
+    train_blocks = pack_blocks(tokenizer, train_docs, settings.seq_len)
+    eval_blocks = pack_blocks(tokenizer, held_docs, settings.seq_len)[: settings.max_eval_blocks]
+    if len(train_blocks) == 0 or len(eval_blocks) == 0:
+        raise DataError(f"the data fill {len(train_blocks)} training and {len(eval_blocks)} held-out blocks of "
+                        f"--seq-len {settings.seq_len}; give more text or a shorter --seq-len")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ConfigError("the model has no trainable parameters (call add_lora_ first)")
+    optimizer = AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay,
+                      state_bits=settings.optimizer_bits)
+    losses: list[float] = []
+    start_step, train_seconds = 0, 0.0
+    checkpoint = _recover_checkpoint(out)
+    if checkpoint is not None and not resume:
+        raise ConfigError(f"{out} already holds a training checkpoint; pass --resume to continue it, "
+                          "or choose another --out")
+    if checkpoint is None and resume:
+        raise ConfigError(f"--resume: {out} holds no training checkpoint")
+    if checkpoint is not None:
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        if not settings.resumable_with(FinetuneSettings(**state["settings"])) or state["lora"] != asdict(lora):
+            raise ConfigError(f"the checkpoint in {out} was trained with other settings; resume with the same "
+                              f"options (it has {state['settings']} and LoRA {state['lora']})")
+        load_adapter_tensors_(model, load_file(str(checkpoint / "adapters.safetensors")), str(checkpoint))
+        optimizer.load_state_tensors(load_file(str(checkpoint / "optimizer.safetensors")))
+        torch.set_rng_state(load_file(str(checkpoint / "rng.safetensors"))["torch"])
+        start_step, losses, train_seconds = state["step"], state["losses"], state["train_seconds"]
+
+    warmup_steps = max(1, round(settings.warmup_fraction * settings.max_steps))
+    if settings.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+
+    def save(step: int) -> None:
+        _write_checkpoint(out, model, optimizer, {"step": step, "losses": losses, "train_seconds": train_seconds,
+                                                  "settings": asdict(settings), "lora": asdict(lora)})
+
+    bar = tqdm(range(start_step, settings.max_steps), desc="fine-tuning", unit="step", disable=not progress,
+               initial=start_step, total=settings.max_steps)
+    with peak_memory() as memory:
+        for step in bar:
+            started = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = settings.lr * min(1.0, (step + 1) / warmup_steps)
+            batch = train_blocks[_batch_indices(step, settings, len(train_blocks))]
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            nn.utils.clip_grad_norm_(trainable, settings.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            train_seconds += time.perf_counter() - started
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if (step + 1) % settings.save_every == 0 or step + 1 == settings.max_steps:
+                save(step + 1)
+        model.eval()
+        eval_ppl = block_perplexity(model, eval_blocks)
+    if settings.gradient_checkpointing:
+        model.gradient_checkpointing_disable()
+
+    save_adapters(model, lora, out, base_model)
+    steps_run = settings.max_steps
+    record = {
+        "train_loss_first": losses[0] if losses else None,
+        "train_loss_last": losses[-1] if losses else None,
+        "eval_perplexity": eval_ppl,
+        "peak_memory_bytes": memory.peak_bytes,
+        "steps": steps_run,
+        "tokens_per_second": steps_run * settings.batch_size * settings.seq_len / train_seconds
+        if train_seconds else None,
+        "optimizer_state_bytes": optimizer.state_bytes(),
+        "model_bytes": weight_bytes(model),  # base (as stored: k-bit codes + constants) + adapters
+        "trainable_parameters": sum(p.numel() for p in trainable),
+        "train_blocks": len(train_blocks),
+        "held_out_blocks": len(eval_blocks),
+        "settings": asdict(settings),
+        "lora": asdict(lora),
+        "losses": losses,
+    }
+    plot_loss_curve(losses, eval_ppl, out / LOSS_CURVE, f"{lora.method} ({lora.base} base), r={lora.rank}")
+    return record
+
+
+def plot_loss_curve(losses: list[float], eval_ppl: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(6, 3.6))
+    steps = range(1, len(losses) + 1)
+    axis.plot(steps, losses, linewidth=0.8, alpha=0.5, label="train loss")
+    window = max(1, len(losses) // 20)
+    if len(losses) >= window > 1:
+        smooth = torch.tensor(losses).unfold(0, window, 1).mean(dim=1).tolist()
+        axis.plot(range(window, len(losses) + 1), smooth, label=f"mean of {window}")
+    axis.axhline(math.log(eval_ppl), color="black", linestyle="--", linewidth=0.8,
+                 label=f"held-out loss (ppl {eval_ppl:.2f})")
+    axis.set_xlabel("step")
+    axis.set_ylabel("cross-entropy")
+    axis.set_title(title, fontsize=9)
+    axis.legend()
+    save_figure(fig, path)
