@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from leanlm.bench import results_dir, time_call, write_results  # noqa: E402
+from leanlm.bench import results_dir, results_name, time_call, write_results  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
 from leanlm.report import save_figure  # noqa: E402
@@ -36,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
 
     loaded = load_model(args.model)
-    name = f"baseline_{args.model}"
+    name = results_name("baseline", args.model)
     if args.throughput_only:
         payload = json.loads((results_dir() / f"{name}.json").read_text())
         payload.pop("environment", None)

@@ -25,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from leanlm.bench import results_dir, write_results  # noqa: E402
+from leanlm.bench import results_dir, results_name, write_results  # noqa: E402
 from leanlm.data import plain_text, verified_path  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.evaluation.perplexity import perplexity  # noqa: E402
@@ -108,7 +108,7 @@ def main() -> None:
 
     loaded = load_model(args.model)
     settings = {k: v for k, v in vars(args).items() if k not in ("bases", "resume")}
-    name = f"qlora_{Path(args.model).stem}"
+    name = results_name("qlora", args.model)
     payload = {"model": args.model, "weights_note": loaded.weights_note, "settings": settings, "runs": {}}
     previous_path = results_dir() / f"{name}.json"
     if args.resume and previous_path.exists():

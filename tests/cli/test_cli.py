@@ -203,3 +203,28 @@ def test_merge_writes_a_float_model_with_the_adapters_folded_in(tiny_llama_dir, 
     assert main(["merge", str(tiny_llama_dir), "--adapter", str(adapter), "--out", str(tmp_path / "q"),
                  "--requantize", "nf4-dq"]) == 0
     assert main(["eval", str(tmp_path / "q"), "--tasks", "wikitext2", "--max-tokens", "256", "--seq-len", "64"]) == 0
+
+
+@pytest.mark.parametrize("method, options", [
+    ("gptq", ["--bits", "4", "--group-size", "16"]),
+    ("spqr", ["--bits", "3", "--beta1", "16", "--beta2", "16", "--outlier-threshold", "0.2"]),
+    ("rtn", ["--bits", "4", "--group-size", "0"]),
+])
+def test_quantize_gptq_family_writes_a_reloadable_checkpoint(tiny_llama_dir, tmp_path, method, options):
+    out = tmp_path / method
+    assert main(["quantize", str(tiny_llama_dir), "--method", method, *options, "--calib-samples", "4",
+                 "--calib-seq-len", "32", "--out", str(out)]) == 0
+    record = json.loads((out / "leanlm_quant.json").read_text())
+    assert record["method"] == method and record["avg_bits"] > 0 and "outlier_rate" in record
+    assert main(["eval", str(out), "--tasks", "wikitext2", "--max-tokens", "256", "--seq-len", "64"]) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "gptq", "--beta1", "16"], "--beta1 apply to --method spqr"),
+    (["--method", "spqr", "--group-size", "16"], "takes its group size as --beta1"),
+    (["--method", "w8a8", "--bits", "4"], "--bits applies to weight-only methods"),
+    (["--method", "w8a8", "--group-size", "0", "--weight-granularity", "per_group"], "group size must be at least 1"),
+])
+def test_gptq_family_option_mistakes_are_named(tiny_llama_dir, tmp_path, capsys, argv, message):
+    assert main(["quantize", str(tiny_llama_dir), *argv, "--out", str(tmp_path / "x")]) == 2
+    assert message in capsys.readouterr().err

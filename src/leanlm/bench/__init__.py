@@ -6,6 +6,7 @@ from leanlm.bench.harness import (
     environment,
     peak_memory,
     results_dir,
+    results_name,
     time_call,
     time_modules,
     time_prefill,
@@ -13,4 +14,4 @@ from leanlm.bench.harness import (
     write_results,
 )
 
-__all__ = ["PeakMemory", "Timing", "environment", "peak_memory", "results_dir", "time_call", "time_modules", "time_prefill", "weight_bytes", "write_results"]
+__all__ = ["PeakMemory", "Timing", "environment", "peak_memory", "results_dir", "results_name", "time_call", "time_modules", "time_prefill", "weight_bytes", "write_results"]

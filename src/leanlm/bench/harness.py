@@ -186,6 +186,11 @@ def results_dir() -> Path:
     return Path(os.environ.get("LEANLM_RESULTS", Path.cwd() / "benchmarks" / "results"))
 
 
+def results_name(benchmark: str, model: str) -> str:
+    """`<benchmark>_<model>` for a registry name, or for a model directory / file its last path component."""
+    return f"{benchmark}_{Path(model).stem}"
+
+
 def write_results(name: str, payload: dict, plot: Callable[[Path], None] | None = None) -> Path:
     """Write `name.json` (payload + environment) and, if given, let `plot` draw `name.png`."""
     directory = results_dir()

@@ -156,11 +156,36 @@ def _int8_config(args):
     return W8A8Config(
         level=args.level or ("O3" if args.method == "smoothquant" else "O2"),
         weight_granularity=args.weight_granularity,
-        group_size=args.group_size,
+        group_size=128 if args.group_size is None else args.group_size,
         smoothquant=smoothing,
         quantize_bmm=not args.no_bmm,
         quantize_probs=args.quantize_probs,
     )
+
+
+GPTQ_FAMILY = ("rtn", "gptq", "spqr")
+
+
+def _gptq_config(args):
+    from leanlm.methods.gptq import gptq_config, rtn_config, spqr_config
+
+    calibration = dict(calibration_samples=args.calib_samples or 128, calibration_seq_len=args.calib_seq_len)
+    spqr_only = {"--beta1": args.beta1, "--beta2": args.beta2, "--outlier-threshold": args.outlier_threshold,
+                 "--statistic-bits": args.statistic_bits}
+    if args.method != "spqr" and any(v is not None for v in spqr_only.values()):
+        raise ConfigError(f"{', '.join(k for k, v in spqr_only.items() if v is not None)} apply to --method spqr")
+    if args.method == "spqr":
+        if args.group_size is not None:
+            raise ConfigError("--method spqr takes its group size as --beta1")
+        return spqr_config(bits=args.bits or 3, beta1=args.beta1 or 16, beta2=args.beta2 or 16,
+                           outlier_threshold=args.outlier_threshold if args.outlier_threshold is not None else 0.2,
+                           statistic_bits=args.statistic_bits or 3,
+                           damping=args.damping if args.damping is not None else 1.0, **calibration)
+    group_size = None if args.group_size == 0 else (args.group_size or 128)
+    if args.method == "rtn":
+        return rtn_config(bits=args.bits or 4, group_size=group_size)
+    return gptq_config(bits=args.bits or 4, group_size=group_size, act_order=args.act_order,
+                       damping=args.damping if args.damping is not None else 0.01, **calibration)
 
 
 def command_quantize(args) -> None:
@@ -171,14 +196,18 @@ def command_quantize(args) -> None:
 
     if args.out.exists() and any(args.out.iterdir()):
         raise ConfigError(f"--out {args.out} exists and is not empty; choose a new directory")
-    kbit_options = [args.dtype, args.bits, args.block_size, args.exponent_bits, args.proxy_fraction]
+    kbit_options = [args.dtype, args.block_size, args.exponent_bits, args.proxy_fraction]
     if args.method == "kbit":
         block_size = None if args.block_size == "row" else (args.block_size or 64)
         config = KbitConfig(args.dtype or "nf", args.bits or 4, block_size, args.double_quant, args.exponent_bits,
                             args.proxy_fraction or 0.0)
     elif any(option is not None for option in kbit_options) or args.double_quant:
-        raise ConfigError("--dtype, --bits, --block-size, --double-quant, --exponent-bits and --proxy-fraction "
+        raise ConfigError("--dtype, --block-size, --double-quant, --exponent-bits and --proxy-fraction "
                           "apply to --method kbit")
+    elif args.method in GPTQ_FAMILY:
+        config = _gptq_config(args)
+    elif args.bits is not None:
+        raise ConfigError("--bits applies to weight-only methods (kbit, rtn, gptq, spqr)")
     else:
         config = _int8_config(args)
     loaded = load_model(args.model)
@@ -186,8 +215,18 @@ def command_quantize(args) -> None:
     if args.method == "kbit":
         record = quantize_kbit_(loaded.model, config)
         summary = f"kbit {config.dtype}{config.bits}, average {record['avg_bits']:.3f} bits per weight"
+    elif args.method in GPTQ_FAMILY:
+        from leanlm.data import calibration_batches
+        from leanlm.methods.gptq import quantize_gptq_
+
+        batches = (calibration_batches(loaded.tokenizer, config.calibration_samples, config.calibration_seq_len,
+                                       seed=args.seed) if config.solver.error_feedback else None)
+        record = quantize_gptq_(loaded.model, config, batches)
+        summary = (f"{args.method} {config.solver.bits}-bit, average {record['avg_bits']:.3f} bits per weight, "
+                   f"{100 * record['outlier_rate']:.2f}% outliers")
     else:
-        calibration = CalibrationSettings(n_samples=args.calib_samples, seq_len=args.calib_seq_len, seed=args.seed)
+        calibration = CalibrationSettings(n_samples=args.calib_samples or 512, seq_len=args.calib_seq_len,
+                                          seed=args.seed)
         record = quantize_loaded_w8a8_(loaded.model, loaded.tokenizer, config, calibration,
                                        search=args.alpha == "auto")
         alpha = record["smoothquant"]["alpha"] if record.get("smoothquant") else None
@@ -339,13 +378,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     quantize = commands.add_parser("quantize", help="quantize a model and write a reloadable checkpoint")
     quantize.add_argument("model", help="registry name, model directory or .gguf file")
-    quantize.add_argument("--method", required=True, choices=["w8a8", "smoothquant", "llm-int8", "kbit"],
+    quantize.add_argument("--method", required=True,
+                          choices=["w8a8", "smoothquant", "llm-int8", "kbit", "rtn", "gptq", "spqr"],
                           help="w8a8: naive int8 weights and activations; smoothquant: smoothing first; "
                                "llm-int8: vector-wise int8 with outlier dimensions in float; "
-                               "kbit: weight-only k-bit (NF4, FP4, int, dynamic)")
+                               "kbit: weight-only k-bit (NF4, FP4, int, dynamic); rtn / gptq / spqr: weight-only "
+                               "min-max groups, rounded / with Hessian error feedback / plus 3-bit statistics "
+                               "and fp16 outliers")
     quantize.add_argument("--dtype", choices=["int", "int_asym", "fp", "nf", "dynamic"],
                           help="kbit: data type (default nf)")
-    quantize.add_argument("--bits", type=int, choices=range(3, 9), help="kbit: bits per weight (default 4)")
+    quantize.add_argument("--bits", type=int, choices=range(2, 9),
+                          help="kbit (3-8), rtn, gptq (default 4), spqr (default 3): bits per weight code")
     quantize.add_argument("--block-size", type=_block_size, help="kbit: values per absmax constant, or 'row' (default 64)")
     quantize.add_argument("--double-quant", action="store_true", help="kbit: 8-bit block constants (QLoRA)")
     quantize.add_argument("--exponent-bits", type=int, help="kbit --dtype fp: exponent bits (default ~half)")
@@ -361,13 +404,27 @@ def build_parser() -> argparse.ArgumentParser:
                           "search on held-out calibration text (default 0.5)")
     quantize.add_argument("--weight-granularity", choices=["per_tensor", "per_channel", "per_group"],
                           default="per_tensor", help="per_group with --level O1 is ZeroQuant-style")
-    quantize.add_argument("--group-size", type=_positive_int, default=128, help="output channels per weight scale")
+    quantize.add_argument("--group-size", type=_non_negative_int,
+                          help="w8a8 per_group: output channels per weight scale (default 128); rtn/gptq: input "
+                               "columns per scale and zero (default 128; 0 = whole row)")
+    quantize.add_argument("--beta1", type=_positive_int, help="spqr: columns per first-level group (default 16)")
+    quantize.add_argument("--beta2", type=_positive_int,
+                          help="spqr: rows per second-level group of the 3-bit statistics (default 16)")
+    quantize.add_argument("--outlier-threshold", type=_positive_float,
+                          help="spqr: tau, relative to the layer's mean sensitivity (default 0.2)")
+    quantize.add_argument("--statistic-bits", type=int, choices=range(2, 9),
+                          help="spqr: bits of the group scales and zeros (default 3)")
+    quantize.add_argument("--damping", type=float,
+                          help="gptq/spqr: Hessian damping as a fraction of its mean diagonal (default 0.01 / 1.0)")
+    quantize.add_argument("--no-act-order", dest="act_order", action="store_false",
+                          help="gptq: quantize columns in their natural order, not by decreasing Hessian diagonal")
     quantize.add_argument("--no-bmm", action="store_true", help="keep attention's two matmuls in float32")
     quantize.add_argument("--quantize-probs", action="store_true",
                           help="also round softmax probabilities to the int8 grid 1/127 (the int8 OPT kernel does)")
     quantize.add_argument("--no-smooth-extension", dest="smooth_extension", action="store_false",
                           help="smooth only norm -> linear (the paper), not also v->o and up->down")
-    quantize.add_argument("--calib-samples", type=_positive_int, default=512)
+    quantize.add_argument("--calib-samples", type=_positive_int,
+                          help="calibration windows (default 512 for w8a8/smoothquant, 128 for gptq/spqr)")
     quantize.add_argument("--calib-seq-len", type=_positive_int, default=512)
     quantize.add_argument("--seed", type=int, default=0)
     quantize.add_argument("--out", type=Path, required=True, help="directory for the checkpoint")

@@ -55,6 +55,8 @@ class W8A8Config:
             raise ConfigError(f"level must be one of {', '.join(LEVELS)}, got {self.level!r}")
         if self.outlier_threshold is not None and LEVELS[self.level][1]:
             raise ConfigError("outlier decomposition needs dynamic activation scales (level O1 or O2)")
+        if self.group_size < 1:
+            raise ConfigError(f"group size must be at least 1 output channel, got {self.group_size}")
 
     @property
     def method(self) -> str:

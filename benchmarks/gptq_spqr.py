@@ -1,0 +1,151 @@
+"""Thesis Table 4.1 at small scale: WikiText-2 and PTB perplexity of FP32, RTN, GPTQ and SpQR at about 3 and
+about 4 average bits, with the measured average bits of each row (every stored tensor counted), the outlier rate
+and the quantization wall time; then the SpQRLinear inference path against FP32 at M = 1 and 512 on a
+4096x4096 layer. Writes benchmarks/results/gptq_spqr_<model>.json + .png; rows are saved as they finish and
+`--resume` skips finished ones.
+
+    python benchmarks/gptq_spqr.py                                   # full test sets (about 25 min a row)
+    python benchmarks/gptq_spqr.py --max-tokens 16384 --skip speed   # a quick look
+
+Note for SmolLM2: its weights are de-quantized Q4_1 (4-bit, groups of 32 input columns, a scale and a minimum
+each), so 4-bit min-max groups aligned to 32 columns would reproduce them almost exactly; the rows use groups of
+128 (RTN/GPTQ) and 16 (SpQR) as the chapter does, and the numbers should be read with that in mind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from leanlm.bench import results_dir, results_name, time_modules, write_results  # noqa: E402
+from leanlm.data import calibration_batches  # noqa: E402
+from leanlm.evaluation import EvalSettings, evaluate  # noqa: E402
+from leanlm.formats.gptq import SolverSettings, solve  # noqa: E402
+from leanlm.methods.gptq import GPTQConfig, gptq_config, quantize_gptq_, rtn_config, spqr_config  # noqa: E402
+from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
+from leanlm.nn import SpQRLinear  # noqa: E402
+from leanlm.report import format_table, save_figure  # noqa: E402
+
+
+def rows(calibration: dict) -> dict[str, GPTQConfig | None]:
+    return {
+        "FP32": None,
+        "RTN 4-bit g128": rtn_config(4, 128),
+        "GPTQ 4-bit g128": gptq_config(4, 128, **calibration),
+        "SpQR 4-bit base (~4.6 bits)": spqr_config(bits=4, beta1=16, beta2=16, outlier_threshold=0.2, **calibration),
+        "RTN 3-bit g128": rtn_config(3, 128),
+        "GPTQ 3-bit g128": gptq_config(3, 128, **calibration),
+        "SpQR 3-bit base (~3.9 bits)": spqr_config(bits=3, beta1=16, beta2=16, outlier_threshold=0.2, **calibration),
+    }
+
+
+def bench_speed(repeats: int) -> dict:
+    """SpQRLinear (4-bit base, 3-bit statistics, tau 0.2; its default path: the k-bit kernel + sparse outliers)
+    against FP32 on a 4096x4096 layer whose Hessian comes
+    from random inputs with uneven channel scales."""
+    torch.manual_seed(0)
+    linear = nn.Linear(4096, 4096, bias=False)
+    with torch.no_grad():  # Gaussian weights with a sprinkle of large ones, so that the sparse part has work
+        linear.weight.normal_(0, 0.02)
+        linear.weight[torch.rand(4096, 4096) < 0.005] *= 10
+    inputs = torch.randn(4096, 4096) * torch.linspace(0.2, 3.0, 4096)
+    hessian = 2 * inputs.T @ inputs / len(inputs)
+    settings = SolverSettings(bits=4, group_size=16, statistic_bits=3, outlier_threshold=0.2, damping=1.0)
+    quantized = SpQRLinear.from_solved(solve(linear.weight, hessian, settings), settings, None)
+    results = {"outlier_rate": quantized.outlier_count / linear.weight.numel(),
+               "bits_per_weight": quantized.bits_per_weight()}
+    for m in (1, 512):
+        x = torch.randn(m, 4096)
+        exact = linear(x).detach()
+        entry = time_modules({"fp32": linear, "leanlm spqr": quantized}, x, exact, repeats)
+        results[str(m)] = entry
+        print(f"4096x4096 M={m}: " + ", ".join(f"{n} {v['median_ms']:.2f} ms" for n, v in entry.items()), flush=True)
+    return results
+
+
+def plot_results(payload: dict, title: str):
+    def draw(path):
+        fig, axis = plt.subplots(figsize=(7, 4.2))
+        for name, row in payload["table"].items():
+            if row.get("avg_bits") is None:
+                axis.axhline(row["wikitext2"], color="black", linestyle="--", linewidth=0.8, label=name)
+                continue
+            marker = {"RTN": "s", "GPTQ": "o", "SpQR": "*"}[name.split()[0]]
+            axis.scatter(row["avg_bits"], row["wikitext2"], marker=marker, s=60, label=name)
+        axis.set_xlabel("average bits per weight (measured storage)")
+        axis.set_ylabel("WikiText-2 perplexity")
+        axis.set_yscale("log")
+        if payload["table"]:
+            axis.legend(fontsize=7)
+        save_figure(fig, path, title)
+
+    return draw
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--max-tokens", type=int, default=None, help="first N tokens of each test set (default all)")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--calib-samples", type=int, default=128)
+    parser.add_argument("--calib-seq-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["table", "speed"])
+    parser.add_argument("--resume", action="store_true", help="keep rows a previous run with the same settings finished")
+    args = parser.parse_args()
+
+    loaded = load_model(args.model)
+    settings = EvalSettings(tasks=("wikitext2", "ptb"), max_tokens=args.max_tokens, seq_len=args.seq_len)
+    calibration = dict(calibration_samples=args.calib_samples, calibration_seq_len=args.calib_seq_len)
+    payload: dict = {"model": args.model, "weights_note": loaded.weights_note,
+                     "settings": {**vars(settings), **calibration}, "table": {}}
+    name = results_name("gptq_spqr", args.model)
+    previous_path = results_dir() / f"{name}.json"
+    previous = json.loads(previous_path.read_text()) if previous_path.exists() else {}
+    if "speed" in args.skip and "speed_4096" in previous:
+        payload["speed_4096"] = previous["speed_4096"]
+    if args.resume and previous.get("settings") == json.loads(json.dumps(payload["settings"])):
+        payload["table"] = previous.get("table", {})
+    title = f"{args.model} RTN / GPTQ / SpQR" + (f" ({loaded.weights_note})" if loaded.weights_note else "")
+
+    def save() -> None:
+        write_results(name, payload, plot_results(payload, title))
+
+    if "table" not in args.skip:
+        batches = calibration_batches(loaded.tokenizer, args.calib_samples, args.calib_seq_len)
+        for row_name, config in rows(calibration).items():
+            if row_name in payload["table"]:
+                continue
+            model = copy.deepcopy(loaded.model)
+            record = quantize_gptq_(model, config, batches) if config else {}
+            result = evaluate(model, loaded.tokenizer, settings)["results"]
+            payload["table"][row_name] = {
+                "wikitext2": result["wikitext2"]["perplexity"], "ptb": result["ptb"]["perplexity"],
+                "avg_bits": record.get("avg_bits"), "outlier_rate": record.get("outlier_rate"),
+                "quantize_seconds": record.get("seconds"), "config": config.record() if config else None,
+                "results": result}
+            print(f"{row_name}: wikitext2 {result['wikitext2']['perplexity']:.3f}, ptb {result['ptb']['perplexity']:.3f}"
+                  + (f", {record['avg_bits']:.3f} bits, {100 * record['outlier_rate']:.2f}% outliers, "
+                     f"{record['seconds']:.0f} s" if record else ""), flush=True)
+            save()
+    if "speed" not in args.skip:
+        payload["speed_4096"] = bench_speed(args.repeats)
+        save()
+
+    table = [[n, r["avg_bits"] or 32.0, r["wikitext2"], r["ptb"],
+              None if r["outlier_rate"] is None else f"{100 * r['outlier_rate']:.2f}%", r["quantize_seconds"]]
+             for n, r in payload["table"].items()]
+    print(format_table(["method", "avg bits", "wikitext2", "ptb", "outliers", "quantize s"], table, markdown=True))
+    print(f"wrote {previous_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""The GPTQ / SpQR weight solver (thesis ch. 4): quantize one weight matrix column by column, feeding each column's
+error forward into the columns not yet quantized through the inverse Hessian of the layer's inputs.
+
+One solver serves three methods:
+- RTN: no error feedback (the Hessian replaced by the identity): plain group-wise min-max rounding.
+- GPTQ: error feedback in lazy blocks, act-order permutation, group-wise float16 scales and zeros.
+- SpQR: GPTQ plus small groups (beta1) whose scales and zeros are themselves min-max quantized (3 bits, in groups
+  of beta2 consecutive rows with float16 second-level statistics), and unstructured outliers kept in 16 bits.
+
+Algorithm 1 of the chapter is garbled by text extraction; this follows its prose and the reference semantics:
+H = 2 X X^T (running mean over calibration tokens) + damping * mean(diag H) I; U = the upper Cholesky factor
+of H^-1; a column's scaled error is (w - q(w)) / U_jj and is propagated as W[:, k] -= err * U[j, k] for k > j.
+Group statistics are fitted when the solver reaches the group's first column (on the already-updated weights).
+SpQR finds outliers twice: before fitting a group (weights whose leave-one-out removal cuts the group's scaled
+error by more than tau) and after quantizing a column (scaled squared error above tau). tau is relative: it is
+multiplied by mean_j(var(W[:, j]) / U_jj^2). Outliers keep their (updated) float value and pass no error on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from leanlm.errors import ConfigError
+from leanlm.formats.minmax import dequantize_minmax, fit_minmax, quantize_minmax, round_trip_minmax
+
+FLOAT16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class SolverSettings:
+    bits: int = 4  # b
+    group_size: int | None = 128  # beta1: input columns sharing one scale and zero per row (None: whole row)
+    statistic_bits: int | None = None  # SpQR: bits of the quantized scales and zeros (3); None: float16
+    statistic_group_size: int = 16  # beta2: consecutive rows whose quantized statistics share float16 ones
+    outlier_threshold: float | None = None  # tau (relative); None: no outliers
+    act_order: bool = True  # quantize inputs in order of decreasing diag(H)
+    damping: float = 0.01  # lambda as a fraction of mean(diag H); SpQR's near-lossless recipe uses 1.0
+    block_size: int = 128  # lazy-batch columns; changes only rounding, not the result
+    error_feedback: bool = True  # False: RTN
+
+    def __post_init__(self):
+        if not 2 <= self.bits <= 8:
+            raise ConfigError(f"bits must be between 2 and 8, got {self.bits}")
+        if self.group_size is not None and self.group_size < 2:
+            raise ConfigError(f"group size must be at least 2, got {self.group_size}")
+        if self.statistic_bits is not None and not 2 <= self.statistic_bits <= 8:
+            raise ConfigError(f"statistic bits must be between 2 and 8, got {self.statistic_bits}")
+        if self.statistic_group_size < 1:
+            raise ConfigError(f"statistic group size must be positive, got {self.statistic_group_size}")
+        if self.outlier_threshold is not None and self.outlier_threshold <= 0:
+            raise ConfigError(f"outlier threshold must be positive, got {self.outlier_threshold}")
+        if self.damping < 0:
+            raise ConfigError(f"damping must be 0 or more, got {self.damping}")
+
+
+@dataclass
+class QuantizedStatistic:
+    """One group's scale or zero for every row: float16 values, or codes + second-level float16 (scale, zero)."""
+
+    values: torch.Tensor  # (rows,) float32: what the solver computed with (the stored form de-quantized)
+    codes: torch.Tensor | None = None  # (rows,) uint8, statistic_bits each
+    second_level: torch.Tensor | None = None  # (ceil(rows / beta2), 2) float16: scale, zero of each row group
+
+
+@dataclass
+class SolvedWeight:
+    """The solver's output, in the permuted column order."""
+
+    codes: torch.Tensor  # (rows, columns) uint8
+    scales: list[QuantizedStatistic]  # one per column group
+    zeros: list[QuantizedStatistic]
+    permutation: torch.Tensor | None  # (columns,) int64: position p holds original column permutation[p]
+    outlier_mask: torch.Tensor  # (rows, columns) bool
+    outlier_residuals: torch.Tensor  # (rows, columns) float32: kept value minus the dense de-quantized one
+    weight: torch.Tensor  # (rows, columns) float32, original column order: the weight the stored form encodes
+
+
+def _to_float16(values: torch.Tensor) -> torch.Tensor:
+    return values.clamp(-FLOAT16_MAX, FLOAT16_MAX).half().float()
+
+
+def quantize_statistic(values: torch.Tensor, settings: SolverSettings) -> QuantizedStatistic:
+    """A group's per-row scales (or zeros) as stored: float16, or min-max codes in groups of beta2 rows."""
+    if settings.statistic_bits is None:
+        return QuantizedStatistic(_to_float16(values))
+    rows, size = values.numel(), settings.statistic_group_size
+    padded = torch.cat([values, values[-1:].expand((-rows) % size)])  # a short last row group repeats its end
+    grouped = padded.reshape(-1, size)
+    scale, zero = fit_minmax(grouped, settings.statistic_bits)
+    scale, zero = _to_float16(scale), _to_float16(zero)
+    codes = quantize_minmax(grouped, scale, zero, settings.statistic_bits)
+    restored = dequantize_minmax(codes, scale, zero).reshape(-1)[:rows]
+    return QuantizedStatistic(restored, codes.reshape(-1)[:rows].to(torch.uint8), torch.stack([scale, zero], 1).half())
+
+
+def _leave_one_out_outliers(group: torch.Tensor, diagonal: torch.Tensor, bits: int, threshold: float) -> torch.Tensor:
+    """Weights whose exclusion from their row's group statistics cuts the group's scaled squared error by more
+    than `threshold` (the error removed includes the weight's own)."""
+    columns = group.shape[1]
+    if columns < 3:
+        return torch.zeros_like(group, dtype=torch.bool)
+    base = ((group - round_trip_minmax(group, bits)) / diagonal).square().sum(dim=1, keepdim=True)
+    keep = torch.tensor([[c for c in range(columns) if c != left_out] for left_out in range(columns)])
+    subsets = group[:, keep]  # (rows, columns, columns - 1)
+    loo = ((subsets - round_trip_minmax(subsets, bits)) / diagonal[keep]).square().sum(dim=2)
+    return (base - loo) > threshold
+
+
+def _group_statistics(group: torch.Tensor, outliers: torch.Tensor, settings: SolverSettings
+                      ) -> tuple[QuantizedStatistic, QuantizedStatistic]:
+    """Min-max statistics of a group, fitted without its outliers (replaced by the mean of the row's others)."""
+    if outliers.any():
+        kept = (~outliers).float()
+        row_mean = (group * kept).sum(dim=1, keepdim=True) / kept.sum(dim=1, keepdim=True).clamp(min=1)
+        group = torch.where(outliers, row_mean, group)
+    scale, zero = fit_minmax(group, settings.bits)
+    return quantize_statistic(scale, settings), quantize_statistic(zero, settings)
+
+
+def inverse_hessian_factor(hessian: torch.Tensor, damping: float) -> torch.Tensor:
+    """U, the upper Cholesky factor of (H + damping * mean(diag H) I)^-1."""
+    damped = hessian.clone()
+    damped.diagonal().add_(damping * damped.diagonal().mean())
+    try:
+        lower = torch.linalg.cholesky(damped)
+    except torch.linalg.LinAlgError as error:
+        raise ConfigError(f"the Hessian is not positive definite even with damping {damping}; raise the damping "
+                          "or give more calibration samples") from error
+    return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+
+
+def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSettings) -> SolvedWeight:
+    """Quantize `weight` (out, in) given the Hessian of its inputs (in, in); None or RTN settings: no feedback."""
+    W = weight.detach().float().clone()
+    rows, columns = W.shape
+    if settings.error_feedback and hessian is None:
+        raise ConfigError("GPTQ and SpQR need the Hessian of the layer's inputs (calibrate first)")
+    H = hessian.detach().float().clone() if settings.error_feedback else torch.eye(columns)
+    if H.shape != (columns, columns):
+        raise ConfigError(f"Hessian of shape {tuple(H.shape)} does not fit a weight with {columns} input columns")
+    dead = H.diagonal() == 0  # inputs never active: their weights cannot matter
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    permutation = None
+    if settings.act_order and settings.error_feedback:
+        permutation = torch.argsort(H.diagonal(), descending=True)
+        W, H = W[:, permutation], H[permutation][:, permutation]
+    U = inverse_hessian_factor(H, settings.damping) if settings.error_feedback else torch.eye(columns)
+    diagonal = U.diagonal().clone()
+    threshold = None
+    if settings.outlier_threshold is not None:
+        threshold = settings.outlier_threshold * (W.var(dim=0) / diagonal.square()).mean().item()
+
+    group = settings.group_size or columns
+    # Every group must start on a block boundary or lie inside one block, so that it is fitted on columns that
+    # have already received all earlier columns' feedback.
+    block = max(group, settings.block_size // group * group) if group <= settings.block_size else group
+    codes = torch.zeros(rows, columns, dtype=torch.uint8)
+    outliers = torch.zeros(rows, columns, dtype=torch.bool)
+    residuals = torch.zeros(rows, columns)
+    scales: list[QuantizedStatistic] = []
+    zeros: list[QuantizedStatistic] = []
+    for start in range(0, columns, block):
+        end = min(start + block, columns)
+        errors = torch.zeros(rows, end - start)
+        for j in range(start, end):
+            if j % group == 0:
+                stop = min(j + group, columns)
+                if threshold is not None:
+                    outliers[:, j:stop] |= _leave_one_out_outliers(W[:, j:stop], diagonal[j:stop], settings.bits,
+                                                                   threshold)
+                scale, zero = _group_statistics(W[:, j:stop], outliers[:, j:stop], settings)
+                scales.append(scale)
+                zeros.append(zero)
+            w = W[:, j]
+            q = quantize_minmax(w[:, None], scale.values, zero.values, settings.bits)[:, 0]
+            dense = scale.values * (q - zero.values)
+            if threshold is not None:
+                outliers[:, j] |= ((w - dense) / diagonal[j]).square() > threshold
+            codes[:, j] = q.to(torch.uint8)
+            residuals[:, j] = torch.where(outliers[:, j], _to_float16(w - dense), 0.0)
+            kept = torch.where(outliers[:, j], dense + residuals[:, j], dense)
+            error = (w - kept) / diagonal[j]
+            W[:, j] = kept
+            W[:, j + 1:end] -= error[:, None] * U[j, j + 1:end][None, :]
+            errors[:, j - start] = error
+        W[:, end:] -= errors @ U[start:end, end:]
+    if permutation is not None:
+        restored = torch.empty_like(W)
+        restored[:, permutation] = W
+        W = restored
+    return SolvedWeight(codes, scales, zeros, permutation, outliers, residuals, W)

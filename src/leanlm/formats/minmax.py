@@ -1,0 +1,38 @@
+"""Min-max (asymmetric) quantization, the quantizer of GPTQ's groups and of both levels of SpQR's statistics:
+
+    scale = (max - min) / (2^b - 1),  zero = -min / scale  (fractional: SpQR quantizes it again, GPTQ keeps it)
+    q = clamp(round(x / scale + zero), 0, 2^b - 1),  x_hat = scale * (q - zero)
+
+Statistics are taken along the last dimension. A constant slice (max == min) gets the range [min - 1, min + 1]
+so that its scale stays finite and its values are still represented exactly enough.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fit_minmax(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero), each of shape x.shape[:-1]."""
+    low, high = x.amin(dim=-1), x.amax(dim=-1)
+    flat = high == low
+    low, high = torch.where(flat, low - 1, low), torch.where(flat, high + 1, high)
+    scale = (high - low) / (2**bits - 1)
+    return scale, -low / scale
+
+
+def quantize_minmax(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes (as float, in [0, 2^bits - 1]) of x with per-slice `scale`, `zero` broadcast on the last dim."""
+    # A stored scale can round to 0 (float16, or a quantized statistic); any code then de-quantizes the same.
+    safe = torch.where(scale == 0, torch.finfo(torch.float32).tiny, scale)
+    return torch.clamp(torch.round(x / safe[..., None] + zero[..., None]), 0, 2**bits - 1)
+
+
+def dequantize_minmax(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return scale[..., None] * (codes - zero[..., None])
+
+
+def round_trip_minmax(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x quantized and de-quantized with its own min-max statistics along the last dimension."""
+    scale, zero = fit_minmax(x, bits)
+    return dequantize_minmax(quantize_minmax(x, scale, zero, bits), scale, zero)

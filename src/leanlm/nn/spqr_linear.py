@@ -1,0 +1,192 @@
+"""SpQRLinear: the stored form of an RTN / GPTQ / SpQR weight (thesis section 4.4.2), in four parts:
+
+1. b-bit min-max codes of the dense weight, bit-packed, columns in the solver's (act-order) order;
+2. first-level statistics, one scale and one zero per row per beta1-column group: float16 (GPTQ), or
+   statistic_bits-bit codes (SpQR) ...
+3. ... with second-level float16 (scale, zero) per beta2 consecutive rows of each group's statistics;
+4. sparse outliers as CSR: int32 row offsets, int16 column indices, float16 values. A value is stored as the
+   difference from the dense part at its position, so dense + sparse is exact and the dense code there need
+   not be special. (The chapter's 8-bit delta encoding of column indices is not used: 16 bits per index.)
+
+The permutation (int16 per input column) maps the solver's column order back. `bits_per_weight` counts every
+stored tensor. Three forward paths:
+- `reference` de-quantizes the whole weight (outliers included) and runs one matmul: the test oracle;
+- `dense_sparse` runs the de-quantized dense part, then adds the outliers' products;
+- `kernel` (4-bit codes, groups a multiple of 16 that tile each row) reuses the k-bit AVX2 kernel: a group's
+  weights are scale * q + offset (offset = -scale * zero), so y = kbit(x, codes, scale, table 0..15) +
+  (per-group sums of x) @ offset^T, then the outliers. The default where it applies.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import torch
+from torch import nn
+
+from leanlm.errors import ConfigError
+from leanlm.formats.gptq import SolvedWeight, SolverSettings
+from leanlm.formats.packing import pack, packed_bytes, unpack
+from leanlm.kernels.kbit_gemm import avx2_available, kbit_linear, supports_fast_path
+
+SpQRBackend = Literal["reference", "dense_sparse", "kernel"]
+_IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 4-bit codes are the integers themselves
+
+
+class SpQRLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group_size: int | None,
+                 statistic_bits: int | None, statistic_group_size: int, outliers: int, permuted: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.statistic_bits, self.statistic_group_size = bits, statistic_bits, statistic_group_size
+        self.group_size = group_size or in_features
+        self.per_row = group_size is None
+        self.backend: SpQRBackend | None = None  # None: the kernel where it applies, chosen at the first forward
+        self._kernel_inputs = None  # (float32 scales flat, offsets (rows, groups)), rebuilt after a load
+        self._sparse = None  # the outliers as a CSR matrix, rebuilt after a load
+        groups = -(-in_features // self.group_size)
+        self.register_buffer("codes", torch.zeros(packed_bytes(out_features * in_features, bits), dtype=torch.uint8))
+        if statistic_bits is None:
+            self.register_buffer("scale", torch.zeros(out_features, groups, dtype=torch.float16))
+            self.register_buffer("zero", torch.zeros(out_features, groups, dtype=torch.float16))
+        else:
+            count = out_features * groups
+            row_groups = -(-out_features // statistic_group_size)
+            self.register_buffer("scale_codes", torch.zeros(packed_bytes(count, statistic_bits), dtype=torch.uint8))
+            self.register_buffer("zero_codes", torch.zeros(packed_bytes(count, statistic_bits), dtype=torch.uint8))
+            self.register_buffer("scale_second", torch.zeros(groups, row_groups, 2, dtype=torch.float16))
+            self.register_buffer("zero_second", torch.zeros(groups, row_groups, 2, dtype=torch.float16))
+        if in_features > torch.iinfo(torch.int16).max:
+            raise ConfigError(f"SpQRLinear stores column indices in 16 bits; {in_features} input features do not fit")
+        self.register_buffer("permutation", torch.zeros(in_features, dtype=torch.int16) if permuted else None)
+        self.register_buffer("outlier_row_offsets", torch.zeros(out_features + 1, dtype=torch.int32))
+        self.register_buffer("outlier_columns", torch.zeros(outliers, dtype=torch.int16))
+        self.register_buffer("outlier_values", torch.zeros(outliers, dtype=torch.float16))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+
+    @classmethod
+    def from_solved(cls, solved: SolvedWeight, settings: SolverSettings, bias: torch.Tensor | None) -> "SpQRLinear":
+        rows, columns = solved.codes.shape
+        module = cls(columns, rows, bias is not None, settings.bits, settings.group_size, settings.statistic_bits,
+                     settings.statistic_group_size, int(solved.outlier_mask.sum()), solved.permutation is not None)
+        module.codes = pack(solved.codes, settings.bits)
+        if settings.statistic_bits is None:
+            module.scale = torch.stack([s.values for s in solved.scales], dim=1).half()
+            module.zero = torch.stack([z.values for z in solved.zeros], dim=1).half()
+        else:
+            for name, statistics in (("scale", solved.scales), ("zero", solved.zeros)):
+                codes = torch.stack([s.codes for s in statistics], dim=1)  # (rows, groups)
+                setattr(module, f"{name}_codes", pack(codes, settings.statistic_bits))
+                setattr(module, f"{name}_second", torch.stack([s.second_level for s in statistics]))
+        if solved.permutation is not None:
+            module.permutation = solved.permutation.to(torch.int16)
+        row_index, column_index = solved.outlier_mask.nonzero(as_tuple=True)  # row-major order: CSR order
+        module.outlier_row_offsets = torch.cat([torch.zeros(1, dtype=torch.int64),
+                                                solved.outlier_mask.sum(dim=1).cumsum(0)]).to(torch.int32)
+        module.outlier_columns = column_index.to(torch.int16)
+        module.outlier_values = solved.outlier_residuals[row_index, column_index].half()
+        if bias is not None:
+            module.bias = bias.detach().float().clone()
+        return module
+
+    def constructor_args(self) -> dict:
+        return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
+                "bits": self.bits, "group_size": None if self.per_row else self.group_size,
+                "statistic_bits": self.statistic_bits, "statistic_group_size": self.statistic_group_size,
+                "outliers": self.outlier_values.numel(), "permuted": self.permutation is not None}
+
+    def _statistic(self, name: str) -> torch.Tensor:
+        """(rows, groups) float32 scales or zeros, de-quantized from whatever is stored."""
+        if self.statistic_bits is None:
+            return getattr(self, name).float()
+        groups = getattr(self, f"{name}_second").shape[0]
+        codes = unpack(getattr(self, f"{name}_codes"), self.statistic_bits, self.out_features * groups)
+        codes = codes.reshape(self.out_features, groups).float()
+        second = getattr(self, f"{name}_second").float()  # (groups, row groups, 2)
+        row_group = torch.arange(self.out_features) // self.statistic_group_size
+        scale, zero = second[:, row_group, 0].T, second[:, row_group, 1].T  # (rows, groups)
+        return scale * (codes - zero)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The de-quantized codes (rows, columns), in the solver's column order, outliers not included."""
+        codes = unpack(self.codes, self.bits, self.out_features * self.in_features)
+        codes = codes.reshape(self.out_features, self.in_features).float()
+        column_group = torch.arange(self.in_features) // self.group_size
+        return self._statistic("scale")[:, column_group] * (codes - self._statistic("zero")[:, column_group])
+
+    def _outlier_rows(self) -> torch.Tensor:
+        counts = (self.outlier_row_offsets[1:] - self.outlier_row_offsets[:-1]).long()
+        return torch.repeat_interleave(torch.arange(self.out_features), counts)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The (out, in) weight this layer computes with, in the original column order."""
+        weight = self.dense_weight()
+        weight.index_put_((self._outlier_rows(), self.outlier_columns.long()), self.outlier_values.float(),
+                          accumulate=True)
+        if self.permutation is None:
+            return weight
+        restored = torch.empty_like(weight)
+        restored[:, self.permutation.long()] = weight
+        return restored
+
+    @property
+    def outlier_count(self) -> int:
+        return self.outlier_values.numel()
+
+    def bits_per_weight(self) -> float:
+        """Measured: bits of every stored tensor (bias excluded) per weight."""
+        stored = [t for name, t in self.named_buffers() if name != "bias" and t is not None]
+        return sum(t.numel() * t.element_size() * 8 for t in stored) / (self.in_features * self.out_features)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._kernel_inputs = self._sparse = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _outlier_matrix(self) -> torch.Tensor:
+        """The sparse part as a float32 CSR matrix (rows, columns in the solver's order), built once."""
+        if self._sparse is None:
+            with warnings.catch_warnings():  # "sparse CSR support is in beta": the ops used here are stable
+                warnings.simplefilter("ignore", UserWarning)
+                self._sparse = torch.sparse_csr_tensor(
+                    self.outlier_row_offsets.long(), self.outlier_columns.long(), self.outlier_values.float(),
+                    (self.out_features, self.in_features), check_invariants=False)
+        return self._sparse
+
+    def _resolve_backend(self) -> SpQRBackend:
+        if self.backend is None:
+            fits = self.bits == 4 and supports_fast_path(4, self.group_size, self.in_features)
+            self.backend = "kernel" if fits and avx2_available() else "dense_sparse"
+        return self.backend
+
+    def _dense_product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._resolve_backend() == "dense_sparse":
+            return nn.functional.linear(rows, self.dense_weight(), self.bias)
+        if self._kernel_inputs is None:
+            scale = self._statistic("scale")
+            self._kernel_inputs = (scale.reshape(-1).contiguous(), (-scale * self._statistic("zero")).contiguous())
+        scale, offset = self._kernel_inputs
+        out = kbit_linear(rows, self.codes, scale, _IDENTITY_TABLE, self.out_features, self.group_size, self.bias,
+                          "avx2")
+        group_sums = rows.reshape(rows.shape[0], -1, self.group_size).sum(dim=2)
+        return out.addmm_(group_sums, offset.T)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"SpQRLinear expects {self.in_features} input features, got shape {tuple(x.shape)}")
+        if self._resolve_backend() == "reference":
+            return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+        rows = x.reshape(-1, self.in_features).float()
+        if self.permutation is not None:
+            rows = rows[:, self.permutation.long()]
+        out = self._dense_product(rows.contiguous())
+        if self.outlier_count:
+            out += (self._outlier_matrix() @ rows.T).T
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        stats = "float16 statistics" if self.statistic_bits is None else (
+            f"{self.statistic_bits}-bit statistics in groups of {self.statistic_group_size}")
+        group = "per-row" if self.per_row else f"groups of {self.group_size}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.bits}-bit, {group}, "
+                f"{stats}, {self.outlier_count} outliers")

@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from leanlm.errors import ConfigError
+from leanlm.formats.gptq import SolverSettings, solve
+from leanlm.formats.minmax import dequantize_minmax, fit_minmax, quantize_minmax, round_trip_minmax
+from leanlm.kernels.kbit_gemm import avx2_available
+from leanlm.nn import SpQRLinear
+
+
+def _layer(rows=96, columns=256, tokens=2048, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, columns, generator=generator)
+    inputs = torch.randn(tokens, columns, generator=generator) * torch.linspace(0.2, 3.0, columns)
+    inputs[:, 7] *= 8  # one outlier feature, as LLM activations have
+    return weight, inputs, 2 * inputs.T @ inputs / tokens
+
+
+def _output_error(weight, inputs, quantized):
+    return ((inputs @ (weight - quantized).T).square().mean() / (inputs @ weight.T).square().mean()).item()
+
+
+RTN = SolverSettings(bits=3, group_size=16, act_order=False, error_feedback=False)
+GPTQ = SolverSettings(bits=3, group_size=16)
+SPQR = SolverSettings(bits=3, group_size=16, statistic_bits=3, statistic_group_size=16, outlier_threshold=0.2,
+                      damping=1.0)
+
+
+def test_rtn_is_group_wise_min_max_rounding():
+    weight, _, _ = _layer()
+    solved = solve(weight, None, RTN)
+    groups = weight.reshape(96, 16, 16)
+    scale, zero = (s.half().float() for s in fit_minmax(groups, 3))  # statistics are stored in float16
+    expected = dequantize_minmax(quantize_minmax(groups, scale, zero, 3), scale, zero).reshape(96, 256)
+    torch.testing.assert_close(solved.weight, expected, rtol=0, atol=0)
+    assert (solved.weight - round_trip_minmax(groups, 3).reshape(96, 256)).abs().mean() < 1e-3
+
+
+def test_error_feedback_lowers_the_output_error_and_outliers_lower_it_further():
+    weight, inputs, hessian = _layer()
+    errors = {name: _output_error(weight, inputs, solve(weight, hessian, settings).weight)
+              for name, settings in {"rtn": RTN, "gptq": GPTQ, "spqr": SPQR}.items()}
+    assert errors["gptq"] < 0.95 * errors["rtn"]
+    assert errors["spqr"] < errors["gptq"]
+
+
+def test_lazy_blocks_do_not_change_the_result():
+    weight, _, hessian = _layer()
+    one = solve(weight, hessian, SolverSettings(bits=4, group_size=32, block_size=32)).weight
+    many = solve(weight, hessian, SolverSettings(bits=4, group_size=32, block_size=256)).weight
+    torch.testing.assert_close(one, many, rtol=0, atol=1e-4)
+
+
+SPQR4 = SolverSettings(bits=4, group_size=16, statistic_bits=3, outlier_threshold=0.2, damping=1.0)
+
+
+@pytest.mark.parametrize("settings", [RTN, GPTQ, SPQR, SPQR4, SolverSettings(bits=4, group_size=None)],
+                         ids=["rtn", "gptq", "spqr", "spqr-4bit", "per-row"])
+def test_stored_form_reproduces_the_solver_and_counts_every_bit(settings):
+    weight, _, hessian = _layer()
+    solved = solve(weight, hessian, settings)
+    module = SpQRLinear.from_solved(solved, settings, None)
+    torch.testing.assert_close(module.dequantized_weight(), solved.weight, rtol=0, atol=0)
+    module.backend = "reference"
+    for m in (1, 7, 40):  # the kernel's register path (M <= 16) and its tile path
+        x = torch.randn(m, 256)
+        reference = module(x)
+        for backend in ("dense_sparse", "kernel") if module.bits == 4 and avx2_available() else ("dense_sparse",):
+            module.backend = backend
+            torch.testing.assert_close(module(x), reference, rtol=1e-4, atol=1e-3)
+        module.backend = "reference"
+    state_bits = sum(t.numel() * t.element_size() * 8 for name, t in module.state_dict().items())
+    assert module.bits_per_weight() == pytest.approx(state_bits / weight.numel())
+
+
+def test_spqr_account_matches_the_chapter_formula():
+    """b + (b_s + b_z)/beta1 + 2 * 32/(beta1 beta2) + 32 r_o, plus what the formula leaves out: the int16
+    permutation, the int32 CSR row offsets and the outliers' 16-bit column indices (counted in the 32)."""
+    weight, _, hessian = _layer()
+    module = SpQRLinear.from_solved(solve(weight, hessian, SPQR), SPQR, None)
+    rows, columns = weight.shape
+    rate = module.outlier_count / weight.numel()
+    formula = 3 + 6 / 16 + 2 * 32 / (16 * 16) + 32 * rate
+    extra = (16 * columns + 32 * (rows + 1)) / weight.numel()
+    assert module.bits_per_weight() == pytest.approx(formula + extra)
+    assert 0 < rate < 0.05
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ConfigError, match="group size must be at least 2"):
+        SolverSettings(group_size=1)
+    with pytest.raises(ConfigError, match="need the Hessian"):
+        solve(torch.randn(4, 8), None, GPTQ)
+    with pytest.raises(ConfigError, match="does not fit"):
+        solve(torch.randn(4, 8), torch.eye(6), GPTQ)
