@@ -228,3 +228,18 @@ def test_quantize_gptq_family_writes_a_reloadable_checkpoint(tiny_llama_dir, tmp
 def test_gptq_family_option_mistakes_are_named(tiny_llama_dir, tmp_path, capsys, argv, message):
     assert main(["quantize", str(tiny_llama_dir), *argv, "--out", str(tmp_path / "x")]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_quantize_with_a_cushion_writes_a_checkpoint_that_reattaches_it(tiny_llama_dir, tmp_path):
+    out = tmp_path / "cushion"
+    assert main(["quantize", str(tiny_llama_dir), "--method", "cushion", "--base", "smoothquant", "--level", "O3",
+                 "--cushion-candidates", "8", "--cushion-max-length", "1", "--cushion-min-improvement", "0",
+                 "--cushion-tune-steps", "2", "--calib-samples", "2", "--calib-seq-len", "32", "--out", str(out)]) == 0
+    assert (out / "cushion_tuning.png").is_file()
+    record = json.loads((out / "leanlm_quant.json").read_text())
+    assert record["method"] == "cushion+smoothquant" and record["level"] == "O3"
+    assert record["cushion"]["length"] == 1 and (out / "cushion.safetensors").is_file()
+    assert main(["eval", str(out), "--tasks", "wikitext2,piqa", "--limit", "2", "--max-tokens", "256",
+                 "--seq-len", "64"]) == 0
+    assert main(["quantize", str(tiny_llama_dir), "--method", "w8a8", "--base", "smoothquant",
+                 "--out", str(tmp_path / "x")]) == 2

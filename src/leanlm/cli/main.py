@@ -138,23 +138,25 @@ def _alpha(text: str) -> float | str:
     return value
 
 
-def _int8_config(args):
+def _int8_config(args, method: str, default_level: str | None = None):
+    """The W8A8 config of `method` (w8a8, smoothquant, llm-int8); `--method cushion` passes its --base."""
     from leanlm.methods import SmoothQuantConfig, W8A8Config, llm_int8_config
 
-    if args.threshold is not None and args.method != "llm-int8":
+    if args.threshold is not None and method != "llm-int8":
         raise ConfigError("--threshold applies to --method llm-int8 only")
-    if args.alpha is not None and args.method != "smoothquant":
-        raise ConfigError("--alpha applies to --method smoothquant only")
-    if args.method == "llm-int8":
+    if args.alpha is not None and method != "smoothquant":
+        raise ConfigError("--alpha applies to smoothquant only (--method smoothquant, or --method cushion --base "
+                          "smoothquant)")
+    if method == "llm-int8":
         if args.level not in (None, "O1") or args.weight_granularity != "per_tensor" or args.no_bmm:
             raise ConfigError("llm-int8 fixes its own granularities (vector-wise, per-token); only --threshold applies")
         return llm_int8_config(None if args.threshold == float("inf") else (args.threshold or 6.0))
     smoothing = None
-    if args.method == "smoothquant":
+    if method == "smoothquant":
         alpha = 0.5 if args.alpha in (None, "auto") else args.alpha
         smoothing = SmoothQuantConfig(alpha, args.smooth_extension, args.smooth_extension)
     return W8A8Config(
-        level=args.level or ("O3" if args.method == "smoothquant" else "O2"),
+        level=args.level or default_level or ("O3" if method == "smoothquant" else "O2"),
         weight_granularity=args.weight_granularity,
         group_size=128 if args.group_size is None else args.group_size,
         smoothquant=smoothing,
@@ -208,8 +210,12 @@ def command_quantize(args) -> None:
         config = _gptq_config(args)
     elif args.bits is not None:
         raise ConfigError("--bits applies to weight-only methods (kbit, rtn, gptq, spqr)")
+    elif args.method == "cushion":
+        config = _int8_config(args, args.base or "w8a8", default_level="O3")
     else:
-        config = _int8_config(args)
+        if args.base is not None:
+            raise ConfigError("--base applies to --method cushion")
+        config = _int8_config(args, args.method)
     loaded = load_model(args.model)
     started = time.perf_counter()
     if args.method == "kbit":
@@ -224,6 +230,29 @@ def command_quantize(args) -> None:
         record = quantize_gptq_(loaded.model, config, batches)
         summary = (f"{args.method} {config.solver.bits}-bit, average {record['avg_bits']:.3f} bits per weight, "
                    f"{100 * record['outlier_rate']:.2f}% outliers")
+    elif args.method == "cushion":
+        from leanlm.methods.cushion import CushionConfig, quantize_with_cushion_
+
+        initial = tuple(loaded.tokenizer(args.cushion_init, add_special_tokens=False)["input_ids"]) \
+            if args.cushion_init else ()
+        cushion_config = CushionConfig(candidates=args.cushion_candidates, max_length=args.cushion_max_length,
+                                       min_improvement=args.cushion_min_improvement, initial=initial,
+                                       tune_steps=args.cushion_tune_steps, tune_lambda=args.cushion_lambda,
+                                       seed=args.seed)
+        calibration = CalibrationSettings(n_samples=args.calib_samples or 512, seq_len=args.calib_seq_len,
+                                          seed=args.seed)
+        record, cushion = quantize_with_cushion_(loaded.model, loaded.tokenizer, config, cushion_config, calibration,
+                                                 search_alpha=args.alpha == "auto")
+        record["method"] = f"cushion+{record['method']}"
+        if cushion_config.tune_steps:
+            from leanlm.report import plot_training_curves
+
+            args.out.mkdir(parents=True, exist_ok=True)
+            curve = cushion.record["tuning"]["curve"]
+            plot_training_curves({name: [point[name] for point in curve] for name in curve[0]},
+                                 args.out / "cushion_tuning.png", f"{args.model}: CushionCache prefix tuning")
+        summary = (f"cushion {cushion.record['text']!r} ({cushion.length} tokens, search "
+                   f"{cushion.record['search_seconds']:.0f} s) + {record['method']} {record['level']}")
     else:
         calibration = CalibrationSettings(n_samples=args.calib_samples or 512, seq_len=args.calib_seq_len,
                                           seed=args.seed)
@@ -379,12 +408,25 @@ def build_parser() -> argparse.ArgumentParser:
     quantize = commands.add_parser("quantize", help="quantize a model and write a reloadable checkpoint")
     quantize.add_argument("model", help="registry name, model directory or .gguf file")
     quantize.add_argument("--method", required=True,
-                          choices=["w8a8", "smoothquant", "llm-int8", "kbit", "rtn", "gptq", "spqr"],
+                          choices=["w8a8", "smoothquant", "llm-int8", "kbit", "rtn", "gptq", "spqr", "cushion"],
                           help="w8a8: naive int8 weights and activations; smoothquant: smoothing first; "
                                "llm-int8: vector-wise int8 with outlier dimensions in float; "
                                "kbit: weight-only k-bit (NF4, FP4, int, dynamic); rtn / gptq / spqr: weight-only "
                                "min-max groups, rounded / with Hessian error feedback / plus 3-bit statistics "
-                               "and fp16 outliers")
+                               "and fp16 outliers; cushion: a searched (and tuned) prefix KV cache, then "
+                               "--base w8a8|smoothquant at --level (default O3)")
+    quantize.add_argument("--base", choices=["w8a8", "smoothquant"], help="cushion: the W8A8 recipe (default w8a8)")
+    quantize.add_argument("--cushion-candidates", type=_positive_int, default=512,
+                          help="cushion: candidate tokens per search step (the most frequent of the search text "
+                               "plus special tokens; the paper searches the whole vocabulary)")
+    quantize.add_argument("--cushion-max-length", type=_positive_int, default=4, help="cushion: prefix tokens at most")
+    quantize.add_argument("--cushion-min-improvement", type=float, default=0.1,
+                          help="cushion: tau, the error cut a token must bring to be appended (default 0.1)")
+    quantize.add_argument("--cushion-init", help="cushion: text the search starts from (e.g. a newline)")
+    quantize.add_argument("--cushion-tune-steps", type=_non_negative_int, default=0,
+                          help="cushion: quantization-aware prefix-tuning steps after the search (default 0)")
+    quantize.add_argument("--cushion-lambda", type=float, default=1e-3,
+                          help="cushion: weight of the quantization error in the tuning loss")
     quantize.add_argument("--dtype", choices=["int", "int_asym", "fp", "nf", "dynamic"],
                           help="kbit: data type (default nf)")
     quantize.add_argument("--bits", type=int, choices=range(2, 9),

@@ -1,6 +1,7 @@
 """Quantized checkpoints: safetensors weights + the model's config and tokenizer + `leanlm_quant.json`, which
 records the method, its settings and every replaced module, so that loading rebuilds the exact structure and
-then reads the tensors (no pickle anywhere)."""
+then reads the tensors (no pickle anywhere). A model with a CushionCache attached also gets `cushion.safetensors`
+(its per-layer keys and values), re-attached on load."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from leanlm.errors import CorruptModelError, ModelNotFoundError
+from leanlm.methods.cushion import attach_cushion, attached_cushion, load_cushion, save_cushion
 from leanlm.models.architectures import architecture_for
 from leanlm.models.loading import LoadedModel, load_model
 from leanlm.nn import ATTENTION_NAME, QUANTIZED_MODULES
@@ -35,6 +37,9 @@ def save_quantized(loaded: LoadedModel, model: nn.Module, record: dict, out_dir:
     model.config.save_pretrained(out)
     loaded.tokenizer.save_pretrained(out)
     save_safetensors_from(model, str(out / WEIGHTS_FILE))
+    cushion = attached_cushion(model)
+    if cushion is not None:
+        save_cushion(cushion, out)
     quant = {
         **record,
         "source_model": loaded.name,
@@ -72,6 +77,8 @@ def load_quantized(directory: str | os.PathLike) -> tuple[LoadedModel, dict]:
         load_safetensors_into(model, str(directory / WEIGHTS_FILE), strict=True)
     except Exception as error:  # safetensors raises its own error types for damaged files
         raise CorruptModelError(f"the weights in {directory / WEIGHTS_FILE} cannot be loaded: {error}") from error
+    if record.get("cushion"):
+        attach_cushion(model, load_cushion(directory))
     if record.get("attn_implementation") == ATTENTION_NAME:
         model.config._attn_implementation = ATTENTION_NAME
     model.eval()

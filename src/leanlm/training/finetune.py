@@ -30,9 +30,9 @@ from leanlm.methods.qlora import (
     load_adapter_tensors_,
     save_adapters,
 )
+from leanlm.optim import AdamW
+from leanlm.report import plot_training_curves
 from leanlm.training.data import Document, pack_blocks, split_documents
-from leanlm.training.optimizers import AdamW
-from leanlm.report import save_figure
 
 CHECKPOINT_DIR = "checkpoint"
 LOSS_CURVE = "loss_curve.png"
@@ -199,27 +199,6 @@ def finetune(model: nn.Module, tokenizer, documents: list[Document], settings: F
         "lora": asdict(lora),
         "losses": losses,
     }
-    plot_loss_curve(losses, eval_ppl, out / LOSS_CURVE, f"{lora.method} ({lora.base} base), r={lora.rank}")
+    plot_training_curves({"cross-entropy": losses}, out / LOSS_CURVE, f"{lora.method} ({lora.base} base), r={lora.rank}",
+                         reference={f"held-out (ppl {eval_ppl:.2f})": math.log(eval_ppl)})
     return record
-
-
-def plot_loss_curve(losses: list[float], eval_ppl: float, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axis = plt.subplots(figsize=(6, 3.6))
-    steps = range(1, len(losses) + 1)
-    axis.plot(steps, losses, linewidth=0.8, alpha=0.5, label="train loss")
-    window = max(1, len(losses) // 20)
-    if len(losses) >= window > 1:
-        smooth = torch.tensor(losses).unfold(0, window, 1).mean(dim=1).tolist()
-        axis.plot(range(window, len(losses) + 1), smooth, label=f"mean of {window}")
-    axis.axhline(math.log(eval_ppl), color="black", linestyle="--", linewidth=0.8,
-                 label=f"held-out loss (ppl {eval_ppl:.2f})")
-    axis.set_xlabel("step")
-    axis.set_ylabel("cross-entropy")
-    axis.set_title(title, fontsize=9)
-    axis.legend()
-    save_figure(fig, path)

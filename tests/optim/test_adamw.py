@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from leanlm.errors import ConfigError
-from leanlm.training import AdamW
+from leanlm.optim import AdamW
 
 
 def _train(optimizer_factory, steps=20, seed=0):

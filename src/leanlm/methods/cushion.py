@@ -1,0 +1,314 @@
+"""CushionCache (Son et al. 2024): a short prefix, kept as per-layer keys and values in front of every input, that
+becomes the model's attention sink so that the following tokens no longer carry activation outliers and
+per-tensor (even static) W8A8 works.
+
+1. `search_cushion`: greedy search over hard tokens (section 4.1). Tokens are appended one at a time, each the
+   candidate that minimises the activation quantization error of sampled text after the prefix; the search
+   stops when the best candidate cuts the error by less than `min_improvement` (tau) or at `max_length`.
+   The paper scores the whole vocabulary; on this CPU a step over 49K tokens takes hours, so candidates are a
+   stated pool: the most frequent tokens of the search text plus the tokenizer's special tokens.
+2. `tune_cushion`: quantization-aware prefix tuning (section 4.2): the prefix's keys and values are trained with
+   the model frozen, loss = next-token cross-entropy + lambda * activation quantization error, the quantizer's
+   scale and zero point detached (stop-gradient).
+3. `attach_cushion`: every forward of the model gets a fresh SinkCache whose sink slots hold the cushion
+   (`window=None`: the prefix stays, the rest is dense), so the cushion goes through the same cache path as
+   StreamingLLM and the new tokens get positions p, p+1, ... from the same position hook.
+
+The error (eq. 6, summed over blocks): for every quantizable linear's input, the mean squared error of
+per-tensor asymmetric 8-bit min-max quantization, with the range taken over the tokens after the prefix only
+(the paper: "the scaling factor and zero-point are determined for x only"). The linear inputs are the tensors
+W8A8 quantizes (the notes' reading; the residual stream peaks elsewhere). Tau and lambda were lost from the
+paper's text; the defaults here are choices, stated as such.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from leanlm.cache.sink_cache import SinkCache
+from leanlm.data import calibration_batches, plain_text
+from leanlm.errors import ConfigError, CorruptModelError, UnsupportedArchitectureError
+from leanlm.methods.streaming import _cache_positions
+from leanlm.methods.w8a8 import CalibrationSettings, W8A8Config, quantize_loaded_w8a8_
+from leanlm.models.architectures import architecture_for, iter_quantizable_linears
+from leanlm.optim import AdamW
+
+CUSHION_FILE = "cushion.safetensors"
+_HOOK_ATTRIBUTE = "_leanlm_cushion_hook"
+
+
+@dataclass(frozen=True)
+class CushionConfig:
+    candidates: int = 512  # candidate pool for the greedy search (the paper: the whole vocabulary)
+    max_length: int = 4  # prefix tokens at most
+    min_improvement: float = 0.1  # tau: append a token only if it cuts the error by this fraction (paper's value lost)
+    sample_tokens: int = 64  # tokens of each search sample
+    search_samples: int = 2  # samples scored per step (the paper draws one; more resists a lucky sample)
+    batch_size: int = 32  # candidates per forward
+    initial: tuple[int, ...] = ()  # token ids the search starts from (e.g. the model's BOS)
+    tune_steps: int = 0  # prefix-tuning steps after the search; 0 = search only
+    tune_lr: float = 1e-3
+    tune_lambda: float = 1e-3  # lambda: weight of the quantization error in the tuning loss (paper's value lost)
+    tune_batch_size: int = 4
+    tune_seq_len: int = 256
+    source: str = "lambada-dev"  # search and tuning text (not an evaluation set)
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("candidates", "max_length", "sample_tokens", "search_samples", "batch_size", "tune_batch_size",
+                     "tune_seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"cushion {name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
+        if not 0.0 <= self.min_improvement < 1.0:
+            raise ConfigError(f"cushion min improvement must be in [0, 1), got {self.min_improvement}")
+        if self.tune_steps < 0 or self.tune_lambda < 0:
+            raise ConfigError("cushion tune steps and lambda must be 0 or more")
+
+
+@dataclass
+class Cushion:
+    tokens: list[int]  # the searched prompt (its keys/values may since have been tuned)
+    keys: list[torch.Tensor]  # per layer (1, kv_heads, p, head_dim), as the cache stores them (RoPE applied)
+    values: list[torch.Tensor]
+    record: dict = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+def check_cushion_support(model: nn.Module) -> None:
+    """A cushion shifts every position by its length and sits in a full-attention cache."""
+    table = architecture_for(model)
+    if any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or ()):
+        raise UnsupportedArchitectureError(
+            f"{table.family} mixes sliding-window and full-attention layers; a cushion needs every layer to attend to "
+            "the whole prefix")
+
+
+def prefix_cache(model: nn.Module, cushion: Cushion | None, batch: int) -> SinkCache | None:
+    """A fresh cache for one forward: the cushion in the sink slots, expanded over the batch, nothing evicted
+    (so no key is ever shifted: any position encoding works)."""
+    if cushion is None or cushion.length == 0:
+        return None
+    cache = SinkCache(sinks=cushion.length, window=None)
+    for layer, (keys, values) in enumerate(zip(cushion.keys, cushion.values)):
+        cache.update(keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1), layer)
+    return cache
+
+
+def attach_cushion(model: nn.Module, cushion: Cushion) -> None:
+    """Prepend `cushion` to every forward of `model` that does not already continue a cache."""
+    check_cushion_support(model)
+    detach_cushion(model)
+
+    def supply_cache(module: nn.Module, args: tuple, kwargs: dict):
+        cache = kwargs.get("past_key_values")
+        if cache is not None and cache.get_seq_length() > 0:
+            return None  # a continuing generation: its cache already starts with the cushion
+        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        if inputs is None and args:
+            inputs = args[0]
+        kwargs["past_key_values"] = prefix_cache(module, cushion, inputs.shape[0])
+        return _cache_positions(module, args, kwargs)
+
+    setattr(model, _HOOK_ATTRIBUTE, model.register_forward_pre_hook(supply_cache, with_kwargs=True))
+    model._leanlm_cushion = cushion
+
+
+def detach_cushion(model: nn.Module) -> None:
+    handle = getattr(model, _HOOK_ATTRIBUTE, None)
+    if handle is not None:
+        handle.remove()
+        setattr(model, _HOOK_ATTRIBUTE, None)
+        model._leanlm_cushion = None
+
+
+def attached_cushion(model: nn.Module) -> Cushion | None:
+    return getattr(model, "_leanlm_cushion", None)
+
+
+@contextmanager
+def quantization_error_probe(model: nn.Module, skip: int = 0, detach: bool = True):
+    """Hooks on every quantizable linear: yields a list that collects, per forward, each linear's per-sequence
+    mean squared error of per-tensor asymmetric 8-bit quantization of its input, over positions >= `skip`."""
+    errors: list[torch.Tensor] = []
+
+    def hook(module, args):
+        x = args[0][:, skip:].float()
+        flat = x.reshape(x.shape[0], -1)
+        low, high = flat.amin(dim=1, keepdim=True), flat.amax(dim=1, keepdim=True)
+        scale = ((high - low) / 255).clamp(min=1e-8)
+        zero = torch.round(-low / scale)
+        if detach:  # stop-gradient on the quantizer's scale and zero point
+            scale, zero = scale.detach(), zero.detach()
+        quantized = (torch.clamp(torch.round(flat / scale) + zero, 0, 255) - zero) * scale
+        errors.append((flat - quantized).square().mean(dim=1))
+
+    handles = [module.register_forward_pre_hook(hook) for _, module in iter_quantizable_linears(model)]
+    try:
+        yield errors
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _prefix_keys_values(model: nn.Module, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The float model's cached keys and values of `tokens` at positions 0..p-1."""
+    if not tokens:
+        return [], []
+    with torch.inference_mode():
+        output = model.base_model(input_ids=torch.tensor([tokens]), use_cache=True)
+    cache = output.past_key_values
+    return ([layer.keys.clone() for layer in cache.layers], [layer.values.clone() for layer in cache.layers])
+
+
+def _errors_after(model: nn.Module, prefix: Cushion | None, inputs: torch.Tensor, skip: int) -> torch.Tensor:
+    """Summed quantization error per sequence of `inputs` (batch, length) run after `prefix`."""
+    cache = prefix_cache(model, prefix, inputs.shape[0])
+    start = 0 if prefix is None else prefix.length
+    positions = torch.arange(start, start + inputs.shape[1]).expand(inputs.shape[0], -1)
+    with quantization_error_probe(model, skip) as errors, torch.inference_mode():
+        model.base_model(input_ids=inputs, past_key_values=cache, position_ids=positions, use_cache=False)
+    return torch.stack(errors).sum(dim=0)
+
+
+def candidate_pool(tokenizer, text: str, size: int) -> list[int]:
+    """The tokenizer's special tokens and newline, then the most frequent tokens of `text`, `size` in all."""
+    special = [i for i in tokenizer.all_special_ids if i is not None]
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    counts = Counter(tokenizer(text, add_special_tokens=False)["input_ids"])
+    pool = list(dict.fromkeys([*special, *newline, *(token for token, _ in counts.most_common())]))
+    return pool[:size]
+
+
+def search_cushion(model: nn.Module, tokenizer, config: CushionConfig = CushionConfig(), progress: bool = True
+                   ) -> Cushion:
+    """Greedy prefix search (section 4.1) on the float model."""
+    check_cushion_support(model)
+    started = time.perf_counter()
+    text = plain_text(config.source)
+    pool = torch.tensor(candidate_pool(tokenizer, text, config.candidates))
+    generator = torch.Generator().manual_seed(config.seed)
+    tokens = list(config.initial)
+    history = []
+    model_was_training = model.training
+    model.eval()
+    for step in range(config.max_length - len(tokens)):
+        current = Cushion(tokens, *_prefix_keys_values(model, tokens)) if tokens else None
+        samples = calibration_batches(tokenizer, config.search_samples, config.sample_tokens,
+                                      seed=int(torch.randint(0, 2**31, (1,), generator=generator)), source=config.source)
+        baseline = sum(_errors_after(model, current, sample[None], skip=0).item() for sample in samples)
+        scores = torch.zeros(len(pool))
+        bar = tqdm(range(0, len(pool), config.batch_size), desc=f"cushion search, token {len(tokens) + 1}",
+                   unit="batch", disable=not progress, leave=False)
+        for start in bar:
+            candidates = pool[start:start + config.batch_size]
+            for sample in samples:
+                inputs = torch.cat([candidates[:, None], sample.expand(len(candidates), -1)], dim=1)
+                scores[start:start + len(candidates)] += _errors_after(model, current, inputs, skip=1)
+        best = int(scores.argmin())
+        improvement = 1 - scores[best].item() / baseline if baseline > 0 else 0.0
+        history.append({"step": step + 1, "error_before": baseline, "best_token": int(pool[best]),
+                        "best_text": tokenizer.decode([int(pool[best])]), "error_after": scores[best].item(),
+                        "improvement": improvement})
+        if improvement < config.min_improvement:
+            break
+        tokens.append(int(pool[best]))
+    model.train(model_was_training)
+    keys, values = _prefix_keys_values(model, tokens)
+    record = {"tokens": tokens, "text": tokenizer.decode(tokens), "search_seconds": time.perf_counter() - started,
+              "candidates": len(pool), "history": history, "config": asdict(config)}
+    return Cushion(tokens, keys, values, record)
+
+
+def tune_cushion(model: nn.Module, tokenizer, cushion: Cushion, config: CushionConfig, progress: bool = True
+                 ) -> Cushion:
+    """Quantization-aware prefix tuning (section 4.2): returns a cushion with trained keys and values."""
+    if cushion.length == 0:
+        raise ConfigError("prefix tuning needs a cushion of at least one token (the search found none)")
+    if config.tune_steps == 0:
+        return cushion
+    started = time.perf_counter()
+    keys = [nn.Parameter(k.clone()) for k in cushion.keys]
+    values = [nn.Parameter(v.clone()) for v in cushion.values]
+    optimizer = AdamW(keys + values, lr=config.tune_lr, state_bits=32)
+    batches = calibration_batches(tokenizer, config.tune_steps * config.tune_batch_size, config.tune_seq_len,
+                                  seed=config.seed + 1, source=config.source)
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+    curve = []
+    try:
+        for step in tqdm(range(config.tune_steps), desc="cushion tuning", unit="step", disable=not progress):
+            ids = batches[step * config.tune_batch_size:(step + 1) * config.tune_batch_size]
+            trainable = Cushion(cushion.tokens, keys, values)
+            cache = prefix_cache(model, trainable, len(ids))
+            positions = torch.arange(cushion.length, cushion.length + ids.shape[1]).expand(len(ids), -1)
+            with quantization_error_probe(model) as errors:
+                logits = model(input_ids=ids, past_key_values=cache, position_ids=positions, use_cache=False).logits
+            cross_entropy = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                        ids[:, 1:].reshape(-1))
+            quantization = torch.stack(errors).sum(dim=0).mean()
+            loss = cross_entropy + config.tune_lambda * quantization
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            curve.append({"cross_entropy": cross_entropy.item(), "quantization_error": quantization.item()})
+    finally:
+        for parameter in frozen:
+            parameter.requires_grad_(True)
+    record = {**cushion.record, "tuning": {"steps": config.tune_steps, "seconds": time.perf_counter() - started,
+                                           "curve": curve}}
+    return Cushion(cushion.tokens, [k.detach() for k in keys], [v.detach() for v in values], record)
+
+
+def save_cushion(cushion: Cushion, directory: str | os.PathLike) -> None:
+    tensors = {f"{kind}.{layer}": tensor.contiguous() for kind, group in (("keys", cushion.keys),
+                                                                        ("values", cushion.values))
+               for layer, tensor in enumerate(group)}
+    save_file(tensors, str(Path(directory) / CUSHION_FILE),
+              metadata={"tokens": json.dumps(cushion.tokens), "record": json.dumps(cushion.record)})
+
+
+def load_cushion(directory: str | os.PathLike) -> Cushion:
+    path = Path(directory) / CUSHION_FILE
+    try:
+        tensors = load_file(str(path))
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as handle:
+            metadata = handle.metadata()
+        tokens, record = json.loads(metadata["tokens"]), json.loads(metadata["record"])
+    except Exception as error:  # missing or damaged: safetensors and json raise their own types
+        raise CorruptModelError(f"{path} cannot be read as a cushion: {error}") from error
+    layers = len([name for name in tensors if name.startswith("keys.")])
+    return Cushion(tokens, [tensors[f"keys.{i}"] for i in range(layers)], [tensors[f"values.{i}"] for i in range(layers)],
+                   record)
+
+
+def quantize_with_cushion_(model: nn.Module, tokenizer, w8a8: W8A8Config, config: CushionConfig,
+                           calibration: CalibrationSettings = CalibrationSettings(), cushion: Cushion | None = None,
+                           search_alpha: bool = False, progress: bool = True) -> tuple[dict, Cushion]:
+    """Search (and tune) a cushion on the float model unless one is given, attach it, then run the W8A8 recipe
+    with it in place: SmoothQuant's channel statistics and the static ranges see only the tokens after it.
+    Returns (the W8A8 record with a "cushion" entry, the cushion)."""
+    if cushion is None:
+        cushion = tune_cushion(model, tokenizer, search_cushion(model, tokenizer, config, progress), config, progress) \
+            if config.tune_steps else search_cushion(model, tokenizer, config, progress)
+    attach_cushion(model, cushion)
+    record = quantize_loaded_w8a8_(model, tokenizer, w8a8, calibration, search=search_alpha)
+    record["cushion"] = {"length": cushion.length, **{k: v for k, v in cushion.record.items() if k != "config"},
+                         "config": asdict(config)}
+    return record, cushion
