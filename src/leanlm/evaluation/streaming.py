@@ -33,6 +33,7 @@ from leanlm.bench.harness import peak_memory
 from leanlm.errors import ConfigError
 from leanlm.evaluation.tokens import bos_prefix, encode
 from leanlm.methods.streaming import StreamingConfig, sink_cache
+from leanlm.nn.softmax_one import SOFTMAX_ONE
 from leanlm.report import save_figure
 
 STRATEGIES = ("dense", "window", "recompute", "streaming")
@@ -225,7 +226,8 @@ def attention_sink_mass(model, tokenizer, texts: list[str], length: int = 16) ->
     """Per layer: the average attention probability that queries 1..length-1 put on the first token, over
     `texts` cut to `length` tokens (thesis Fig 1.4's probe, on probabilities rather than logits)."""
     previous = model.config._attn_implementation
-    model.config._attn_implementation = "eager"  # the only implementation that returns attention weights
+    if previous != SOFTMAX_ONE:  # SoftMax-off-by-one returns its weights; plain softmax needs eager to return them
+        model.config._attn_implementation = "eager"
     sums, count = None, 0
     try:
         with torch.inference_mode():

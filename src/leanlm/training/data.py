@@ -78,3 +78,12 @@ def pack_blocks(tokenizer, documents: list[Document], seq_len: int) -> torch.Ten
     stream = [token for document in documents for token in document_ids(tokenizer, document)]
     count = len(stream) // seq_len
     return torch.tensor(stream[: count * seq_len], dtype=torch.long).reshape(count, seq_len)
+
+
+def batch_indices(step: int, batch_size: int, blocks: int, seed: int) -> torch.Tensor:
+    """The blocks of training step `step`: every epoch is a seeded permutation of the blocks, so the batch is a
+    pure function of (seed, step) and a resumed run sees exactly the batches of an uninterrupted one."""
+    samples = range(step * batch_size, (step + 1) * batch_size)
+    orders = {epoch: torch.randperm(blocks, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+              for epoch in {sample // blocks for sample in samples}}
+    return torch.stack([orders[s // blocks][s % blocks] for s in samples])

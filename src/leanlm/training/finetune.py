@@ -32,7 +32,7 @@ from leanlm.methods.qlora import (
 )
 from leanlm.optim import AdamW
 from leanlm.report import plot_training_curves
-from leanlm.training.data import Document, pack_blocks, split_documents
+from leanlm.training.data import Document, batch_indices, pack_blocks, split_documents
 
 CHECKPOINT_DIR = "checkpoint"
 LOSS_CURVE = "loss_curve.png"
@@ -66,14 +66,6 @@ class FinetuneSettings:
     def resumable_with(self, other: "FinetuneSettings") -> bool:
         """Everything but the step budget must match for a resumed run to continue the same run."""
         return {**asdict(self), "max_steps": 0} == {**asdict(other), "max_steps": 0}
-
-
-def _batch_indices(step: int, settings: FinetuneSettings, blocks: int) -> torch.Tensor:
-    samples = range(step * settings.batch_size, (step + 1) * settings.batch_size)
-    epochs = {sample // blocks for sample in samples}
-    orders = {epoch: torch.randperm(blocks, generator=torch.Generator().manual_seed(settings.seed * 100_003 + epoch))
-              for epoch in epochs}
-    return torch.stack([orders[s // blocks][s % blocks] for s in samples])
 
 
 @torch.no_grad()
@@ -164,7 +156,7 @@ def finetune(model: nn.Module, tokenizer, documents: list[Document], settings: F
             started = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = settings.lr * min(1.0, (step + 1) / warmup_steps)
-            batch = train_blocks[_batch_indices(step, settings, len(train_blocks))]
+            batch = train_blocks[batch_indices(step, settings.batch_size, len(train_blocks), settings.seed)]
             loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
             nn.utils.clip_grad_norm_(trainable, settings.grad_clip)
