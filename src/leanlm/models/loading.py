@@ -44,7 +44,7 @@ def load_model(source: str | os.PathLike, *, attn_implementation: str = "sdpa") 
     weights_note = None
     if source_str in REGISTRY:
         registered = REGISTRY[source_str]
-        gguf = gguf_path_of(registered)
+        gguf = gguf_path_of(registered, cache_root() / "gguf")
         directory = _cached_float_checkpoint(gguf, expected_sha256=registered.sha256)
         weights_note = registered.weights_note
     else:

