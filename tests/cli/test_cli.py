@@ -32,6 +32,7 @@ def test_eval_writes_the_contract_json(tiny_llama_dir, tmp_path, capsys):
         (["eval", "smollm2-135m", "--seq-len", "abc"], "expected a whole number"),
         (["stream", "smollm2-135m", "--sinks", "-1"], "expected 0 or more"),
         (["stream", "smollm2-135m", "--setting", "magic"], "invalid choice"),
+        (["swarm", "--stages", "3", "--peers", "2"], "cannot serve 3 stages"),
     ],
 )
 def test_bad_input_gets_a_one_line_error(argv, message, capsys):

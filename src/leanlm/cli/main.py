@@ -394,6 +394,22 @@ def command_merge(args) -> None:
     print(f"merged adapters from {args.adapter} into {args.out}")
 
 
+def command_swarm(args) -> None:
+    from leanlm.swarm import SwarmModelConfig, SwarmRun, SwarmSettings, run_local_swarm
+
+    if args.peers < args.stages:
+        raise ConfigError(f"--peers {args.peers} cannot serve {args.stages} stages (at least one peer per stage)")
+    settings = SwarmSettings(model=SwarmModelConfig(stages=args.stages), micro_batch=args.micro_batch,
+                             target_batch=args.target_batch, compress=not args.no_compression,
+                             rebalance_seconds=args.rebalance_seconds)
+    run = SwarmRun(settings, peers=args.peers, trainers=args.trainers, max_steps=args.max_steps,
+                   max_seconds=args.max_seconds)
+    record = run_local_swarm(run)
+    print(f"swarm: {record['steps']} optimizer steps in {record['seconds']:.0f} s, loss {record['loss_first']} -> "
+          f"{record['loss_last']}, {record['samples_per_second']:.2f} samples/s, {record['peers_failed']} peers failed")
+    _write_json(args.json, record)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from leanlm.showcase import QUICK_SETTINGS
 
@@ -546,6 +562,20 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--requantize", choices=["nf4-dq", "nf4", "fp4", "int4"],
                        help="re-quantize the merged weights (reports the error it adds); default: float32")
     merge.set_defaults(handler=command_merge)
+
+    swarm = commands.add_parser("swarm", help="SWARM parallelism: a local swarm of pipeline peers and trainers on "
+                                "127.0.0.1 (hivemind), training a small byte-level LM on the shipped text")
+    swarm.add_argument("--stages", type=_positive_int, default=3)
+    swarm.add_argument("--peers", type=_positive_int, default=6, help="peer processes, stages assigned round-robin")
+    swarm.add_argument("--trainers", type=_positive_int, default=2)
+    swarm.add_argument("--max-steps", type=_positive_int, default=20, help="optimizer steps of the slowest stage")
+    swarm.add_argument("--max-seconds", type=_positive_float, default=300.0, help="stop after this long in any case")
+    swarm.add_argument("--micro-batch", type=_positive_int, default=4)
+    swarm.add_argument("--target-batch", type=_positive_int, default=32, help="samples per optimizer step of a stage")
+    swarm.add_argument("--rebalance-seconds", type=float, default=10.0, help="T of adaptive rebalancing; 0 = off")
+    swarm.add_argument("--no-compression", action="store_true", help="send float32 activations and gradients")
+    swarm.add_argument("--json", type=Path, help="write the results as one JSON object to this path")
+    swarm.set_defaults(handler=command_swarm)
 
     showcase = commands.add_parser("showcase", help="every leanlm method side by side on one model, in minutes")
     showcase.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")

@@ -1,0 +1,109 @@
+"""`leanlm swarm`: a whole SWARM on this machine. Starts a DHT root, peers (one process each, stages assigned
+round-robin) and trainers, all on 127.0.0.1; shows a status line per second (peers per stage, optimizer steps,
+throughput, loss); can kill peers and start new ones on a schedule (fault tolerance); stops everything it
+started when the steps are done or the time is up."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+from dataclasses import dataclass, field
+
+from leanlm.data import plain_text
+from leanlm.swarm.model import byte_blocks
+from leanlm.swarm.peer import SwarmSettings, make_dht, run_peer, stage_peers
+from leanlm.swarm.trainer import run_trainer
+
+
+@dataclass(frozen=True)
+class SwarmRun:
+    settings: SwarmSettings = SwarmSettings()
+    peers: int = 6
+    trainers: int = 2
+    max_steps: int = 20  # optimizer steps of the slowest stage
+    max_seconds: float = 300.0
+    kill: tuple[tuple[float, int], ...] = ()  # (seconds after start, peer index) to SIGKILL
+    join: tuple[tuple[float, int], ...] = ()  # (seconds after start, stage) of peers that join late
+    slow_peers: dict[int, float] = field(default_factory=dict)  # peer index -> seconds per sample of extra work
+
+
+def _peer_epochs(dht, settings: SwarmSettings) -> list[list[int]]:
+    """Per stage: the optimizer step (epoch) each of its peers announces."""
+    return [sorted(p.get("epoch", 0) for p in stage_peers(dht, settings, stage).values())
+            for stage in range(settings.model.stages)]
+
+
+def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
+    context = mp.get_context("spawn")
+    settings = run.settings
+    root = make_dht([])
+    initial = [str(address) for address in root.get_visible_maddrs()]
+    blocks = byte_blocks(plain_text("lambada-dev"), settings.model.seq_len)
+    stop = context.Event()
+    results = context.Queue()
+    started = time.monotonic()
+    lifetime = run.max_seconds + 20  # children end themselves even if this process is killed
+
+    def start_peer(stage: int, slowdown: float = 0.0):
+        peer_settings = settings if not slowdown else SwarmSettings(**{**settings.__dict__, "slowdown": slowdown})
+        process = context.Process(target=run_peer, args=(peer_settings, stage, initial, lifetime))
+        process.start()
+        return process
+
+    peers = [start_peer(i % settings.model.stages, run.slow_peers.get(i, 0.0)) for i in range(run.peers)]
+    trainers = [context.Process(target=run_trainer, args=(settings, initial, blocks, 1000 + i, lifetime, stop, results),
+                                ) for i in range(run.trainers)]
+    for process in trainers:
+        process.start()
+    kills, joins = sorted(run.kill), sorted(run.join)
+    losses, status = [], []
+    failed = 0
+    steps = 0
+    try:
+        while time.monotonic() - started < run.max_seconds:
+            elapsed = time.monotonic() - started
+            while kills and kills[0][0] <= elapsed:
+                peers[kills.pop(0)[1]].kill()
+                failed += 1
+            while joins and joins[0][0] <= elapsed:
+                peers.append(start_peer(joins.pop(0)[1]))
+            try:
+                while True:
+                    at, loss, samples, _ = results.get_nowait()
+                    losses.append((at, loss, samples))
+            except queue.Empty:
+                pass
+            peer_epochs = _peer_epochs(root, settings)
+            counts, epochs = [len(e) for e in peer_epochs], [max(e, default=0) for e in peer_epochs]
+            steps = max(steps, min(epochs))
+            recent = [s for at, _, s in losses if at > time.time() - 10]
+            line = {"seconds": round(elapsed, 1), "peers_per_stage": counts, "steps_per_stage": epochs,
+                    "peer_epochs": peer_epochs,
+                    "samples_per_second": sum(recent) / 10 if recent else 0.0,
+                    "loss": losses[-1][1] if losses else None}
+            status.append(line)
+            if progress:
+                print(f"[{elapsed:5.0f}s] peers/stage {counts}  steps/stage {epochs}  "
+                      f"{line['samples_per_second']:.1f} samples/s  loss {line['loss'] if line['loss'] is None else round(line['loss'], 3)}",
+                      flush=True)
+            if steps >= run.max_steps:
+                break
+            time.sleep(1.0)
+    finally:
+        stop.set()
+        for process in trainers:  # a trainer stops after its current micro-batch
+            process.join(timeout=10)
+        for process in trainers + peers:  # peers hold nothing that must outlive the run
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=5)
+        root.shutdown()
+    total_seconds = time.monotonic() - started
+    samples = sum(s for _, _, s in losses)
+    first = [loss for _, loss, _ in losses[:5]]
+    last = [loss for _, loss, _ in losses[-5:]]
+    return {"steps": steps, "loss_first": sum(first) / len(first) if first else None,
+            "loss_last": sum(last) / len(last) if last else None, "peers_failed": failed,
+            "samples_per_second": samples / total_seconds, "seconds": total_seconds,
+            "losses": [loss for _, loss, _ in losses], "status": status}

@@ -1,0 +1,197 @@
+"""A SWARM peer (thesis section 6.3.2): serves one pipeline stage over hivemind's peer-to-peer RPC, announces
+itself (and its queue length) in the DHT, accumulates parameter gradients from the backward passes it serves,
+and synchronises with the other peers of its stage through `hivemind.Optimizer` (gradient all-reduce within the
+stage, delayed parameter updates, and the latest parameters + optimizer state downloaded by a peer that joins).
+
+Backward is stateless: the trainer sends the stage's inputs with the output gradients, the peer recomputes the
+forward (activation checkpointing) and returns the input gradients, so any peer of the stage can serve it.
+Every T seconds the peer looks at the per-peer queue length of every stage; the first peer (by id) of the least
+loaded stage moves to the most loaded one when that is clearly busier (adaptive rebalancing, section 6.3.3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import hivemind
+import torch
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
+
+from leanlm.swarm import compression
+from leanlm.swarm.model import Stage, SwarmModelConfig
+
+LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]  # every peer listens on the loopback only
+
+
+@dataclass(frozen=True)
+class SwarmSettings:
+    model: SwarmModelConfig = SwarmModelConfig()
+    run_id: str = "leanlm_swarm"
+    micro_batch: int = 4
+    target_batch: int = 32  # samples per optimizer step of a stage (summed over its peers)
+    lr: float = 1e-3
+    compress: bool = True  # 8-bit block-wise activations and gradients between stages
+    announce_seconds: float = 1.0
+    rebalance_seconds: float = 10.0  # T; 0 = no rebalancing
+    rebalance_ratio: float = 2.0  # move only when the busiest stage's per-peer queue is this many times the idlest
+    matchmaking_seconds: float = 1.0
+    averaging_timeout: float = 15.0
+    request_timeout: float = 20.0
+    slowdown: float = 0.0  # seconds of extra work per sample (heterogeneous peers in experiments)
+
+    def stage_key(self, stage: int) -> str:
+        return f"{self.run_id}_stage{stage}"  # also the hivemind run id of the stage (no dots allowed)
+
+
+def make_dht(initial_peers: list[str], client_mode: bool = False) -> hivemind.DHT:
+    return hivemind.DHT(initial_peers=initial_peers, host_maddrs=LOCALHOST, client_mode=client_mode,
+                        use_relay=False, use_auto_relay=False, start=True)
+
+
+def stage_peers(dht: hivemind.DHT, settings: SwarmSettings, stage: int) -> dict[str, dict]:
+    """{peer id: its latest announcement} for the peers currently serving `stage`."""
+    found = dht.get(settings.stage_key(stage), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {peer: entry.value for peer, entry in found.value.items() if isinstance(entry.value, dict)}
+
+
+class StagePeer(ServicerBase):
+    def __init__(self, dht: hivemind.DHT, settings: SwarmSettings, stage: int):
+        self.dht, self.settings = dht, settings
+        self.executor = ThreadPoolExecutor(max_workers=1)  # one computation at a time: the rest queue up
+        self.queued = 0
+        self.samples = 0
+        self.peer_id = dht.peer_id.to_base58()
+        self._join(stage)
+
+    def _join(self, stage: int) -> None:
+        self.stage_index = stage
+        self.stage = Stage(self.settings.model, stage)
+        self.optimizer = hivemind.Optimizer(
+            dht=self.dht, run_id=self.settings.stage_key(stage), params=self.stage.parameters(),
+            optimizer=lambda params: torch.optim.Adam(params, lr=self.settings.lr),
+            target_batch_size=self.settings.target_batch, batch_size_per_step=self.settings.micro_batch,
+            # Delayed parameter updates (section 6.3.2): all-reduce and step run in the background while the peer
+            # keeps serving with the previous parameters.
+            delay_optimizer_step=True, delay_grad_averaging=True, matchmaking_time=self.settings.matchmaking_seconds,
+            averaging_timeout=self.settings.averaging_timeout, verbose=False,
+            averager_opts={"request_timeout": self.settings.matchmaking_seconds / 2})
+        if stage_peers(self.dht, self.settings, stage):
+            self.optimizer.load_state_from_peers()  # a joining peer catches up with its stage
+
+    def _leave(self) -> None:
+        self.dht.store(self.settings.stage_key(self.stage_index), subkey=self.peer_id, value=None,
+                       expiration_time=get_dht_time() + 1)
+        self.optimizer.shutdown()
+
+    def announce(self) -> None:
+        self.dht.store(self.settings.stage_key(self.stage_index), subkey=self.peer_id,
+                       value={"queue": self.queued, "epoch": self.optimizer.local_epoch, "samples": self.samples},
+                       expiration_time=get_dht_time() + 5 * self.settings.announce_seconds)
+
+    def maybe_rebalance(self) -> bool:
+        loads = {}
+        for stage in range(self.settings.model.stages):
+            peers = stage_peers(self.dht, self.settings, stage)
+            loads[stage] = (sum(p.get("queue", 0) for p in peers.values()) / max(1, len(peers)), sorted(peers))
+        idlest = min(loads, key=lambda s: loads[s][0])
+        busiest = max(loads, key=lambda s: loads[s][0])
+        mine = loads[self.stage_index]
+        if (self.stage_index != idlest or len(mine[1]) < 2 or mine[1][0] != self.peer_id
+                or loads[busiest][0] < self.settings.rebalance_ratio * max(mine[0], 0.5)):
+            return False
+        self._leave()
+        self._join(busiest)
+        return True
+
+    def _check_stage(self, request: runtime_pb2.ExpertRequest) -> None:
+        if request.uid != self.settings.stage_key(self.stage_index):
+            raise ValueError(f"this peer now serves stage {self.stage_index}, not {request.uid}")
+
+    async def _run(self, function, request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
+        self._check_stage(request)
+        self.queued += 1
+        try:
+            inputs = compression.decode(list(request.tensors))
+            outputs = await asyncio.get_running_loop().run_in_executor(self.executor, function, *inputs)
+        finally:
+            self.queued -= 1
+        return runtime_pb2.ExpertResponse(tensors=compression.encode(outputs, self.settings.compress))
+
+    def _forward(self, inputs: torch.Tensor) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [self.stage(inputs)]
+
+    def _backward(self, inputs: torch.Tensor, target: torch.Tensor) -> list[torch.Tensor]:
+        """Recompute the forward with gradients, backpropagate `target` (output gradients, or for the last
+        stage the byte ids whose loss it computes), step the stage's optimizer; returns the input gradients."""
+        if self.settings.slowdown:
+            time.sleep(self.settings.slowdown * len(inputs))
+        inputs = inputs if self.stage.first else inputs.detach().requires_grad_(True)
+        outputs = self.stage(inputs)
+        if self.stage.last:
+            loss = Stage.loss(outputs, target)
+            loss.backward()
+            result = [inputs.grad, loss.detach().reshape(1)]
+        else:
+            outputs.backward(target)
+            result = [inputs.grad] if not self.stage.first else [torch.zeros(1)]
+        self.optimizer.step(batch_size=len(inputs))
+        self.optimizer.zero_grad()
+        self.samples += len(inputs)
+        return result
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self._run(self._forward, request)
+
+    async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self._run(self._backward, request)
+
+
+def exit_after(seconds: float, dht: hivemind.DHT) -> None:
+    """A bounded run always ends: whatever this process is waiting on, it shuts down after `seconds`."""
+
+    def watchdog():
+        time.sleep(seconds)
+        threading.Thread(target=dht.shutdown, daemon=True).start()
+        time.sleep(3)
+        os._exit(0)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+
+
+def run_peer(settings: SwarmSettings, stage: int, initial_peers: list[str], duration: float) -> None:
+    """Process entry point: serve `stage` for at most `duration` seconds (a bounded run always ends)."""
+    torch.set_num_threads(1)
+    # This process was spawned; hivemind's averagers start their own helper processes, which must fork.
+    mp.set_start_method("fork", force=True)
+    dht = make_dht(initial_peers)
+    exit_after(duration + 5, dht)
+    peer = StagePeer(dht, settings, stage)
+
+    async def serve():
+        p2p = await dht.replicate_p2p()
+        await peer.add_p2p_handlers(p2p)
+        deadline = time.monotonic() + duration
+        next_rebalance = time.monotonic() + settings.rebalance_seconds
+        while time.monotonic() < deadline:
+            await asyncio.get_running_loop().run_in_executor(None, peer.announce)
+            if settings.rebalance_seconds and time.monotonic() >= next_rebalance:
+                next_rebalance = time.monotonic() + settings.rebalance_seconds
+                await asyncio.get_running_loop().run_in_executor(peer.executor, peer.maybe_rebalance)
+            await asyncio.sleep(settings.announce_seconds)
+
+    try:
+        asyncio.run(serve())
+    finally:
+        peer.optimizer.shutdown()
+        dht.shutdown()

@@ -1,0 +1,95 @@
+"""A SWARM trainer (thesis section 6.3.2): holds no parameters; routes each micro-batch forward and backward
+through one peer per stage, found in the DHT and chosen by `PeerBalancer`, and re-routes a request when its peer
+fails or times out."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import time
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from leanlm.swarm import compression
+from leanlm.swarm.peer import StagePeer, SwarmSettings, exit_after, make_dht, stage_peers
+from leanlm.swarm.routing import PeerBalancer
+
+
+class NoPeerError(RuntimeError):
+    pass
+
+
+class SwarmTrainer:
+    def __init__(self, dht, p2p, settings: SwarmSettings, seed: int):
+        self.dht, self.p2p, self.settings = dht, p2p, settings
+        self.balancers = [PeerBalancer(seed=seed + stage) for stage in range(settings.model.stages)]
+        self.refreshed = [0.0] * settings.model.stages
+        self.failures = 0
+
+    def _refresh(self, stage: int) -> None:
+        if time.monotonic() - self.refreshed[stage] > self.settings.announce_seconds:
+            self.balancers[stage].update_peers(stage_peers(self.dht, self.settings, stage))
+            self.refreshed[stage] = time.monotonic()
+
+    async def call(self, stage: int, method: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        request = runtime_pb2.ExpertRequest(uid=self.settings.stage_key(stage),
+                                            tensors=compression.encode(tensors, self.settings.compress))
+        deadline = time.monotonic() + 3 * self.settings.request_timeout
+        while time.monotonic() < deadline:
+            await asyncio.get_running_loop().run_in_executor(None, self._refresh, stage)
+            peer = self.balancers[stage].choose(len(tensors[0]))
+            if peer is None:
+                self.refreshed[stage] = 0.0
+                await asyncio.sleep(0.2)
+                continue
+            stub = StagePeer.get_stub(self.p2p, PeerID.from_base58(peer))
+            started = time.monotonic()
+            try:
+                response = await asyncio.wait_for(getattr(stub, f"rpc_{method}")(request),
+                                                  self.settings.request_timeout)
+            except Exception:  # dead, unreachable, moved to another stage or too slow: any other peer will do
+                self.balancers[stage].ban(peer)
+                self.failures += 1
+                continue
+            self.balancers[stage].report(peer, len(tensors[0]), time.monotonic() - started)
+            return compression.decode(list(response.tensors))
+        raise NoPeerError(f"no peer of stage {stage} answered within {3 * self.settings.request_timeout:.0f} s")
+
+    async def train_micro_batch(self, ids: torch.Tensor) -> float:
+        activations = [ids]
+        for stage in range(self.settings.model.stages - 1):
+            activations += await self.call(stage, "forward", [activations[-1]])
+        gradient, loss = await self.call(self.settings.model.stages - 1, "backward", [activations[-1], ids])
+        for stage in reversed(range(self.settings.model.stages - 1)):
+            gradient = (await self.call(stage, "backward", [activations[stage], gradient]))[0]
+        return loss.item()
+
+
+def run_trainer(settings: SwarmSettings, initial_peers: list[str], blocks: torch.Tensor, seed: int,
+                duration: float, stop, results: mp.Queue) -> None:
+    """Process entry point: train until `stop` is set or `duration` seconds pass; every micro-batch's loss goes
+    to `results` as (time, loss, samples, failures so far)."""
+    torch.set_num_threads(1)
+    # This process was spawned; hivemind's averagers start their own helper processes, which must fork.
+    mp.set_start_method("fork", force=True)
+    dht = make_dht(initial_peers, client_mode=True)
+    exit_after(duration + 5, dht)
+    generator = torch.Generator().manual_seed(seed)
+
+    async def loop():
+        trainer = SwarmTrainer(dht, await dht.replicate_p2p(), settings, seed)
+        deadline = time.monotonic() + duration
+        while time.monotonic() < deadline and not stop.is_set():
+            ids = blocks[torch.randint(0, len(blocks), (settings.micro_batch,), generator=generator)]
+            try:
+                loss = await trainer.train_micro_batch(ids)
+            except NoPeerError:
+                continue
+            results.put((time.time(), loss, len(ids), trainer.failures))
+
+    try:
+        asyncio.run(loop())
+    finally:
+        dht.shutdown()

@@ -1,0 +1,27 @@
+"""A real swarm on 127.0.0.1 (hivemind), bounded in time: peers are killed mid-training, one joins late."""
+
+import pytest
+
+from leanlm.swarm import SwarmModelConfig, SwarmRun, SwarmSettings, run_local_swarm
+
+pytest.importorskip("hivemind", reason="hivemind is a leanlm dependency")
+
+
+@pytest.mark.slow
+def test_training_survives_losing_all_but_one_peer_of_a_stage_and_a_late_peer_catches_up():
+    settings = SwarmSettings(model=SwarmModelConfig(stages=3, layers_per_stage=1, hidden=64, heads=2, seq_len=64),
+                             micro_batch=4, target_batch=8, rebalance_seconds=0)
+    # Peers 0 and 3 serve stage 0: peer 0 is killed at 30 s, a new stage-0 peer joins at 40 s.
+    record = run_local_swarm(SwarmRun(settings, peers=6, trainers=1, max_steps=10_000, max_seconds=80,
+                                      kill=((30.0, 0),), join=((40.0, 0),)), progress=False)
+    assert {"steps", "loss_first", "loss_last", "peers_failed", "samples_per_second"} <= set(record)  # CONTRACT
+    status = record["status"]
+    before_kill = max((line["steps_per_stage"][0] for line in status if line["seconds"] < 30), default=0)
+    assert record["peers_failed"] == 1
+    assert record["steps"] > before_kill  # training went on with one stage-0 peer
+    for stage in range(3):  # no completed optimizer step is lost: a stage's step count never goes back
+        seen = [line["steps_per_stage"][stage] for line in status if line["peers_per_stage"][stage]]
+        assert all(later >= earlier for earlier, later in zip(seen, seen[1:])), (stage, seen)
+    final_stage0 = [line["peer_epochs"][0] for line in status if len(line["peer_epochs"][0]) == 2][-1]
+    assert final_stage0[-1] - final_stage0[0] <= 1  # the late peer caught up with the survivor
+    assert record["loss_last"] < record["loss_first"]
