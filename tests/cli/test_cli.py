@@ -244,3 +244,14 @@ def test_quantize_with_a_cushion_writes_a_checkpoint_that_reattaches_it(tiny_lla
                  "--seq-len", "64"]) == 0
     assert main(["quantize", str(tiny_llama_dir), "--method", "w8a8", "--base", "smoothquant",
                  "--out", str(tmp_path / "x")]) == 2
+
+
+def test_bench_linear_and_model_write_json(tiny_llama_dir, tmp_path):
+    assert main(["bench", "linear", "--size", "128", "--repeats", "1", "--json", str(tmp_path / "l.json")]) == 0
+    linear = json.loads((tmp_path / "l.json").read_text())
+    assert set(linear["rows"]) == {"1", "16", "64", "512"}
+    assert linear["rows"]["1"]["nf4 block 64"]["relative_error"] < 0.2
+    assert main(["bench", "model", str(tiny_llama_dir), "--repeats", "1", "--json", str(tmp_path / "m.json")]) == 0
+    model = json.loads((tmp_path / "m.json").read_text())
+    assert {"fp32", "nf4 + double quant", "w8a8 O1"} == set(model["variants"])
+    assert all(v["decode_ms_per_token"] > 0 for v in model["variants"].values())

@@ -410,6 +410,36 @@ def command_swarm(args) -> None:
     _write_json(args.json, record)
 
 
+def command_bench(args) -> None:
+    from leanlm.bench.suites import linear_suite, model_suite
+
+    if args.suite == "linear":
+        payload = {"suite": "linear", **linear_suite(args.size, repeats=args.repeats)}
+        rows = [[f"M={m}", name, entry["median_ms"], entry["speedup_vs_fp32"], entry["relative_error"]]
+                for m, variants in payload["rows"].items() for name, entry in variants.items()]
+        print(format_table(["rows", "linear", "median ms", "x fp32", "rel. error"], rows))
+    elif args.suite == "model":
+        from leanlm.models import load_model
+
+        loaded = load_model(args.model)
+        payload = {"suite": "model", "model": args.model, "weights_note": loaded.weights_note,
+                   **model_suite(loaded, repeats=args.repeats)}
+        rows = [[name, entry["tokens_per_second"], entry["decode_ms_per_token"], entry["weight_bytes"] / 2**20]
+                for name, entry in payload["variants"].items()]
+        print(format_table(["model", "prefill tok/s", "decode ms/token", "weights MiB"], rows))
+    else:
+        from leanlm.evaluation.streaming import StreamSettings, stream_evaluate
+        from leanlm.methods import load_any
+
+        loaded = load_any(args.model)
+        settings = StreamSettings(max_tokens=args.stream_tokens, latency_steps=256, recompute_tokens=16)
+        payload = {"suite": "stream", "model": args.model, **stream_evaluate(loaded.model, loaded.tokenizer, settings)}
+        rows = [[name, r["perplexity"], r["ms_per_token"], r["peak_memory_bytes"] / 2**20]
+                for name, r in payload["settings"].items()]
+        print(format_table(["strategy", "perplexity", "ms/token", "peak MiB"], rows))
+    _write_json(args.json, payload)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from leanlm.showcase import QUICK_SETTINGS
 
@@ -562,6 +592,18 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--requantize", choices=["nf4-dq", "nf4", "fp4", "int4"],
                        help="re-quantize the merged weights (reports the error it adds); default: float32")
     merge.set_defaults(handler=command_merge)
+
+    bench = commands.add_parser("bench", help="quick side-by-side measurements (the full studies are the scripts "
+                                "in benchmarks/)")
+    bench.add_argument("suite", choices=["linear", "model", "stream"],
+                       help="linear: one size x size layer at M = 1/16/64/512 (fp32, w8a8, llm-int8, nf4); model: "
+                            "prefill and decode speed of fp32 / nf4+dq / w8a8; stream: the StreamingLLM strategies")
+    bench.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="for model and stream (default: the default model)")
+    bench.add_argument("--size", type=_positive_int, default=4096, help="linear: in = out features")
+    bench.add_argument("--repeats", type=_positive_int, default=5)
+    bench.add_argument("--stream-tokens", type=_positive_int, default=8192, help="stream: length of the stream")
+    bench.add_argument("--json", type=Path, help="write the results as one JSON object to this path")
+    bench.set_defaults(handler=command_bench)
 
     swarm = commands.add_parser("swarm", help="SWARM parallelism: a local swarm of pipeline peers and trainers on "
                                 "127.0.0.1 (hivemind), training a small byte-level LM on the shipped text")
