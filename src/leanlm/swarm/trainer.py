@@ -29,7 +29,9 @@ class SwarmTrainer:
         self.failures = 0
 
     def _refresh(self, stage: int) -> None:
-        if time.monotonic() - self.refreshed[stage] > self.settings.announce_seconds:
+        """Re-read the stage's peers from the DHT now and then (a DHT read costs more than a micro-batch here),
+        at once when no peer is left to try."""
+        if time.monotonic() - self.refreshed[stage] > 5 * self.settings.announce_seconds:
             self.balancers[stage].update_peers(stage_peers(self.dht, self.settings, stage))
             self.refreshed[stage] = time.monotonic()
 
