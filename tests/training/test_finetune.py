@@ -60,3 +60,11 @@ def test_adapters_equal_after_interrupted_and_resumed_run_in_process(tmp_path, s
     split = load_file(str(tmp_path / "split" / "adapter_model.safetensors"))
     assert whole.keys() == split.keys()
     assert all(torch.equal(whole[k], split[k]) for k in whole)
+
+
+def test_gradient_checkpointing_trains_the_same_adapters(tmp_path, smollm2_tokenizer):
+    plain = FinetuneSettings(max_steps=3, batch_size=2, seq_len=32, save_every=3)
+    checkpointed = FinetuneSettings(**{**plain.__dict__, "gradient_checkpointing": True})
+    _, without = _run(tmp_path / "a", smollm2_tokenizer, plain)
+    _, with_checkpointing = _run(tmp_path / "b", smollm2_tokenizer, checkpointed)
+    assert with_checkpointing["losses"] == pytest.approx(without["losses"], rel=1e-5)
