@@ -26,6 +26,7 @@ class SwarmRun:
     kill: tuple[tuple[float, int], ...] = ()  # (seconds after start, peer index) to SIGKILL
     join: tuple[tuple[float, int], ...] = ()  # (seconds after start, stage) of peers that join late
     slow_peers: dict[int, float] = field(default_factory=dict)  # peer index -> seconds per sample of extra work
+    assignment: tuple[int, ...] = ()  # stage of each peer; default round-robin
 
 
 def _peer_epochs(dht, settings: SwarmSettings) -> list[list[int]]:
@@ -51,7 +52,8 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
         process.start()
         return process
 
-    peers = [start_peer(i % settings.model.stages, run.slow_peers.get(i, 0.0)) for i in range(run.peers)]
+    stages = run.assignment or tuple(i % settings.model.stages for i in range(run.peers))
+    peers = [start_peer(stage, run.slow_peers.get(i, 0.0)) for i, stage in enumerate(stages)]
     trainers = [context.Process(target=run_trainer, args=(settings, initial, blocks, 1000 + i, lifetime, stop, results),
                                 ) for i in range(run.trainers)]
     for process in trainers:
