@@ -24,12 +24,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 from leanlm.bench import results_dir, results_name, write_results  # noqa: E402
 from leanlm.data import plain_text, verified_path  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.evaluation.perplexity import perplexity  # noqa: E402
 from leanlm.methods import LORA_BASES, LoRAConfig, add_lora_, load_adapters_  # noqa: E402
+from leanlm.methods.qlora import lora_layers  # noqa: E402
+from leanlm.nn import KbitLinear  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
 from leanlm.report import save_figure  # noqa: E402
 
@@ -60,6 +63,15 @@ def run(loaded, base: str, args) -> dict:
         model = copy.deepcopy(loaded.model)
         add_lora_(model, lora)
         load_adapters_(model, out)
+    # Evaluated with each k-bit base de-quantized into a float32 linear: the numbers the k-bit kernel computes, at
+    # float speed (the evaluation would otherwise take longer than the training).
+    for layer in lora_layers(model).values():
+        if isinstance(layer.base, KbitLinear):
+            dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.base.bias is not None)
+            dense.weight.data = layer.base.dequantized_weight()
+            if layer.base.bias is not None:
+                dense.bias.data = layer.base.bias.clone()
+            layer.base = dense.requires_grad_(False)
     model.eval()
     return {**record, **held_out_and_zero_shot(model, loaded.tokenizer, args)}
 
