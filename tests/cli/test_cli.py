@@ -68,7 +68,7 @@ def test_quantize_then_eval_the_checkpoint(tiny_llama_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--method", "w8a8", "--alpha", "0.5"], "--alpha applies to --method smoothquant only"),
+        (["--method", "w8a8", "--alpha", "0.5"], "--alpha applies to smoothquant only"),
         (["--method", "smoothquant", "--alpha", "2"], "must lie in [0, 1]"),
         (["--method", "gptq"], "invalid choice"),
         (["--method", "kbit", "--block-size", "big"], "expected a whole number"),
