@@ -31,6 +31,7 @@ from leanlm.formats.codebooks import DTYPES  # noqa: E402
 from leanlm.methods import KbitConfig, quantize_kbit_  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, iter_quantizable_linears, load_model  # noqa: E402
 from leanlm.nn import KbitLinear  # noqa: E402
+from leanlm.nn.lora import frozen_linear  # noqa: E402
 from leanlm.report import save_figure  # noqa: E402
 
 BLOCKS = ("32", "64", "128", "256", "row")
@@ -42,10 +43,7 @@ def dequantized_copy(model: nn.Module, config: KbitConfig) -> tuple[nn.Module, d
     record = quantize_kbit_(quantized, config)
     for name, module in list(iter_quantizable_linears(quantized)):
         if isinstance(module, KbitLinear):
-            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
-            linear.weight.data = module.dequantized_weight()
-            if module.bias is not None:
-                linear.bias.data = module.bias.clone()
+            linear = frozen_linear(module.dequantized_weight(), module.bias)
             quantized.set_submodule(name, linear)
     return quantized, record
 

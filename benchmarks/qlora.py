@@ -24,7 +24,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 from leanlm.bench import results_dir, results_name, write_results  # noqa: E402
 from leanlm.data import plain_text, verified_path  # noqa: E402
@@ -33,6 +32,7 @@ from leanlm.evaluation.perplexity import perplexity  # noqa: E402
 from leanlm.methods import LORA_BASES, LoRAConfig, add_lora_, load_adapters_  # noqa: E402
 from leanlm.methods.qlora import lora_layers  # noqa: E402
 from leanlm.nn import KbitLinear  # noqa: E402
+from leanlm.nn.lora import frozen_linear  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
 from leanlm.report import save_figure  # noqa: E402
 
@@ -67,11 +67,7 @@ def run(loaded, base: str, args) -> dict:
     # float speed (the evaluation would otherwise take longer than the training).
     for layer in lora_layers(model).values():
         if isinstance(layer.base, KbitLinear):
-            dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.base.bias is not None)
-            dense.weight.data = layer.base.dequantized_weight()
-            if layer.base.bias is not None:
-                dense.bias.data = layer.base.bias.clone()
-            layer.base = dense.requires_grad_(False)
+            layer.base = frozen_linear(layer.base.dequantized_weight(), layer.base.bias)
     model.eval()
     return {**record, **held_out_and_zero_shot(model, loaded.tokenizer, args)}
 

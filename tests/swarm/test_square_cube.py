@@ -1,5 +1,3 @@
-import pytest
-
 from leanlm.swarm.square_cube import StageShape, stage_utilization
 
 

@@ -32,7 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -236,10 +237,10 @@ def search_cushion(model: nn.Module, tokenizer, config: CushionConfig = CushionC
 def tune_cushion(model: nn.Module, tokenizer, cushion: Cushion, config: CushionConfig, progress: bool = True
                  ) -> Cushion:
     """Quantization-aware prefix tuning (section 4.2): returns a cushion with trained keys and values."""
-    if cushion.length == 0:
-        raise ConfigError("prefix tuning needs a cushion of at least one token (the search found none)")
     if config.tune_steps == 0:
         return cushion
+    if cushion.length == 0:
+        raise ConfigError("prefix tuning needs a cushion of at least one token (the search found none)")
     started = time.perf_counter()
     keys = [nn.Parameter(k.clone()) for k in cushion.keys]
     values = [nn.Parameter(v.clone()) for v in cushion.values]
@@ -285,11 +286,9 @@ def save_cushion(cushion: Cushion, directory: str | os.PathLike) -> None:
 def load_cushion(directory: str | os.PathLike) -> Cushion:
     path = Path(directory) / CUSHION_FILE
     try:
-        tensors = load_file(str(path))
-        from safetensors import safe_open
-
         with safe_open(str(path), "pt") as handle:
             metadata = handle.metadata()
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
         tokens, record = json.loads(metadata["tokens"]), json.loads(metadata["record"])
     except Exception as error:  # missing or damaged: safetensors and json raise their own types
         raise CorruptModelError(f"{path} cannot be read as a cushion: {error}") from error
@@ -305,8 +304,7 @@ def quantize_with_cushion_(model: nn.Module, tokenizer, w8a8: W8A8Config, config
     with it in place: SmoothQuant's channel statistics and the static ranges see only the tokens after it.
     Returns (the W8A8 record with a "cushion" entry, the cushion)."""
     if cushion is None:
-        cushion = tune_cushion(model, tokenizer, search_cushion(model, tokenizer, config, progress), config, progress) \
-            if config.tune_steps else search_cushion(model, tokenizer, config, progress)
+        cushion = tune_cushion(model, tokenizer, search_cushion(model, tokenizer, config, progress), config, progress)
     attach_cushion(model, cushion)
     record = quantize_loaded_w8a8_(model, tokenizer, w8a8, calibration, search=search_alpha)
     record["cushion"] = {"length": cushion.length, **{k: v for k, v in cushion.record.items() if k != "config"},

@@ -21,7 +21,7 @@ from leanlm.errors import ConfigError, CorruptModelError
 from leanlm.methods.kbit import KbitConfig, quantize_kbit_
 from leanlm.models.architectures import architecture_for, iter_quantizable_linears, linear_weight_out_in
 from leanlm.nn import KbitLinear
-from leanlm.nn.lora import LoRALinear
+from leanlm.nn.lora import LoRALinear, frozen_linear
 
 # The frozen base formats of thesis Tables 5.2/5.3 (blocks of 64, as QLoRA).
 LORA_BASES: dict[str, KbitConfig | None] = {
@@ -68,12 +68,7 @@ def add_lora_(model: nn.Module, config: LoRAConfig) -> dict:
     base_record = quantize_kbit_(model, quantization) if quantization else None
     for name, module in list(iter_quantizable_linears(model, table)):
         if not isinstance(module, (nn.Linear, KbitLinear)):  # GPT-2's Conv1D stores (in, out)
-            weight = linear_weight_out_in(module, table).detach()
-            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=getattr(module, "bias", None) is not None)
-            linear.weight.data.copy_(weight)
-            if linear.bias is not None:
-                linear.bias.data.copy_(module.bias.detach())
-            module = linear.requires_grad_(False)
+            module = frozen_linear(linear_weight_out_in(module, table), getattr(module, "bias", None))
         model.set_submodule(name, LoRALinear(module, config.rank, config.alpha, config.dropout))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"method": config.method, **asdict(config), "base_quantization": base_record,
@@ -157,11 +152,7 @@ def merge_lora_(model: nn.Module, requantize: KbitConfig | None = None) -> dict:
         merged = layer.merged_weight()
         bias = layer.base.bias
         if requantize is None:
-            replacement = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None)
-            replacement.weight.data.copy_(merged)
-            if bias is not None:
-                replacement.bias.data.copy_(bias.detach())
-            replacement.requires_grad_(False)
+            replacement = frozen_linear(merged, bias)
         else:
             replacement = KbitLinear.from_float(merged, bias, requantize.dtype, requantize.bits, requantize.block_size,
                                                 requantize.double_quant, requantize.exponent_bits)

@@ -17,6 +17,15 @@ from leanlm.errors import ConfigError
 from leanlm.nn.kbit_linear import KbitLinear
 
 
+def frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """A frozen float32 nn.Linear holding `weight` (out, in) and `bias`: de-quantized, merged or converted weights."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    linear.weight.data = weight.detach().float().clone()
+    if bias is not None:
+        linear.bias.data = bias.detach().float().clone()
+    return linear.requires_grad_(False)
+
+
 def base_weight(layer: nn.Module) -> torch.Tensor:
     """The (out, in) float weight a frozen base layer computes with."""
     if isinstance(layer, KbitLinear):
