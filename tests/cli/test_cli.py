@@ -70,10 +70,14 @@ def test_quantize_then_eval_the_checkpoint(tiny_llama_dir, tmp_path, capsys):
     [
         (["--method", "w8a8", "--alpha", "0.5"], "--alpha applies to smoothquant only"),
         (["--method", "smoothquant", "--alpha", "2"], "must lie in [0, 1]"),
-        (["--method", "gptq"], "invalid choice"),
+        (["--method", "awq"], "invalid choice"),
         (["--method", "kbit", "--block-size", "big"], "expected a whole number"),
-        (["--method", "w8a8", "--bits", "4"], "apply to --method kbit"),
-        (["--method", "kbit", "--bits", "2"], "invalid choice"),
+        (["--method", "w8a8", "--dtype", "nf"], "apply to --method kbit"),
+        (["--method", "w8a8", "--bits", "4"], "--bits applies to weight-only methods"),
+        (["--method", "kbit", "--bits", "2"], "bits must be between 3 and 8"),
+        (["--method", "kbit", "--bits", "9"], "invalid choice"),
+        (["--method", "gptq", "--beta1", "8"], "--beta1 apply to --method spqr"),
+        (["--method", "spqr", "--group-size", "64"], "takes its group size as --beta1"),
     ],
 )
 def test_quantize_option_errors(argv, message, tmp_path, capsys):

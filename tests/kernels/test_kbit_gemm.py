@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -62,3 +64,23 @@ def test_kernel_dequantization_equals_the_reference():
     slow = KbitLinear.from_float(weight, None, "nf", 4, 64, double_quant=True)
     fast.backend, slow.backend = "avx2", "reference"
     torch.testing.assert_close(fast.dequantized_weight(), slow.dequantized_weight(), rtol=0, atol=0)
+
+
+@needs_avx2
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load(tmp_path):
+    """torch's build lock is a bare file; a build killed mid-way left one behind and every later load waited on it
+    forever. A fresh process, given a cache holding the built kernel and such a stale lock, loads at once."""
+    import shutil
+    import subprocess
+    import sys
+
+    from leanlm.kernels.kbit_gemm import _cache_dir
+
+    built = _cache_dir()
+    cache = tmp_path / "cache"
+    shutil.copytree(built, cache / built.relative_to(built.parents[1]))
+    (cache / built.relative_to(built.parents[1]) / "lock").touch()
+    probe = "from leanlm.kernels.kbit_gemm import avx2_available; print(avx2_available())"
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "LEANLM_CACHE": str(cache)},
+                          capture_output=True, text=True, timeout=240)
+    assert done.stdout.strip() == "True", done.stderr

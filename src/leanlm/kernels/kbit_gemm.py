@@ -12,6 +12,8 @@ code book, so no NF4/FP4), `_weight_int8pack_mm` is 8-bit per-channel only.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
 import os
 from functools import lru_cache
@@ -31,8 +33,11 @@ _log = logging.getLogger(__name__)
 
 
 def _cache_dir() -> Path:
+    """One build directory per (kernel source, torch install): two checkouts or venvs never rebuild over each
+    other's objects, and an edited source never loads a stale library."""
     root = Path(os.environ.get("LEANLM_CACHE", Path.home() / ".cache" / "leanlm"))
-    return root / "kernels" / f"torch-{torch.__version__}"
+    key = hashlib.sha256(_SOURCE.read_bytes() + str(Path(torch.__file__).parent).encode()).hexdigest()[:16]
+    return root / "kernels" / f"torch-{torch.__version__}-{key}"
 
 
 @lru_cache(maxsize=1)
@@ -46,8 +51,14 @@ def _extension():
 
         directory = _cache_dir()
         directory.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name="leanlm_kbit4", sources=[str(_SOURCE)], build_directory=str(directory),
-                                  extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False)
+        # torch guards the build with a bare `lock` file that a killed build leaves behind, after which every
+        # later load waits on it forever (this hung CI once). An flock is released by the kernel when its holder
+        # dies, so whoever holds it knows any `lock` file is stale and may remove it.
+        with open(directory / "build.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (directory / "lock").unlink(missing_ok=True)
+            return cpp_extension.load(name="leanlm_kbit4", sources=[str(_SOURCE)], build_directory=str(directory),
+                                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False)
     except Exception as error:  # no compiler, no headers: the reference path still works
         _log.warning("k-bit kernel could not be built (%s); using the reference path", str(error).splitlines()[0])
         return None
