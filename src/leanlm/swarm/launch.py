@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from leanlm.data import plain_text
 from leanlm.swarm.model import byte_blocks
-from leanlm.swarm.peer import SwarmSettings, make_dht, run_peer, stage_peers
+from leanlm.swarm.peer import SwarmSettings, end_process_group, make_dht, run_peer, stage_peers
 from leanlm.swarm.trainer import run_trainer
 
 
@@ -66,7 +66,7 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
         while time.monotonic() - started < run.max_seconds:
             elapsed = time.monotonic() - started
             while kills and kills[0][0] <= elapsed:
-                peers[kills.pop(0)[1]].kill()
+                end_process_group(peers[kills.pop(0)[1]].pid)  # the peer and its hivemind helpers, like a lost machine
                 failed += 1
             while joins and joins[0][0] <= elapsed:
                 peers.append(start_peer(joins.pop(0)[1]))
@@ -97,8 +97,7 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
         for process in trainers:  # a trainer stops after its current micro-batch
             process.join(timeout=10)
         for process in trainers + peers:  # peers hold nothing that must outlive the run
-            if process.is_alive():
-                process.kill()
+            end_process_group(process.pid)  # also the helpers hivemind forked, which outlive a lone SIGKILL
             process.join(timeout=5)
         root.shutdown()
     total_seconds = time.monotonic() - started

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,10 @@ class SwarmSettings:
     matchmaking_seconds: float = 1.0
     averaging_timeout: float = 15.0
     request_timeout: float = 20.0
+    # How long a peer's progress and state-donor records live in the DHT (live peers re-publish at half of it).
+    # hivemind's defaults (60 s / 30 s) keep a killed peer's higher epoch visible that long, and the survivors of
+    # its stage stall trying to download state from it; on 127.0.0.1 a short life costs nothing.
+    record_seconds: float = 10.0
     slowdown: float = 0.0  # seconds of extra work per sample (heterogeneous peers in experiments)
 
     def stage_key(self, stage: int) -> str:
@@ -84,7 +89,9 @@ class StagePeer(ServicerBase):
             # keeps serving with the previous parameters.
             delay_optimizer_step=True, delay_grad_averaging=True, matchmaking_time=self.settings.matchmaking_seconds,
             averaging_timeout=self.settings.averaging_timeout, verbose=False,
-            averager_opts={"request_timeout": self.settings.matchmaking_seconds / 2})
+            averager_opts={"request_timeout": self.settings.matchmaking_seconds / 2,
+                           "declare_state_period": self.settings.record_seconds},
+            tracker_opts={"metadata_expiration": self.settings.record_seconds})
         if stage_peers(self.dht, self.settings, stage):
             self.optimizer.load_state_from_peers()  # a joining peer catches up with its stage
 
@@ -157,20 +164,40 @@ class StagePeer(ServicerBase):
         return await self._run(self._backward, request)
 
 
+def lead_own_process_group() -> None:
+    """Make this process the leader of a new process group. hivemind forks helpers (the DHT, averagers) and
+    starts a p2p daemon; a SIGKILL to this process alone leaves them running as orphans, a SIGKILL to the group
+    (`end_process_group`) ends them all, which is also what a peer's machine going down looks like."""
+    os.setpgid(0, 0)
+
+
+def end_process_group(pid: int) -> None:
+    """SIGKILL the group `pid` leads; a process that has not made its group yet is killed alone."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def exit_after(seconds: float, dht: hivemind.DHT) -> None:
-    """A bounded run always ends: whatever this process is waiting on, it shuts down after `seconds`."""
+    """A bounded run always ends: whatever this process is waiting on, it and its helpers end after `seconds`,
+    even if the launcher was killed."""
 
     def watchdog():
         time.sleep(seconds)
         threading.Thread(target=dht.shutdown, daemon=True).start()
         time.sleep(3)
-        os._exit(0)
+        end_process_group(os.getpid())
 
     threading.Thread(target=watchdog, daemon=True).start()
 
 
 def run_peer(settings: SwarmSettings, stage: int, initial_peers: list[str], duration: float) -> None:
     """Process entry point: serve `stage` for at most `duration` seconds (a bounded run always ends)."""
+    lead_own_process_group()
     torch.set_num_threads(1)
     # This process was spawned; hivemind's averagers start their own helper processes, which must fork.
     mp.set_start_method("fork", force=True)

@@ -13,7 +13,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from leanlm.swarm import compression
-from leanlm.swarm.peer import StagePeer, SwarmSettings, exit_after, make_dht, stage_peers
+from leanlm.swarm.peer import StagePeer, SwarmSettings, exit_after, lead_own_process_group, make_dht, stage_peers
 from leanlm.swarm.routing import PeerBalancer
 
 
@@ -73,6 +73,7 @@ def run_trainer(settings: SwarmSettings, initial_peers: list[str], blocks: torch
                 duration: float, stop, results: mp.Queue) -> None:
     """Process entry point: train until `stop` is set or `duration` seconds pass; every micro-batch's loss goes
     to `results` as (time, loss, samples, failures so far)."""
+    lead_own_process_group()
     torch.set_num_threads(1)
     # This process was spawned; hivemind's averagers start their own helper processes, which must fork.
     mp.set_start_method("fork", force=True)
