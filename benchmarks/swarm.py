@@ -7,7 +7,7 @@
 - square-cube (section 6.3.1): compute share of a stage against bandwidth and latency for the hidden sizes here
   and the thesis', from this CPU's measured matmul speed (the loopback is too fast to show network effects).
 
-    python benchmarks/swarm.py                          # about 10 minutes
+    python benchmarks/swarm.py                          # about 12 minutes
     python benchmarks/swarm.py --only square-cube
 """
 
@@ -102,7 +102,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=["convergence", "rebalancing", "square-cube"])
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps of the convergence run")
     parser.add_argument("--seconds", type=float, default=120.0, help="length of each rebalancing run")
-    parser.add_argument("--slowdown", type=float, default=0.05, help="seconds per sample added on stage 1's peers")
+    # 0.3 s per sample caps stage 1 at ~7 samples/s with its two round-robin peers, below what the other stages
+    # serve (the CPU bounds the whole swarm at ~12 samples/s here), so where the peers sit decides throughput.
+    parser.add_argument("--slowdown", type=float, default=0.3, help="seconds per sample added on stage 1's peers")
     args = parser.parse_args()
     parts = set(args.only or ["convergence", "rebalancing", "square-cube"])
     path = results_dir() / "swarm.json"
@@ -120,13 +122,14 @@ def main() -> None:
         save()
     if "rebalancing" in parts:
         slow = {i: args.slowdown for i in range(6) if i % 3 == 1}  # round-robin: peers 1 and 4 serve stage 1
-        runs = {"none": SwarmRun(SETTINGS, peers=6, trainers=2, max_steps=10**6, max_seconds=args.seconds,
-                                 slow_peers=slow),
+        # Each run trains for --seconds from its first micro-batch (start-up excluded, it varies with load).
+        timing = {"max_steps": 10**6, "max_seconds": args.seconds + 180, "train_seconds": args.seconds}
+        runs = {"none": SwarmRun(SETTINGS, peers=6, trainers=2, slow_peers=slow, **timing),
                 "T=10 s": SwarmRun(SwarmSettings(**{**SETTINGS.__dict__, "rebalance_seconds": 10.0}), peers=6,
-                                   trainers=2, max_steps=10**6, max_seconds=args.seconds, slow_peers=slow),
+                                   trainers=2, slow_peers=slow, **timing),
                 # the slow peers plus two fast ones on stage 1
-                "ideal": SwarmRun(SETTINGS, peers=6, trainers=2, max_steps=10**6, max_seconds=args.seconds,
-                                  slow_peers=slow, assignment=(0, 1, 1, 2, 1, 1))}
+                "ideal": SwarmRun(SETTINGS, peers=6, trainers=2, slow_peers=slow, assignment=(0, 1, 1, 2, 1, 1),
+                                  **timing)}
         payload["rebalancing"] = {}
         for name, run in runs.items():
             record = run_local_swarm(run)

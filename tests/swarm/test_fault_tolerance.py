@@ -34,20 +34,28 @@ def test_training_survives_losing_all_but_one_peer_of_a_stage_and_a_late_peer_ca
     orphans_before = orphaned_helpers()
     settings = SwarmSettings(model=SwarmModelConfig(stages=3, layers_per_stage=1, hidden=64, heads=2, seq_len=64),
                              micro_batch=4, target_batch=8, rebalance_seconds=0)
-    # Peers 0 and 3 serve stage 0: peer 0 is killed at 30 s, a new stage-0 peer joins at 40 s.
-    record = run_local_swarm(SwarmRun(settings, peers=6, trainers=1, max_steps=10_000, max_seconds=80,
-                                      kill=((30.0, 0),), join=((40.0, 0),)), progress=False)
+    # Peers 0 and 3 serve stage 0: peer 0 is killed after 15 s of training, a new stage-0 peer joins at 25 s; the
+    # run ends after 80 s of training (the clock starts at the first micro-batch: start-up time varies with load,
+    # and so does the joining peer's: 5 s alone, 20 s while another job kept both cores busy).
+    kill_at, join_at = 15.0, 25.0
+    record = run_local_swarm(SwarmRun(settings, peers=6, trainers=1, max_steps=10_000, max_seconds=180,
+                                      train_seconds=80.0, kill=((kill_at, 0),), join=((join_at, 0),)), progress=False)
     assert {"steps", "loss_first", "loss_last", "peers_failed", "samples_per_second"} <= set(record)  # CONTRACT
-    status = record["status"]
-    before_kill = max((line["steps_per_stage"][0] for line in status if line["seconds"] < 30), default=0)
+    status = [line for line in record["status"] if line["training_seconds"] is not None]
+    assert status and status[-1]["training_seconds"] >= 75, record["status"][-1]  # trained for the whole schedule
+    before_kill = max((line["steps_per_stage"][0] for line in status if line["training_seconds"] < kill_at),
+                      default=0)
     assert record["peers_failed"] == 1
     assert record["steps"] > before_kill, status  # training went on with one stage-0 peer
-    for stage in range(3):  # no completed optimizer step is lost: a stage's step count never goes back
+    # No completed optimizer step is lost: a stage's step count never goes back. The count shown is the highest
+    # epoch its live peers announce, and with delayed updates a peer may be one step behind the one that was
+    # killed (its update for that step is still being applied), so the count may dip by one, never more.
+    for stage in range(3):
         seen = [line["steps_per_stage"][stage] for line in status if line["peers_per_stage"][stage]]
-        assert all(later >= earlier for earlier, later in zip(seen, seen[1:])), (stage, seen)
+        assert all(later >= max(seen[:i + 1]) - 1 for i, later in enumerate(seen[1:])), (stage, seen)
     # The late peer caught up with the survivor: it started at epoch 0, downloaded the stage's state and then ran
     # level with it (within one step: delayed updates let a peer be one step behind by design).
-    after_join = [sorted(line["peer_epochs"][0]) for line in status if line["seconds"] > 50
+    after_join = [sorted(line["peer_epochs"][0]) for line in status if line["training_seconds"] > join_at + 10
                   and len(line["peer_epochs"][0]) == 2]
     assert after_join and after_join[-1][0] > before_kill, after_join
     assert any(latest - earliest <= 1 for earliest, latest in after_join), after_join

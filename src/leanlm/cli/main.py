@@ -400,8 +400,8 @@ def command_swarm(args) -> None:
     if args.peers < args.stages:
         raise ConfigError(f"--peers {args.peers} cannot serve {args.stages} stages (at least one peer per stage)")
     settings = SwarmSettings(model=SwarmModelConfig(stages=args.stages), micro_batch=args.micro_batch,
-                             target_batch=args.target_batch, compress=not args.no_compression,
-                             rebalance_seconds=args.rebalance_seconds)
+                             target_batch=args.target_batch, in_flight=args.in_flight,
+                             compress=not args.no_compression, rebalance_seconds=args.rebalance_seconds)
     run = SwarmRun(settings, peers=args.peers, trainers=args.trainers, max_steps=args.max_steps,
                    max_seconds=args.max_seconds)
     record = run_local_swarm(run)
@@ -614,6 +614,8 @@ def build_parser() -> argparse.ArgumentParser:
     swarm.add_argument("--max-seconds", type=_positive_float, default=300.0, help="stop after this long in any case")
     swarm.add_argument("--micro-batch", type=_positive_int, default=4)
     swarm.add_argument("--target-batch", type=_positive_int, default=32, help="samples per optimizer step of a stage")
+    swarm.add_argument("--in-flight", type=_positive_int, default=4,
+                       help="micro-batches each trainer keeps in the pipeline at once")
     swarm.add_argument("--rebalance-seconds", type=float, default=10.0, help="T of adaptive rebalancing; 0 = off")
     swarm.add_argument("--no-compression", action="store_true", help="send float32 activations and gradients")
     swarm.add_argument("--json", type=Path, help="write the results as one JSON object to this path")

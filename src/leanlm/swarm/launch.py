@@ -22,9 +22,13 @@ class SwarmRun:
     peers: int = 6
     trainers: int = 2
     max_steps: int = 20  # optimizer steps of the slowest stage
-    max_seconds: float = 300.0
-    kill: tuple[tuple[float, int], ...] = ()  # (seconds after start, peer index) to SIGKILL
-    join: tuple[tuple[float, int], ...] = ()  # (seconds after start, stage) of peers that join late
+    max_seconds: float = 300.0  # hard bound on the whole run, start-up included
+    # The fault schedule and `train_seconds` count from the first finished micro-batch, not from the launch: how long
+    # spawning the processes and bootstrapping the DHT takes depends on the machine's load (20 s alone here, more
+    # on a busy CI machine), and a kill must land in the middle of training, not before it.
+    train_seconds: float | None = None  # end this long after training started (None: max_steps / max_seconds)
+    kill: tuple[tuple[float, int], ...] = ()  # (seconds of training, peer index) to SIGKILL
+    join: tuple[tuple[float, int], ...] = ()  # (seconds of training, stage) of peers that join late
     slow_peers: dict[int, float] = field(default_factory=dict)  # peer index -> seconds per sample of extra work
     assignment: tuple[int, ...] = ()  # stage of each peer; default round-robin
 
@@ -62,25 +66,29 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
     losses, status = [], []
     failed = 0
     steps = 0
+    training_started = None  # monotonic time of the first finished micro-batch
     try:
         while time.monotonic() - started < run.max_seconds:
             elapsed = time.monotonic() - started
-            while kills and kills[0][0] <= elapsed:
-                end_process_group(peers[kills.pop(0)[1]].pid)  # the peer and its hivemind helpers, like a lost machine
-                failed += 1
-            while joins and joins[0][0] <= elapsed:
-                peers.append(start_peer(joins.pop(0)[1]))
             try:
                 while True:
                     at, loss, samples, _ = results.get_nowait()
                     losses.append((at, loss, samples))
+                    training_started = training_started or time.monotonic()
             except queue.Empty:
                 pass
+            training = None if training_started is None else time.monotonic() - training_started
+            while training is not None and kills and kills[0][0] <= training:
+                end_process_group(peers[kills.pop(0)[1]].pid)  # the peer and its hivemind helpers, like a lost machine
+                failed += 1
+            while training is not None and joins and joins[0][0] <= training:
+                peers.append(start_peer(joins.pop(0)[1]))
             peer_epochs = _peer_epochs(root, settings)
             counts, epochs = [len(e) for e in peer_epochs], [max(e, default=0) for e in peer_epochs]
             steps = max(steps, min(epochs))
             recent = [s for at, _, s in losses if at > time.time() - 10]
-            line = {"seconds": round(elapsed, 1), "peers_per_stage": counts, "steps_per_stage": epochs,
+            line = {"seconds": round(elapsed, 1), "training_seconds": None if training is None else round(training, 1),
+                    "peers_per_stage": counts, "steps_per_stage": epochs,
                     "peer_epochs": peer_epochs,
                     "samples_per_second": sum(recent) / 10 if recent else 0.0,
                     "loss": losses[-1][1] if losses else None}
@@ -89,7 +97,8 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
                 print(f"[{elapsed:5.0f}s] peers/stage {counts}  steps/stage {epochs}  "
                       f"{line['samples_per_second']:.1f} samples/s  loss {line['loss'] if line['loss'] is None else round(line['loss'], 3)}",
                       flush=True)
-            if steps >= run.max_steps:
+            if steps >= run.max_steps or (run.train_seconds is not None and training is not None
+                                          and training >= run.train_seconds):
                 break
             time.sleep(1.0)
     finally:

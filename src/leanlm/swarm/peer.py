@@ -12,9 +12,12 @@ loaded stage moves to the most loaded one when that is clearly busier (adaptive 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +29,7 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
+from leanlm.errors import ConfigError
 from leanlm.swarm import compression
 from leanlm.swarm.model import Stage, SwarmModelConfig
 
@@ -37,6 +41,9 @@ class SwarmSettings:
     model: SwarmModelConfig = SwarmModelConfig()
     run_id: str = "leanlm_swarm"
     micro_batch: int = 4
+    # Micro-batches a trainer keeps in the pipeline at once: with one, all stages but one idle (measured with
+    # benchmarks/swarm.py's model, 6 peers, 2 trainers: 7.9 samples/s with 1, 11.1 with 2, 12.4 with 4).
+    in_flight: int = 4
     target_batch: int = 32  # samples per optimizer step of a stage (summed over its peers)
     lr: float = 1e-3
     compress: bool = True  # 8-bit block-wise activations and gradients between stages
@@ -44,13 +51,25 @@ class SwarmSettings:
     rebalance_seconds: float = 10.0  # T; 0 = no rebalancing
     rebalance_ratio: float = 2.0  # move only when the busiest stage's per-peer queue is this many times the idlest
     matchmaking_seconds: float = 1.0
-    averaging_timeout: float = 15.0
+    # A stage's all-reduce that cannot assemble its group gives up after this long and the step uses the local
+    # gradients. Every peer's next step waits for it, so on 127.0.0.1 (an all-reduce of these stages takes
+    # milliseconds) a short limit is what keeps a lost peer from stalling its stage: 3.0 samples/s with 15 s,
+    # 6.4 with 5 s (same model and swarm as above, one micro-batch in flight).
+    averaging_timeout: float = 5.0
+    # Parameters and optimizer state are averaged every this many steps (the gradients every step): hivemind's
+    # default of every step doubles the all-reduce rounds a stage must assemble (6.4 -> 7.9 samples/s with 10).
+    average_state_every: int = 10
     request_timeout: float = 20.0
     # How long a peer's progress and state-donor records live in the DHT (live peers re-publish at half of it).
     # hivemind's defaults (60 s / 30 s) keep a killed peer's higher epoch visible that long, and the survivors of
     # its stage stall trying to download state from it; on 127.0.0.1 a short life costs nothing.
     record_seconds: float = 10.0
     slowdown: float = 0.0  # seconds of extra work per sample (heterogeneous peers in experiments)
+
+    def __post_init__(self):
+        for name in ("micro_batch", "in_flight", "target_batch", "average_state_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"SwarmSettings.{name} must be at least 1, got {getattr(self, name)}")
 
     def stage_key(self, stage: int) -> str:
         return f"{self.run_id}_stage{stage}"  # also the hivemind run id of the stage (no dots allowed)
@@ -75,10 +94,8 @@ class StagePeer(ServicerBase):
         self.executor = ThreadPoolExecutor(max_workers=1)  # one computation at a time: the rest queue up
         self.queued = 0
         self.samples = 0
+        self.moving = False  # while True, requests are refused (their trainers re-route them)
         self.peer_id = dht.peer_id.to_base58()
-        self._join(stage)
-
-    def _join(self, stage: int) -> None:
         self.stage_index = stage
         self.stage = Stage(self.settings.model, stage)
         self.optimizer = hivemind.Optimizer(
@@ -88,24 +105,28 @@ class StagePeer(ServicerBase):
             # Delayed parameter updates (section 6.3.2): all-reduce and step run in the background while the peer
             # keeps serving with the previous parameters.
             delay_optimizer_step=True, delay_grad_averaging=True, matchmaking_time=self.settings.matchmaking_seconds,
-            averaging_timeout=self.settings.averaging_timeout, verbose=False,
+            averaging_timeout=self.settings.averaging_timeout, average_state_every=self.settings.average_state_every,
+            verbose=False,
             averager_opts={"request_timeout": self.settings.matchmaking_seconds / 2,
                            "declare_state_period": self.settings.record_seconds},
             tracker_opts={"metadata_expiration": self.settings.record_seconds})
         if stage_peers(self.dht, self.settings, stage):
-            self.optimizer.load_state_from_peers()  # a joining peer catches up with its stage
+            self.optimizer.load_state_from_peers()  # a joining (or moving) peer catches up with its stage
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
+        """Withdraw the announcement at once, so trainers stop routing here before the record would expire."""
         self.dht.store(self.settings.stage_key(self.stage_index), subkey=self.peer_id, value=None,
                        expiration_time=get_dht_time() + 1)
-        self.optimizer.shutdown()
 
     def announce(self) -> None:
         self.dht.store(self.settings.stage_key(self.stage_index), subkey=self.peer_id,
                        value={"queue": self.queued, "epoch": self.optimizer.local_epoch, "samples": self.samples},
                        expiration_time=get_dht_time() + 5 * self.settings.announce_seconds)
 
-    def maybe_rebalance(self) -> bool:
+    def rebalance_target(self) -> int | None:
+        """The stage this peer should move to now (section 6.3.3), or None: only the first peer (by id) of the
+        least loaded stage moves, only if its stage keeps a peer, and only to a stage whose queue per peer is at
+        least `rebalance_ratio` times this one's."""
         loads = {}
         for stage in range(self.settings.model.stages):
             peers = stage_peers(self.dht, self.settings, stage)
@@ -115,12 +136,12 @@ class StagePeer(ServicerBase):
         mine = loads[self.stage_index]
         if (self.stage_index != idlest or len(mine[1]) < 2 or mine[1][0] != self.peer_id
                 or loads[busiest][0] < self.settings.rebalance_ratio * max(mine[0], 0.5)):
-            return False
-        self._leave()
-        self._join(busiest)
-        return True
+            return None
+        return busiest
 
     def _check_stage(self, request: runtime_pb2.ExpertRequest) -> None:
+        if self.moving:
+            raise ValueError(f"this peer is moving away from stage {self.stage_index}")
         if request.uid != self.settings.stage_key(self.stage_index):
             raise ValueError(f"this peer now serves stage {self.stage_index}, not {request.uid}")
 
@@ -196,29 +217,65 @@ def exit_after(seconds: float, dht: hivemind.DHT) -> None:
 
 
 def run_peer(settings: SwarmSettings, stage: int, initial_peers: list[str], duration: float) -> None:
-    """Process entry point: serve `stage` for at most `duration` seconds (a bounded run always ends)."""
+    """Process entry point: serve `stage` for at most `duration` seconds (a bounded run always ends). A peer that
+    rebalancing moves to another stage starts afresh there: this process is replaced (same pid and process group,
+    so whoever started it still ends it) by a new peer of the new stage, which downloads the stage's latest
+    parameters and optimizer state. A move inside one process would have to fork hivemind's averager helpers from
+    a process whose threads are serving requests, and hivemind installs signal handlers, which only the main
+    thread may do."""
     lead_own_process_group()
     torch.set_num_threads(1)
     # This process was spawned; hivemind's averagers start their own helper processes, which must fork.
     mp.set_start_method("fork", force=True)
+    deadline = time.monotonic() + duration
     dht = make_dht(initial_peers)
     exit_after(duration + 5, dht)
     peer = StagePeer(dht, settings, stage)
 
-    async def serve():
+    async def serve() -> int | None:
+        """Serve until the deadline (None) or until this peer should move (the stage to move to)."""
         p2p = await dht.replicate_p2p()
         await peer.add_p2p_handlers(p2p)
-        deadline = time.monotonic() + duration
+        loop = asyncio.get_running_loop()
         next_rebalance = time.monotonic() + settings.rebalance_seconds
         while time.monotonic() < deadline:
-            await asyncio.get_running_loop().run_in_executor(None, peer.announce)
+            await loop.run_in_executor(None, peer.announce)
             if settings.rebalance_seconds and time.monotonic() >= next_rebalance:
                 next_rebalance = time.monotonic() + settings.rebalance_seconds
-                await asyncio.get_running_loop().run_in_executor(peer.executor, peer.maybe_rebalance)
+                target = await loop.run_in_executor(None, peer.rebalance_target)
+                if target is not None:
+                    peer.moving = True
+                    await loop.run_in_executor(None, peer.leave)
+                    # The executor runs one job at a time in order: once this no-op has run, every request
+                    # accepted before the move has finished (and stepped the stage's optimizer).
+                    await loop.run_in_executor(peer.executor, lambda: None)
+                    return target
             await asyncio.sleep(settings.announce_seconds)
+        return None
 
     try:
-        asyncio.run(serve())
+        target = asyncio.run(serve())
     finally:
         peer.optimizer.shutdown()
         dht.shutdown()
+    remaining = deadline - time.monotonic()
+    if target is not None and remaining > 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fresh_start = "import sys; from leanlm.swarm.peer import restart_peer; restart_peer(sys.argv[1])"
+        os.execv(sys.executable, [sys.executable, "-c", fresh_start,
+                                  peer_arguments(settings, target, initial_peers, remaining)])
+
+
+def peer_arguments(settings: SwarmSettings, stage: int, initial_peers: list[str], duration: float) -> str:
+    """`run_peer`'s arguments as the JSON a moving peer hands to its fresh start."""
+    return json.dumps({"settings": dataclasses.asdict(settings), "stage": stage, "initial_peers": initial_peers,
+                       "duration": duration})
+
+
+def restart_peer(arguments: str, run=None) -> None:
+    """What a moving peer re-executes (see `run_peer`): `arguments` is `peer_arguments`' JSON."""
+    arguments = json.loads(arguments)
+    settings = arguments["settings"]
+    settings = SwarmSettings(**{**settings, "model": SwarmModelConfig(**settings["model"])})
+    (run or run_peer)(settings, arguments["stage"], arguments["initial_peers"], arguments["duration"])

@@ -30,10 +30,11 @@ class SwarmTrainer:
 
     def _refresh(self, stage: int) -> None:
         """Re-read the stage's peers from the DHT now and then (a DHT read costs more than a micro-batch here),
-        at once when no peer is left to try."""
+        at once when no peer is left to try. Runs in a worker thread: the time is taken first so that the other
+        micro-batches in flight do not start the same read."""
         if time.monotonic() - self.refreshed[stage] > 5 * self.settings.announce_seconds:
-            self.balancers[stage].update_peers(stage_peers(self.dht, self.settings, stage))
             self.refreshed[stage] = time.monotonic()
+            self.balancers[stage].update_peers(stage_peers(self.dht, self.settings, stage))
 
     async def call(self, stage: int, method: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         request = runtime_pb2.ExpertRequest(uid=self.settings.stage_key(stage),
@@ -81,9 +82,7 @@ def run_trainer(settings: SwarmSettings, initial_peers: list[str], blocks: torch
     exit_after(duration + 5, dht)
     generator = torch.Generator().manual_seed(seed)
 
-    async def loop():
-        trainer = SwarmTrainer(dht, await dht.replicate_p2p(), settings, seed)
-        deadline = time.monotonic() + duration
+    async def lane(trainer: SwarmTrainer, deadline: float):
         while time.monotonic() < deadline and not stop.is_set():
             ids = blocks[torch.randint(0, len(blocks), (settings.micro_batch,), generator=generator)]
             try:
@@ -91,6 +90,13 @@ def run_trainer(settings: SwarmSettings, initial_peers: list[str], blocks: torch
             except NoPeerError:
                 continue
             results.put((time.time(), loss, len(ids), trainer.failures))
+
+    async def loop():
+        # Several micro-batches in flight at once fill the pipeline: while one is in stage 2, the next is in stage
+        # 0 (a trainer that waited for each micro-batch would leave all but one stage idle).
+        trainer = SwarmTrainer(dht, await dht.replicate_p2p(), settings, seed)
+        deadline = time.monotonic() + duration
+        await asyncio.gather(*(lane(trainer, deadline) for _ in range(settings.in_flight)))
 
     try:
         asyncio.run(loop())
