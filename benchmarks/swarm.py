@@ -7,7 +7,7 @@
 - square-cube (section 6.3.1): compute share of a stage against bandwidth and latency for the hidden sizes here
   and the thesis', from this CPU's measured matmul speed (the loopback is too fast to show network effects).
 
-    python benchmarks/swarm.py                          # about 12 minutes
+    python benchmarks/swarm.py                          # about 11 minutes
     python benchmarks/swarm.py --only square-cube
 """
 
