@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps of the convergence run")
     parser.add_argument("--seconds", type=float, default=120.0, help="length of each rebalancing run")
     # 0.3 s per sample caps stage 1 at ~7 samples/s with its two round-robin peers, below what the other stages
-    # serve (the CPU bounds the whole swarm at ~12 samples/s here), so where the peers sit decides throughput.
+    # serve, so where the peers sit decides throughput.
     parser.add_argument("--slowdown", type=float, default=0.3, help="seconds per sample added on stage 1's peers")
     args = parser.parse_args()
     parts = set(args.only or ["convergence", "rebalancing", "square-cube"])

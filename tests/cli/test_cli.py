@@ -33,6 +33,7 @@ def test_eval_writes_the_contract_json(tiny_llama_dir, tmp_path, capsys):
         (["stream", "smollm2-135m", "--sinks", "-1"], "expected 0 or more"),
         (["stream", "smollm2-135m", "--setting", "magic"], "invalid choice"),
         (["swarm", "--stages", "3", "--peers", "2"], "cannot serve 3 stages"),
+        (["swarm", "--in-flight", "0"], "expected a positive number"),
     ],
 )
 def test_bad_input_gets_a_one_line_error(argv, message, capsys):

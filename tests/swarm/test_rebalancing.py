@@ -32,12 +32,12 @@ def test_no_move_that_empties_a_stage_or_chases_a_small_imbalance(monkeypatch):
     assert decide(monkeypatch, {0: {"a": 1, "b": 1}, 1: {"c": 2, "d": 1}, 2: {"e": 1, "f": 2}}, "a", 0) is None
 
 
-def test_a_moving_peer_hands_its_exact_settings_to_its_fresh_start():
+def test_a_moving_peer_hands_its_exact_settings_to_its_fresh_start(monkeypatch):
     settings = SwarmSettings(model=SwarmModelConfig(stages=4, hidden=64, heads=2), micro_batch=2, in_flight=3,
                              rebalance_seconds=7.5, slowdown=0.1)
     received = []
-    restart_peer(peer_arguments(settings, 2, ["/ip4/127.0.0.1/tcp/1/p2p/x"], 12.5),
-                 run=lambda *arguments: received.append(arguments))
+    monkeypatch.setattr(peer_module, "run_peer", lambda *arguments: received.append(arguments))
+    restart_peer(peer_arguments(settings, 2, ["/ip4/127.0.0.1/tcp/1/p2p/x"], 12.5))
     assert received == [(settings, 2, ["/ip4/127.0.0.1/tcp/1/p2p/x"], 12.5)]
 
 

@@ -78,11 +78,12 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
             except queue.Empty:
                 pass
             training = None if training_started is None else time.monotonic() - training_started
-            while training is not None and kills and kills[0][0] <= training:
-                end_process_group(peers[kills.pop(0)[1]].pid)  # the peer and its hivemind helpers, like a lost machine
-                failed += 1
-            while training is not None and joins and joins[0][0] <= training:
-                peers.append(start_peer(joins.pop(0)[1]))
+            if training is not None:
+                while kills and kills[0][0] <= training:
+                    end_process_group(peers[kills.pop(0)[1]].pid)  # the peer and its helpers, like a lost machine
+                    failed += 1
+                while joins and joins[0][0] <= training:
+                    peers.append(start_peer(joins.pop(0)[1]))
             peer_epochs = _peer_epochs(root, settings)
             counts, epochs = [len(e) for e in peer_epochs], [max(e, default=0) for e in peer_epochs]
             steps = max(steps, min(epochs))

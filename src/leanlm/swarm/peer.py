@@ -41,8 +41,7 @@ class SwarmSettings:
     model: SwarmModelConfig = SwarmModelConfig()
     run_id: str = "leanlm_swarm"
     micro_batch: int = 4
-    # Micro-batches a trainer keeps in the pipeline at once: with one, all stages but one idle (measured with
-    # benchmarks/swarm.py's model, 6 peers, 2 trainers: 7.9 samples/s with 1, 11.1 with 2, 12.4 with 4).
+    # Micro-batches a trainer keeps in the pipeline at once: with one, all stages but one idle.
     in_flight: int = 4
     target_batch: int = 32  # samples per optimizer step of a stage (summed over its peers)
     lr: float = 1e-3
@@ -53,11 +52,10 @@ class SwarmSettings:
     matchmaking_seconds: float = 1.0
     # A stage's all-reduce that cannot assemble its group gives up after this long and the step uses the local
     # gradients. Every peer's next step waits for it, so on 127.0.0.1 (an all-reduce of these stages takes
-    # milliseconds) a short limit is what keeps a lost peer from stalling its stage: 3.0 samples/s with 15 s,
-    # 6.4 with 5 s (same model and swarm as above, one micro-batch in flight).
+    # milliseconds) a short limit is what keeps a lost peer from stalling its stage.
     averaging_timeout: float = 5.0
     # Parameters and optimizer state are averaged every this many steps (the gradients every step): hivemind's
-    # default of every step doubles the all-reduce rounds a stage must assemble (6.4 -> 7.9 samples/s with 10).
+    # default of every step doubles the all-reduce rounds a stage must assemble.
     average_state_every: int = 10
     request_timeout: float = 20.0
     # How long a peer's progress and state-donor records live in the DHT (live peers re-publish at half of it).
@@ -273,9 +271,9 @@ def peer_arguments(settings: SwarmSettings, stage: int, initial_peers: list[str]
                        "duration": duration})
 
 
-def restart_peer(arguments: str, run=None) -> None:
+def restart_peer(arguments: str) -> None:
     """What a moving peer re-executes (see `run_peer`): `arguments` is `peer_arguments`' JSON."""
     arguments = json.loads(arguments)
     settings = arguments["settings"]
     settings = SwarmSettings(**{**settings, "model": SwarmModelConfig(**settings["model"])})
-    (run or run_peer)(settings, arguments["stage"], arguments["initial_peers"], arguments["duration"])
+    run_peer(settings, arguments["stage"], arguments["initial_peers"], arguments["duration"])
