@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from leanlm.bench import results_dir, results_name, write_results  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
+from leanlm.evaluation.outliers import block_input_magnitudes  # noqa: E402
 from leanlm.methods import SmoothQuantConfig, W8A8Config, quantize_loaded_w8a8_  # noqa: E402
 from leanlm.methods.cushion import (  # noqa: E402
     CushionConfig,
@@ -39,27 +40,11 @@ from leanlm.methods.cushion import (  # noqa: E402
     tune_cushion,
 )
 from leanlm.methods.w8a8 import CalibrationSettings  # noqa: E402
-from leanlm.models import DEFAULT_MODEL, decoder_blocks, load_model  # noqa: E402
+from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
 from leanlm.report import format_table, plot_training_curves, save_figure  # noqa: E402
 
 LEVELS = {"per-tensor static": "O3", "per-tensor dynamic": "O2", "per-token dynamic": "O1"}
 CUSHIONS = ("none", "search", "search+tune")
-
-
-def last_block_input_statistics(model, batches: torch.Tensor) -> dict:
-    """Table 5: order statistics of |x| entering the last decoder block, over the given windows (real tokens)."""
-    magnitudes = []
-    handle = decoder_blocks(model)[-1].register_forward_pre_hook(
-        lambda module, args: magnitudes.append(args[0].detach().abs().reshape(-1)))
-    try:
-        with torch.inference_mode():
-            for sample in batches:
-                model(input_ids=sample[None], use_cache=False, logits_to_keep=1)
-    finally:
-        handle.remove()
-    values = torch.cat(magnitudes)
-    return {"top1": values.max().item(), "top10pct": values.kthvalue(int(0.9 * values.numel())).values.item(),
-            "median": values.median().item()}
 
 
 def plot_results(payload: dict, title: str):
@@ -146,7 +131,7 @@ def main() -> None:
         model = copy.deepcopy(loaded.model)
         if cushion is not None:
             attach_cushion(model, cushion)
-        payload["last_block_input"][kind] = last_block_input_statistics(model, probe)
+        payload["last_block_input"][kind] = block_input_magnitudes(model, probe)[-1]
         save()
 
     plans = [("FP32", None, None)] + [(f"{base} {level_name}", base, level) for base in ("naive", "SmoothQuant")

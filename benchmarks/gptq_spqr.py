@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip", nargs="*", default=[], choices=["table", "speed"])
     parser.add_argument("--resume", action="store_true", help="keep rows a previous run with the same settings finished")
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="run only the rows whose name contains one of these (e.g. 'SpQR 3-bit')")
     args = parser.parse_args()
 
     loaded = load_model(args.model)
@@ -122,7 +124,7 @@ def main() -> None:
     if "table" not in args.skip:
         batches = calibration_batches(loaded.tokenizer, args.calib_samples, args.calib_seq_len)
         for row_name, config in rows(calibration).items():
-            if row_name in payload["table"]:
+            if row_name in payload["table"] or (args.only and not any(text in row_name for text in args.only)):
                 continue
             model = copy.deepcopy(loaded.model)
             record = quantize_gptq_(model, config, batches) if config else {}

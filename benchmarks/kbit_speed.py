@@ -1,5 +1,5 @@
-"""Weight-only NF4 linears side by side in one process: FP32, leanlm (AVX2 kernel; NF4 and NF4 + double
-quantization), bitsandbytes `Linear4bit` (nf4) and torchao's NF4 tensor, on a 4096 x 4096 linear at M = 1, 16,
+"""Weight-only NF4 linears side by side in one process: FP32, leanlm (its kernel; NF4 and NF4 + double
+quantization; plus NF4 forced onto the AVX2 kernel, what a CPU without AVX-512 runs), bitsandbytes `Linear4bit` (nf4) and torchao's NF4 tensor, on a 4096 x 4096 linear at M = 1, 16,
 64, 512; plus SmolLM2's batch-1 decode tokens/s in FP32 and with every block linear in leanlm NF4 + DQ.
 Writes benchmarks/results/kbit_speed.json + .png.
 
@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from leanlm.bench import time_modules, weight_bytes, write_results  # noqa: E402
+from leanlm.kernels.kbit_gemm import kernel_isas  # noqa: E402
 from leanlm.methods import KbitConfig, quantize_kbit_  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
 from leanlm.nn import KbitLinear  # noqa: E402
@@ -61,17 +62,19 @@ def bench_linear(repeats: int) -> dict:
         "fp32": linear,
         "leanlm nf4": KbitLinear.from_float(linear.weight, None, "nf", 4, 64, double_quant=False),
         "leanlm nf4+dq": KbitLinear.from_float(linear.weight, None, "nf", 4, 64, double_quant=True),
+        "leanlm nf4 avx2": KbitLinear.from_float(linear.weight, None, "nf", 4, 64, double_quant=False),
         "bitsandbytes nf4": bitsandbytes_nf4(linear),
         "torchao nf4": TorchaoNF4Linear(linear),
     }
-    results = {"weight_bytes": {name: weight_bytes(m) for name, m in modules.items()}}
+    modules["leanlm nf4 avx2"].kernel_isa = "avx2"
+    results = {"weight_bytes": {name: weight_bytes(m) for name, m in modules.items()}, "kernels": kernel_isas()}
     for m in ROWS:
         x = torch.randn(m, 4096)
         with torch.inference_mode():
             exact = linear(x)
         slow = lambda name: name.startswith(("bitsandbytes", "torchao")) and m >= 64  # noqa: E731
         entry = time_modules(modules, x, exact, repeats, slow=slow)
-        for name in ("leanlm nf4", "leanlm nf4+dq"):
+        for name in ("leanlm nf4", "leanlm nf4+dq", "leanlm nf4 avx2"):
             entry[name]["speedup_vs_bitsandbytes"] = entry["bitsandbytes nf4"]["median_ms"] / entry[name]["median_ms"]
             entry[name]["speedup_vs_torchao"] = entry["torchao nf4"]["median_ms"] / entry[name]["median_ms"]
         results[str(m)] = entry
@@ -115,7 +118,7 @@ def main() -> None:
     payload = {"linear_4096": bench_linear(args.repeats), "decode": bench_decode(args.model, args.new_tokens),
                "settings": vars(args)}
 
-    names = ["fp32", "leanlm nf4", "leanlm nf4+dq", "bitsandbytes nf4", "torchao nf4"]
+    names = ["fp32", "leanlm nf4", "leanlm nf4+dq", "leanlm nf4 avx2", "bitsandbytes nf4", "torchao nf4"]
     rows = [[m] + [f"{payload['linear_4096'][str(m)][n]['median_ms']:.2f} "
                    f"({payload['linear_4096'][str(m)][n]['speedup_vs_fp32']:.2f}x)" for n in names] for m in ROWS]
     print(format_table(["M", *names], rows, markdown=True))

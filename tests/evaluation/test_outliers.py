@@ -1,6 +1,6 @@
 import torch
 
-from leanlm.evaluation.outliers import OutlierCriteria, analyze_outliers
+from leanlm.evaluation.outliers import OutlierCriteria, analyze_outliers, block_input_magnitudes
 from tiny import tiny_model
 
 
@@ -27,3 +27,12 @@ def test_a_feature_in_too_few_layers_is_not_an_outlier():
     strict = analyze_outliers(model, _batches(), OutlierCriteria(layers_fraction=0.5))
     assert 9 not in strict.outlier_dims
     assert 9 in analyze_outliers(model, _batches(), OutlierCriteria(layers_fraction=0.25)).outlier_dims
+
+
+def test_block_input_magnitudes_are_ordered_per_block():
+    model = tiny_model("llama")
+    statistics = block_input_magnitudes(model, torch.randint(0, 128, (2, 16)), top=3)
+    assert len(statistics) == model.config.num_hidden_layers
+    for block in statistics:
+        assert block["top"] == sorted(block["top"], reverse=True) and block["top1"] == block["top"][0]
+        assert block["top1"] >= block["top10pct"] >= block["median"] >= 0

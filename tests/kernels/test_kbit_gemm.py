@@ -6,7 +6,8 @@ import torch
 from leanlm.formats.blockwise import quantize_blockwise
 from leanlm.formats.codebooks import codebook
 from leanlm.formats.packing import pack
-from leanlm.kernels.kbit_gemm import avx2_available, code_table, kbit_linear, supports_fast_path
+from leanlm.errors import ConfigError
+from leanlm.kernels.kbit_gemm import avx2_available, code_table, kbit_linear, kernel_isas, supports_fast_path
 from leanlm.nn import KbitLinear
 
 needs_avx2 = pytest.mark.skipif(not avx2_available(), reason="the AVX2 k-bit kernel cannot be built or run here")
@@ -21,16 +22,33 @@ def operands(out_features, in_features, dtype, block):
 
 
 @needs_avx2
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 17, 300])
-@pytest.mark.parametrize("dtype, block", [("nf", 64), ("fp", 16), ("int", 128), ("nf", 512)])
-def test_fast_path_matches_the_reference(rows, dtype, block):
-    quantized, packed, table, bias = operands(96, 512, dtype, block)
-    x = torch.randn(rows, 512)
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 16, 17, 300])
+# 576 = 4.5 x 128 codes: AVX-512's 64-code tail; blocks of 192 end inside a 128-code chunk
+@pytest.mark.parametrize("dtype, block, in_features", [("nf", 64, 512), ("fp", 16, 512), ("nf", 32, 512),
+                                                       ("int", 128, 512), ("nf", 512, 512), ("nf", 64, 576),
+                                                       ("int", 192, 576)])
+def test_every_kernel_matches_the_reference(rows, dtype, block, in_features):
+    quantized, packed, table, bias = operands(96, in_features, dtype, block)
+    x = torch.randn(rows, in_features)
     expected = x @ quantized.dequantize().T + bias
     reference = kbit_linear(x, packed, quantized.absmax, table, 96, block, bias, "reference")
-    fast = kbit_linear(x, packed, quantized.absmax, table, 96, block, bias, "avx2")
     torch.testing.assert_close(reference, expected, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-4)
+    for isa in kernel_isas():
+        fast = kbit_linear(x, packed, quantized.absmax, table, 96, block, bias, "avx2", isa)
+        torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-4, msg=lambda m: f"{isa}: {m}")
+
+
+@needs_avx2
+def test_rows_not_a_multiple_of_64_take_the_in_order_kernel():
+    quantized, packed, table, bias = operands(24, 96, "nf", 32)
+    x = torch.randn(2, 96)
+    reference = kbit_linear(x, packed, quantized.absmax, table, 24, 32, bias, "reference")
+    torch.testing.assert_close(kbit_linear(x, packed, quantized.absmax, table, 24, 32, bias, "avx2"), reference,
+                               rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="in_features % 64"):
+        kbit_linear(x, packed, quantized.absmax, table, 24, 32, bias, "avx2", "avx2")
+    with pytest.raises(ConfigError, match="unknown k-bit kernel"):
+        kbit_linear(x, packed, quantized.absmax, table, 24, 32, bias, "avx2", "sse")
 
 
 @needs_avx2

@@ -1,15 +1,17 @@
 import pytest
 import torch
 
-from leanlm.errors import UnsupportedArchitectureError
-from leanlm.methods import W8A8Config, load_quantized, save_quantized
+from leanlm.errors import ConfigError, UnsupportedArchitectureError
+from leanlm.methods import SmoothQuantConfig, W8A8Config, collect_input_absmax, load_quantized, save_quantized, smooth_
 from leanlm.methods.cushion import (
     CUSHION_FILE,
     Cushion,
     CushionConfig,
-    _prefix_keys_values,
+    cushion_keys_values,
     attach_cushion,
+    attached_cushion,
     detach_cushion,
+    follow_value_smoothing_,
     quantization_error_probe,
     quantize_with_cushion_,
     search_cushion,
@@ -24,7 +26,7 @@ SMALL_SEARCH = CushionConfig(candidates=12, max_length=2, min_improvement=0.0, s
 
 
 def _cushion(model, tokens):
-    return Cushion(tokens, *_prefix_keys_values(model, tokens))
+    return Cushion(tokens, *cushion_keys_values(model, tokens))
 
 
 def test_an_attached_cushion_equals_running_its_tokens_first():
@@ -53,6 +55,26 @@ def test_generation_continues_after_the_cushion():
     assert torch.equal(generated, ids[:, len(prefix):])
 
 
+def test_smoothing_v_proj_divides_an_attached_cushions_values_alike():
+    model = tiny_model("llama")
+    cushion = _cushion(model, [5, 17])
+    original_values = cushion.values[0].clone()
+    attach_cushion(model, cushion)
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.inference_mode():
+        expected = model(input_ids=ids).logits
+    smoothing = smooth_(model, collect_input_absmax(model, torch.randint(0, 128, (3, 24))), SmoothQuantConfig(0.5))
+    with torch.inference_mode():
+        stale = model(input_ids=ids).logits
+    follow_value_smoothing_(model, smoothing.producer_scales)
+    with torch.inference_mode():
+        followed = model(input_ids=ids).logits
+    assert not torch.allclose(stale, expected, atol=1e-3)  # the cushion's old values no longer fit o_proj
+    torch.testing.assert_close(followed, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(cushion.values[0], original_values)  # a new cushion is attached; the given one is shared
+    assert not torch.equal(attached_cushion(model).values[0], original_values)
+
+
 def test_the_error_probe_ignores_the_skipped_positions():
     model = tiny_model("llama")
     ids = torch.randint(0, 128, (1, 12))
@@ -76,6 +98,16 @@ def test_search_and_tuning_record_what_they_did(smollm2_tokenizer):
     assert len(tuned.record["tuning"]["curve"]) == 2
     assert not torch.equal(tuned.keys[0], cushion.keys[0]) and tuned.tokens == cushion.tokens
     assert all(p.requires_grad for p in model.parameters())  # the model is unfrozen again
+
+
+def test_a_negative_threshold_forces_the_search_to_its_maximum_length(smollm2_tokenizer):
+    model = tiny_model("llama", vocab_size=len(smollm2_tokenizer))
+    forced = CushionConfig(candidates=6, max_length=3, min_improvement=float("-inf"), sample_tokens=8,
+                           search_samples=1, batch_size=6)
+    cushion = search_cushion(model, smollm2_tokenizer, forced, progress=False)
+    assert cushion.length == 3 and len(cushion.record["history"]) == 3
+    with pytest.raises(ConfigError, match="min improvement must be below 1"):
+        CushionConfig(min_improvement=1.0)
 
 
 def test_w8a8_with_a_cushion_round_trips_through_a_checkpoint(tiny_llama_dir, tmp_path):

@@ -467,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "plus special tokens; the paper searches the whole vocabulary)")
     quantize.add_argument("--cushion-max-length", type=_positive_int, default=4, help="cushion: prefix tokens at most")
     quantize.add_argument("--cushion-min-improvement", type=float, default=0.1,
-                          help="cushion: tau, the error cut a token must bring to be appended (default 0.1)")
+                          help="cushion: tau, the error cut a token must bring to be appended (default 0.1; "
+                               "below 0 appends up to --cushion-max-length tokens whatever they do)")
     quantize.add_argument("--cushion-init", help="cushion: text the search starts from (e.g. a newline)")
     quantize.add_argument("--cushion-tune-steps", type=_non_negative_int, default=0,
                           help="cushion: quantization-aware prefix-tuning steps after the search (default 0)")

@@ -124,6 +124,38 @@ def analyze_outliers(model: nn.Module, batches: torch.Tensor, criteria: OutlierC
     )
 
 
+def block_input_magnitudes(model: nn.Module, batches: torch.Tensor, top: int = 3) -> list[dict]:
+    """Per decoder block, order statistics of |x| entering it (CushionCache Table 5 / Fig. 2): the `top` largest
+    magnitudes, the top 10% point and the median of each sample of `batches` (n, L), averaged over the samples
+    as the paper does (pooled, every top-k would be the first token's massive activation in k samples). A
+    cushion attached to `model` sits in the KV cache, so its own positions are never counted."""
+    blocks = decoder_blocks(model)
+    per_sample: list[list[torch.Tensor]] = [[] for _ in blocks]  # per block: (top..., top 10%, median) rows
+
+    def hook_for(index: int):
+        def hook(module, args):
+            values = args[0].detach().abs().float().reshape(-1)
+            per_sample[index].append(torch.cat([values.topk(top).values,
+                                                values.kthvalue(int(0.9 * values.numel())).values[None],
+                                                values.median()[None]]))
+
+        return hook
+
+    handles = [block.register_forward_pre_hook(hook_for(i)) for i, block in enumerate(blocks)]
+    try:
+        with torch.inference_mode():
+            for sample in batches:
+                model(input_ids=sample[None], use_cache=False, logits_to_keep=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    statistics = []
+    for rows in per_sample:
+        mean = torch.stack(rows).mean(dim=0).tolist()
+        statistics.append({"top": mean[:top], "top1": mean[0], "top10pct": mean[top], "median": mean[top + 1]})
+    return statistics
+
+
 def smoothing_view(model: nn.Module, batches: torch.Tensor, report: OutlierReport, alpha: float = 0.5) -> dict:
     """Thesis Fig. 3.2's data: per input channel, max|X| and max|W| of the q/k/v projection of the layer with
     the largest activation, before and after SmoothQuant's smoothing (on a copy of the model)."""

@@ -3,8 +3,9 @@
 `reference` is plain PyTorch (de-quantize the whole weight, then matmul): the test oracle, and the path for any
 k other than 4 or blocks that straddle rows. `avx2` is leanlm's C++ kernel (`csrc/kbit4_gemm.cpp`), compiled on
 first use with the system's C++ compiler into leanlm's cache: for small M (decode) it decodes 4-bit codes in
-registers and never writes a float weight (memory-bound: 4.5 bits moved per weight instead of 32); for large M
-it decodes tiles of output rows and hands them to PyTorch's SGEMM, so the decoding is amortised over M.
+registers and never writes a float weight (memory-bound: 4.5 bits moved per weight instead of 32), with an
+AVX-512 variant chosen at run time where the CPU has it (`KernelIsa`); for large M it decodes tiles of output
+rows and hands them to PyTorch's SGEMM, so the decoding is amortised over M.
 
 PyTorch's own CPU ops were the first choice and do not fit: `_weight_int4pack_mm_for_cpu` is affine int4 (no
 code book, so no NF4/FP4), `_weight_int8pack_mm` is 8-bit per-channel only.
@@ -26,6 +27,9 @@ from leanlm.errors import ConfigError
 from leanlm.formats.packing import unpack
 
 KbitBackend = Literal["reference", "avx2"]
+# The small-M kernel: "auto" = the fastest this CPU runs; the others name one (for tests and benchmarks).
+KernelIsa = Literal["auto", "avx512", "avx2", "in-order"]
+_ISA_CODES = {"auto": 0, "avx512": 1, "avx2": 2, "in-order": 3}
 SMALL_M = 16  # up to this many rows the register-decoding GEMV wins; above, decode tiles + SGEMM
 TILE_ROWS = 512  # output rows decoded at once on the large-M path (TILE_ROWS x K float32 of scratch)
 _SOURCE = Path(__file__).parent / "csrc" / "kbit4_gemm.cpp"
@@ -36,7 +40,8 @@ def _cache_dir() -> Path:
     """One build directory per (kernel source, torch install): two checkouts or venvs never rebuild over each
     other's objects, and an edited source never loads a stale library."""
     root = Path(os.environ.get("LEANLM_CACHE", Path.home() / ".cache" / "leanlm"))
-    key = hashlib.sha256(_SOURCE.read_bytes() + str(Path(torch.__file__).parent).encode()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in sorted(_SOURCE.parent.iterdir()))  # the .cpp and what it includes
+    key = hashlib.sha256(sources + str(Path(torch.__file__).parent).encode()).hexdigest()[:16]
     return root / "kernels" / f"torch-{torch.__version__}-{key}"
 
 
@@ -58,7 +63,8 @@ def _extension():
             fcntl.flock(guard, fcntl.LOCK_EX)
             (directory / "lock").unlink(missing_ok=True)
             return cpp_extension.load(name="leanlm_kbit4", sources=[str(_SOURCE)], build_directory=str(directory),
-                                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False)
+                                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                                      extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no headers: the reference path still works
         _log.warning("k-bit kernel could not be built (%s); using the reference path", str(error).splitlines()[0])
         return None
@@ -66,6 +72,14 @@ def _extension():
 
 def avx2_available() -> bool:
     return _extension() is not None
+
+
+def kernel_isas() -> list[str]:
+    """The small-M kernels this machine runs ("in-order" is the fallback for rows not a multiple of 64)."""
+    extension = _extension()
+    if extension is None:
+        return []
+    return (["avx512"] if extension.has_avx512() else []) + ["avx2", "in-order"]
 
 
 def default_backend() -> KbitBackend:
@@ -96,6 +110,7 @@ def kbit_linear(
     block_size: int,
     bias: torch.Tensor | None,
     backend: KbitBackend,
+    isa: KernelIsa = "auto",
 ) -> torch.Tensor:
     in_features = x.shape[1]
     if backend == "reference":
@@ -109,7 +124,9 @@ def kbit_linear(
         raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
     x = x.contiguous()
     if x.shape[0] <= SMALL_M:
-        out = extension.kbit4_gemv(x, packed, absmax, table, out_features, block_size)
+        if isa not in _ISA_CODES:
+            raise ConfigError(f"unknown k-bit kernel {isa!r}; choose one of {', '.join(_ISA_CODES)}")
+        out = extension.kbit4_gemv(x, packed, absmax, table, out_features, block_size, _ISA_CODES[isa])
     else:
         # Computed as out^T = W x^T, so that each tile's result is a contiguous block of rows.
         out_t = torch.empty(out_features, x.shape[0], dtype=torch.float32)

@@ -53,7 +53,9 @@ _HOOK_ATTRIBUTE = "_leanlm_cushion_hook"
 class CushionConfig:
     candidates: int = 512  # candidate pool for the greedy search (the paper: the whole vocabulary)
     max_length: int = 4  # prefix tokens at most
-    min_improvement: float = 0.1  # tau: append a token only if it cuts the error by this fraction (paper's value lost)
+    # tau: append a token only if it cuts the error by this fraction (paper's value lost); below 0 appends tokens
+    # even when they hurt, up to max_length (the prefix-length ablation)
+    min_improvement: float = 0.1
     sample_tokens: int = 64  # tokens of each search sample
     search_samples: int = 2  # samples scored per step (the paper draws one; more resists a lucky sample)
     batch_size: int = 32  # candidates per forward
@@ -71,8 +73,8 @@ class CushionConfig:
                      "tune_seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"cushion {name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
-        if not 0.0 <= self.min_improvement < 1.0:
-            raise ConfigError(f"cushion min improvement must be in [0, 1), got {self.min_improvement}")
+        if not self.min_improvement < 1.0:  # 1 or more could never be met: no search would append anything
+            raise ConfigError(f"cushion min improvement must be below 1, got {self.min_improvement}")
         if self.tune_steps < 0 or self.tune_lambda < 0:
             raise ConfigError("cushion tune steps and lambda must be 0 or more")
 
@@ -140,6 +142,24 @@ def attached_cushion(model: nn.Module) -> Cushion | None:
     return getattr(model, "_leanlm_cushion", None)
 
 
+def follow_value_smoothing_(model: nn.Module, producer_scales: dict[str, torch.Tensor]) -> None:
+    """SmoothQuant's v_proj -> o_proj smoothing divides v_proj's output channels by s and scales o_proj's input
+    columns by s. An attached cushion's values were produced before it, so they are divided alike; left as they
+    were, o_proj would amplify the cushion's share of every attention output by s, and the cushion is the sink
+    that takes most of the attention. `producer_scales` as `SmoothingResult` gives them."""
+    cushion = attached_cushion(model)
+    if cushion is None:
+        return
+    table = architecture_for(model)
+    values = []
+    for index, value in enumerate(cushion.values):
+        names = [f"{table.blocks}.{index}.{path}" for path in table.attention_inputs]
+        scales = next((producer_scales[name] for name in names if name in producer_scales), None)
+        _, heads, _, head_dim = value.shape
+        values.append(value if scales is None else value / scales.reshape(heads, 1, head_dim))
+    attach_cushion(model, Cushion(cushion.tokens, cushion.keys, values, cushion.record))
+
+
 @contextmanager
 def quantization_error_probe(model: nn.Module, skip: int = 0, detach: bool = True):
     """Hooks on every quantizable linear: yields a list that collects, per forward, each linear's per-sequence
@@ -165,8 +185,8 @@ def quantization_error_probe(model: nn.Module, skip: int = 0, detach: bool = Tru
             handle.remove()
 
 
-def _prefix_keys_values(model: nn.Module, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The float model's cached keys and values of `tokens` at positions 0..p-1."""
+def cushion_keys_values(model: nn.Module, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The float model's cached keys and values of `tokens` at positions 0..p-1: an untuned cushion's tensors."""
     if not tokens:
         return [], []
     with torch.inference_mode():
@@ -207,7 +227,7 @@ def search_cushion(model: nn.Module, tokenizer, config: CushionConfig = CushionC
     model_was_training = model.training
     model.eval()
     for step in range(config.max_length - len(tokens)):
-        current = Cushion(tokens, *_prefix_keys_values(model, tokens)) if tokens else None
+        current = Cushion(tokens, *cushion_keys_values(model, tokens)) if tokens else None
         samples = calibration_batches(tokenizer, config.search_samples, config.sample_tokens,
                                       seed=int(torch.randint(0, 2**31, (1,), generator=generator)), source=config.source)
         baseline = sum(_errors_after(model, current, sample[None], skip=0).item() for sample in samples)
@@ -228,7 +248,7 @@ def search_cushion(model: nn.Module, tokenizer, config: CushionConfig = CushionC
             break
         tokens.append(int(pool[best]))
     model.train(model_was_training)
-    keys, values = _prefix_keys_values(model, tokens)
+    keys, values = cushion_keys_values(model, tokens)
     record = {"tokens": tokens, "text": tokenizer.decode(tokens), "search_seconds": time.perf_counter() - started,
               "candidates": len(pool), "history": history, "config": asdict(config)}
     return Cushion(tokens, keys, values, record)

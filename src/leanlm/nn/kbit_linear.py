@@ -16,6 +16,7 @@ from leanlm.formats.codebooks import Codebook, codebook
 from leanlm.formats.packing import pack, packed_bytes, unpack
 from leanlm.kernels.kbit_gemm import (
     KbitBackend,
+    KernelIsa,
     code_table,
     default_backend,
     dequantize_weight,
@@ -40,6 +41,7 @@ class KbitLinear(nn.Module):
     ):
         super().__init__()
         self.backend = backend
+        self.kernel_isa: KernelIsa = "auto"  # which small-M kernel (benchmarks name one; "auto" = the best here)
         self._kernel_inputs = None  # (float absmax, code table): derived from the buffers, rebuilt after a load
         self.in_features, self.out_features = in_features, out_features
         self.dtype, self.bits, self.double_quant, self.exponent_bits = dtype, bits, double_quant, exponent_bits
@@ -148,7 +150,8 @@ class KbitLinear(nn.Module):
             return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
         absmax, table = self._kernel_state()
         rows = x.reshape(-1, self.in_features).float()
-        out = kbit_linear(rows, self.packed, absmax, table, self.out_features, self.block_size, self.bias, self.backend)
+        out = kbit_linear(rows, self.packed, absmax, table, self.out_features, self.block_size, self.bias, self.backend,
+                          self.kernel_isa)
         if self.proxy_columns is not None:
             out.addmm_(rows[:, self.proxy_columns.long()], self.proxy_weight.float().T)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

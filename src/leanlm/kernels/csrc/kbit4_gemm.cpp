@@ -1,15 +1,34 @@
-// Weight-only 4-bit linear for x86 CPUs with AVX2 + FMA: y = x @ W^T, W given as packed 4-bit codes (two per
-// byte, the first code in the high nibble), one float absmax per block of `block` consecutive weights of a row,
-// and a 16-entry code book (NF4, FP4, int4, ...). W is never materialised in float32 for small M: each block
-// of codes is decoded into registers and multiplied into every row of x, so the memory traffic is the packed
-// weights (4 bits) plus the constants; that is the point at batch-1 decode, which is memory-bound.
+// Weight-only 4-bit linear for x86 CPUs: y = x @ W^T, W given as packed 4-bit codes (two per byte, the first code
+// in the high nibble), one float absmax per block of `block` consecutive weights of a row, and a 16-entry code
+// book (NF4, FP4, int4, ...). W is never materialised in float32 for small M: codes are decoded into registers
+// and multiplied into every row of x, so the memory traffic is the packed weights (4 bits) plus the constants;
+// that is the point at batch-1 decode, which is memory-bound.
 //
-// `dequantize_rows` decodes a range of output rows into a float32 scratch tile, for the large-M path (decode a
-// tile, then an ordinary SGEMM) that Python drives.
+// The decode is the cost that remains, and it is shuffle-bound, so the small-M kernels never put codes back in
+// order. Loaded as 32-bit lanes, packed bytes hold 8 codes per lane, and shifting the lanes right by 4j leaves
+// nibble j of every lane in its low bits, which is all a register table lookup (vpermps) reads. Lane d's nibble j
+// is code 8d + (j ^ 1) of the chunk (little-endian lanes, high nibble first). The dot product does not care about
+// order, so x is permuted once per call into that order (`permute_x`) instead of W on every row:
+//   AVX-512: one vpermps over a 16-entry table decodes 16 weights; chunks of 128 codes (and a 64 tail);
+//   AVX2:    8-entry tables, so two vpermps and a blend decode 8 weights; chunks of 64 codes.
+// The block scale is per lane (a lane's 8 codes always share a block: blocks are multiples of 16), applied to a
+// per-chunk partial sum; it is a broadcast (or two) wherever blocks allow, because a gather per chunk cost as
+// much as the decode. Rows whose length is not a multiple of 64 use `gemv_rows_in_order`, which decodes codes
+// in order (the older, slower AVX2 path). The AVX-512 kernel is chosen at run time (`cpu_has_avx512`); the
+// file is compiled for AVX2, with only the AVX-512 namespace under a target pragma.
+//
+// Threads: at::parallel_for splits output rows; it is OpenMP in ATen's headers, so the extension must be built
+// with -fopenmp or every call runs on one thread (it did, until the speed benchmark showed 2 cores = 1).
+//
+// `dequantize_rows` decodes a range of output rows into a float32 scratch tile, in order, for the large-M path
+// (decode a tile, then an ordinary SGEMM) that Python drives.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -38,10 +57,11 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(sum2, _mm_movehdup_ps(sum2)));
 }
 
-// ROWS rows of x against output rows [first, last) of W.
+// ROWS rows of x against output rows [first, last) of W, codes decoded in order (any row length).
 template <int ROWS>
-void gemv_rows(const float* x, int64_t x_stride, const uint8_t* packed, const float* absmax, const float* table,
-               int64_t in_features, int64_t block, float* out, int64_t out_stride, int64_t first, int64_t last) {
+void gemv_rows_in_order(const float* x, int64_t x_stride, const uint8_t* packed, const float* absmax,
+                        const float* table, int64_t in_features, int64_t block, float* out, int64_t out_stride,
+                        int64_t first, int64_t last) {
   const __m256 low_table = _mm256_loadu_ps(table);
   const __m256 high_table = _mm256_loadu_ps(table + 8);
   const int64_t blocks_per_row = in_features / block;
@@ -70,6 +90,103 @@ void gemv_rows(const float* x, int64_t x_stride, const uint8_t* packed, const fl
   }
 }
 
+// x (rows, K) -> the lane order of chunks of 8 * lanes codes: out[k + lanes * j + d] = x[k + 8 * d + (j ^ 1)],
+// with a last chunk of 64 codes (lanes 8) where fewer than 8 * lanes remain. K is a multiple of 64.
+void permute_x(const float* x, float* out, int64_t rows, int64_t K, int64_t lanes) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * K;
+    float* outr = out + r * K;
+    for (int64_t k = 0; k < K;) {
+      const int64_t width = k + 8 * lanes <= K ? lanes : 8;
+      for (int64_t j = 0; j < 8; ++j)
+        for (int64_t d = 0; d < width; ++d) outr[k + width * j + d] = xr[k + 8 * d + (j ^ 1)];
+      k += 8 * width;
+    }
+  }
+}
+
+// Per chunk, the block index of each lane: (k + 8 d) / block, relative to the row's first block.
+std::vector<int32_t> lane_blocks(int64_t K, int64_t block, int64_t lanes) {
+  std::vector<int32_t> index;
+  for (int64_t k = 0; k < K;) {
+    const int64_t width = k + 8 * lanes <= K ? lanes : 8;
+    for (int64_t d = 0; d < lanes; ++d) index.push_back(static_cast<int32_t>((k + 8 * (d < width ? d : 0)) / block));
+    k += 8 * width;
+  }
+  return index;
+}
+
+namespace avx2 {
+
+struct Ops {
+  using Vec = __m256;
+  static constexpr int64_t kLanes = 8;  // chunks of 64 codes: rows are multiples of 64, so there is no tail
+  __m256 low_table, high_table;         // AVX2 permutes 8 floats at a time: the 16-entry book in two halves
+  int64_t block;
+  Ops(const float* table, int64_t block)
+      : low_table(_mm256_loadu_ps(table)), high_table(_mm256_loadu_ps(table + 8)), block(block) {}
+  static __m256 zero() { return _mm256_setzero_ps(); }
+  static __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+  static __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256i codes(const uint8_t* p, bool) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  __m256 decode(__m256i codes, int j) const {
+    const __m256i index = _mm256_srli_epi32(codes, 4 * j);  // vpermps reads the low 3 bits
+    const __m256 pick_high = _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28 - 4 * j));  // bit 3 -> sign bit
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_table, index),
+                            _mm256_permutevar8x32_ps(high_table, index), pick_high);
+  }
+  static __m256 x(const float* p, bool) { return _mm256_loadu_ps(p); }
+  __m256 scales(const float* absmax, int64_t k, bool, const int32_t* blocks) const {
+    if (block % 64 == 0) return _mm256_set1_ps(absmax[k / block]);
+    if (block == 32) return _mm256_set_m128(_mm_set1_ps(absmax[k / 32 + 1]), _mm_set1_ps(absmax[k / 32]));
+    return _mm256_i32gather_ps(absmax, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks)), 4);
+  }
+  static float sum(__m256 v) { return horizontal_sum(v); }
+};
+
+#include "kbit4_lanes.inc"
+
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace avx512 {
+
+struct Ops {
+  using Vec = __m512;
+  static constexpr int64_t kLanes = 16;  // chunks of 128 codes, and a 64-code tail in the low 8 lanes
+  __m512 book;                           // the whole 16-entry code book: one vpermps decodes 16 weights
+  int64_t block;
+  Ops(const float* table, int64_t block) : book(_mm512_loadu_ps(table)), block(block) {}
+  static __m512 zero() { return _mm512_setzero_ps(); }
+  static __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+  static __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+  static __mmask16 live(bool full) { return full ? 0xFFFF : 0x00FF; }
+  static __m512i codes(const uint8_t* p, bool full) { return _mm512_maskz_loadu_epi32(live(full), p); }
+  __m512 decode(__m512i codes, int j) const { return _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4 * j), book); }
+  static __m512 x(const float* p, bool full) { return _mm512_maskz_loadu_ps(live(full), p); }
+  __m512 scales(const float* absmax, int64_t k, bool full, const int32_t* blocks) const {
+    if (block % 128 == 0) return _mm512_set1_ps(absmax[k / block]);
+    if (block == 64) {  // the tail chunk has no second block (and reading one would pass the row's end)
+      const __m512 low = _mm512_set1_ps(absmax[k / 64]);
+      return full ? _mm512_insertf32x8(low, _mm256_set1_ps(absmax[k / 64 + 1]), 1) : low;
+    }
+    return _mm512_i32gather_ps(_mm512_loadu_si512(blocks), absmax, 4);
+  }
+  static float sum(__m512 v) { return _mm512_reduce_add_ps(v); }
+};
+
+#include "kbit4_lanes.inc"
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
 void check(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& absmax,
            const torch::Tensor& table, int64_t out_features, int64_t block) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (M, K)");
@@ -84,24 +201,56 @@ void check(const torch::Tensor& x, const torch::Tensor& packed, const torch::Ten
 
 }  // namespace
 
+// Which small-M kernel runs: the best this CPU has, or one named (tests compare each with the reference).
+enum Isa : int64_t { kAuto = 0, kAvx512 = 1, kAvx2 = 2, kInOrder = 3 };
+
 torch::Tensor kbit4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor table,
-                         int64_t out_features, int64_t block) {
+                         int64_t out_features, int64_t block, int64_t isa) {
   check(x, packed, absmax, table, out_features, block);
   const int64_t rows = x.size(0), in_features = x.size(1);
+  if (isa == kAuto) isa = in_features % 64 ? kInOrder : (cpu_has_avx512() ? kAvx512 : kAvx2);
+  TORCH_CHECK(isa >= kAvx512 && isa <= kInOrder, "unknown kernel choice ", isa);
+  TORCH_CHECK(isa != kAvx512 || cpu_has_avx512(), "this CPU has no AVX-512");
+  TORCH_CHECK(isa == kInOrder || in_features % 64 == 0, "the lane-order kernels need in_features % 64 == 0");
   auto out = torch::empty({rows, out_features}, x.options());
-  const float* xp = x.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* ap = absmax.data_ptr<float>();
   const float* tp = table.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  if (isa == kInOrder) {
+    const float* xp = x.data_ptr<float>();
+    at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4)
+        gemv_rows_in_order<4>(xp + r * in_features, in_features, pp, ap, tp, in_features, block,
+                              op + r * out_features, out_features, first, last);
+      for (; r < rows; ++r)
+        gemv_rows_in_order<1>(xp + r * in_features, in_features, pp, ap, tp, in_features, block,
+                              op + r * out_features, out_features, first, last);
+    });
+    return out;
+  }
+  const int64_t lanes = isa == kAvx512 ? 16 : 8;
+  auto permuted = torch::empty_like(x);
+  permute_x(x.data_ptr<float>(), permuted.data_ptr<float>(), rows, in_features, lanes);
+  const std::vector<int32_t> blocks = lane_blocks(in_features, block, lanes);
+  const float* xp = permuted.data_ptr<float>();
   at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
+    // Rows of x in groups (each decoded weight serves the whole group): 8 fit AVX-512's 32 registers, 4 AVX2's 16.
+    auto group = [&](auto size, int64_t r) {
+      constexpr int R = decltype(size)::value;
+      if (isa == kAvx512)
+        avx512::gemv_rows<R>(xp + r * in_features, in_features, pp, ap, tp, in_features, block, blocks.data(),
+                            op + r * out_features, out_features, first, last);
+      else
+        avx2::gemv_rows<(R < 4 ? R : 4)>(xp + r * in_features, in_features, pp, ap, tp, in_features, block,
+                                      blocks.data(), op + r * out_features, out_features, first, last);
+    };
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4)
-      gemv_rows<4>(xp + r * in_features, in_features, pp, ap, tp, in_features, block, op + r * out_features,
-                   out_features, first, last);
-    for (; r < rows; ++r)
-      gemv_rows<1>(xp + r * in_features, in_features, pp, ap, tp, in_features, block, op + r * out_features,
-                   out_features, first, last);
+    if (isa == kAvx512)
+      for (; r + 8 <= rows; r += 8) group(std::integral_constant<int, 8>{}, r);
+    for (; r + 4 <= rows; r += 4) group(std::integral_constant<int, 4>{}, r);
+    for (; r < rows; ++r) group(std::integral_constant<int, 1>{}, r);
   });
   return out;
 }
@@ -137,6 +286,7 @@ void dequantize_rows(torch::Tensor packed, torch::Tensor absmax, torch::Tensor t
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("kbit4_gemv", &kbit4_gemv, "4-bit weight-only linear, weights decoded in registers (AVX2)");
+  m.def("kbit4_gemv", &kbit4_gemv, "4-bit weight-only linear, weights decoded in registers");
+  m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernel");
   m.def("dequantize_rows", &dequantize_rows, "4-bit weights of out.size(0) output rows from first_row into out (AVX2)");
 }
