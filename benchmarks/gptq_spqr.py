@@ -40,10 +40,10 @@ def rows(calibration: dict) -> dict[str, GPTQConfig | None]:
         "FP32": None,
         "RTN 4-bit g128": rtn_config(4, 128),
         "GPTQ 4-bit g128": gptq_config(4, 128, **calibration),
-        "SpQR 4-bit base (~4.6 bits)": spqr_config(bits=4, beta1=16, beta2=16, outlier_threshold=0.2, **calibration),
+        "SpQR 4-bit base": spqr_config(bits=4, beta1=16, beta2=16, outlier_threshold=0.2, **calibration),
         "RTN 3-bit g128": rtn_config(3, 128),
         "GPTQ 3-bit g128": gptq_config(3, 128, **calibration),
-        "SpQR 3-bit base (~3.9 bits)": spqr_config(bits=3, beta1=16, beta2=16, outlier_threshold=0.2, **calibration),
+        "SpQR 3-bit base": spqr_config(bits=3, beta1=16, beta2=16, outlier_threshold=0.2, **calibration),
     }
 
 
