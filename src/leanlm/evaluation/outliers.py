@@ -65,9 +65,10 @@ def _analysed_inputs(model: nn.Module) -> list[tuple[int, nn.Module]]:
     return picked
 
 
-def _run_with_hooks(model: nn.Module, batches: torch.Tensor, hook_for, desc: str) -> None:
-    handles = [module.register_forward_pre_hook(hook_for(i, layer)) for i, (layer, module) in
-               enumerate(_analysed_inputs(model))]
+def _run_with_hooks(model: nn.Module, batches: torch.Tensor, hooked: list[tuple[int, nn.Module]], hook_for,
+                    desc: str) -> None:
+    """Run `batches` through `model` with `hook_for(i, layer)` as forward pre-hook of the i-th (layer, module)."""
+    handles = [module.register_forward_pre_hook(hook_for(i, layer)) for i, (layer, module) in enumerate(hooked)]
     try:
         with torch.inference_mode():
             for sample in tqdm(batches, desc=desc, unit="sample", leave=False):
@@ -96,7 +97,7 @@ def analyze_outliers(model: nn.Module, batches: torch.Tensor, criteria: OutlierC
 
         return hook
 
-    _run_with_hooks(model, batches, statistics, "outlier statistics")
+    _run_with_hooks(model, batches, inputs, statistics, "outlier statistics")
     reaching = channel_absmax >= criteria.magnitude  # (layers, width)
     in_layers = reaching.float().mean(dim=0) >= criteria.layers_fraction
     in_positions = hits.sum(dim=0) / (positions[0] * len(inputs)) >= criteria.positions_fraction
@@ -112,7 +113,7 @@ def analyze_outliers(model: nn.Module, batches: torch.Tensor, criteria: OutlierC
         return hook
 
     if outlier_dims.numel():
-        _run_with_hooks(model, batches, coverage, "outlier coverage")
+        _run_with_hooks(model, batches, inputs, coverage, "outlier coverage")
     layers_affected = reaching[:, outlier_dims].any(dim=1).float().mean().item() if outlier_dims.numel() else 0.0
     return OutlierReport(
         outlier_dims=outlier_dims.tolist(),
@@ -132,23 +133,16 @@ def block_input_magnitudes(model: nn.Module, batches: torch.Tensor, top: int = 3
     blocks = decoder_blocks(model)
     per_sample: list[list[torch.Tensor]] = [[] for _ in blocks]  # per block: (top..., top 10%, median) rows
 
-    def hook_for(index: int):
+    def hook_for(index: int, layer: int):
         def hook(module, args):
             values = args[0].detach().abs().float().reshape(-1)
-            per_sample[index].append(torch.cat([values.topk(top).values,
+            per_sample[layer].append(torch.cat([values.topk(top).values,
                                                 values.kthvalue(int(0.9 * values.numel())).values[None],
                                                 values.median()[None]]))
 
         return hook
 
-    handles = [block.register_forward_pre_hook(hook_for(i)) for i, block in enumerate(blocks)]
-    try:
-        with torch.inference_mode():
-            for sample in batches:
-                model(input_ids=sample[None], use_cache=False, logits_to_keep=1)
-    finally:
-        for handle in handles:
-            handle.remove()
+    _run_with_hooks(model, batches, list(enumerate(blocks)), hook_for, "block input magnitudes")
     statistics = []
     for rows in per_sample:
         mean = torch.stack(rows).mean(dim=0).tolist()
