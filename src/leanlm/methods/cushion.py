@@ -146,7 +146,7 @@ def follow_value_smoothing_(model: nn.Module, producer_scales: dict[str, torch.T
     """SmoothQuant's v_proj -> o_proj smoothing divides v_proj's output channels by s and scales o_proj's input
     columns by s. An attached cushion's values were produced before it, so they are divided alike; left as they
     were, o_proj would amplify the cushion's share of every attention output by s, and the cushion is the sink
-    that takes most of the attention. `producer_scales` as `SmoothingResult` gives them."""
+    that takes most of the attention. `producer_scales` as `SmoothingResult` gives them; `smooth_` calls this."""
     cushion = attached_cushion(model)
     if cushion is None:
         return

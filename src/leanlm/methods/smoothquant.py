@@ -113,4 +113,8 @@ def smooth_(model: nn.Module, input_absmax: dict[str, torch.Tensor], config: Smo
             _scale_input_columns(consumer, table, s[mapping])
             result.input_absmax[prefix + feed.consumer] = x_absmax / s[mapping]
             result.producer_scales[prefix + feed.producer] = s
+    # A CushionCache prefix attached to the model holds values v_proj produced before this smoothing.
+    from leanlm.methods.cushion import follow_value_smoothing_  # cushion builds on smoothing: a top import cycles
+
+    follow_value_smoothing_(model, result.producer_scales)
     return result

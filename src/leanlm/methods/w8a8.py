@@ -121,9 +121,6 @@ def quantize_w8a8_(model: nn.Module, config: W8A8Config, stats: CalibrationStats
     if config.smoothquant is not None:
         smoothing = smooth_(model, input_absmax, config.smoothquant)
         input_absmax = smoothing.input_absmax
-        from leanlm.methods.cushion import follow_value_smoothing_  # cushion builds on w8a8: a top import cycles
-
-        follow_value_smoothing_(model, smoothing.producer_scales)
         for name, ranges in attention_ranges.items():
             value_proj = f"{name.rsplit('.', 1)[0]}.{table.attention_inputs[-1]}"
             if value_proj in smoothing.producer_scales:  # v itself was divided by s
