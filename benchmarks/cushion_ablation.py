@@ -194,6 +194,5 @@ def main() -> None:
     print(f"FP32 {payload['fp32']:.3f}; wrote {previous_path}")
 
 
-
 if __name__ == "__main__":
     main()

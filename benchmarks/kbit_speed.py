@@ -1,6 +1,7 @@
 """Weight-only NF4 linears side by side in one process: FP32, leanlm (its kernel; NF4 and NF4 + double
-quantization; plus NF4 forced onto the AVX2 kernel, what a CPU without AVX-512 runs), bitsandbytes `Linear4bit` (nf4) and torchao's NF4 tensor, on a 4096 x 4096 linear at M = 1, 16,
-64, 512; plus SmolLM2's batch-1 decode tokens/s in FP32 and with every block linear in leanlm NF4 + DQ.
+quantization; plus NF4 forced onto the AVX2 kernel, what a CPU without AVX-512 runs), bitsandbytes
+`Linear4bit` (nf4) and torchao's NF4 tensor, on a 4096 x 4096 linear at M = 1, 16, 64, 512; plus SmolLM2's
+batch-1 decode tokens/s in FP32 and with every block linear in leanlm NF4 + DQ.
 Writes benchmarks/results/kbit_speed.json + .png.
 
     python benchmarks/kbit_speed.py

@@ -47,8 +47,9 @@ def test_rows_not_a_multiple_of_64_take_the_in_order_kernel():
                                rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="in_features % 64"):
         kbit_linear(x, packed, quantized.absmax, table, 24, 32, bias, "avx2", "avx2")
-    with pytest.raises(ConfigError, match="unknown k-bit kernel"):
-        kbit_linear(x, packed, quantized.absmax, table, 24, 32, bias, "avx2", "sse")
+    for rows in (x, torch.randn(40, 96)):  # the small-M kernel and the large-M path alike
+        with pytest.raises(ConfigError, match="unknown k-bit kernel"):
+            kbit_linear(rows, packed, quantized.absmax, table, 24, 32, bias, "avx2", "sse")
 
 
 @needs_avx2

@@ -119,13 +119,13 @@ def kbit_linear(
         return torch.nn.functional.linear(x, weight, bias)
     if backend != "avx2":
         raise ValueError(f"unknown k-bit backend {backend!r}; choose reference or avx2")
+    if isa not in _ISA_CODES:
+        raise ConfigError(f"unknown k-bit kernel {isa!r}; choose one of {', '.join(_ISA_CODES)}")
     extension = _extension()
     if extension is None:
         raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
     x = x.contiguous()
     if x.shape[0] <= SMALL_M:
-        if isa not in _ISA_CODES:
-            raise ConfigError(f"unknown k-bit kernel {isa!r}; choose one of {', '.join(_ISA_CODES)}")
         out = extension.kbit4_gemv(x, packed, absmax, table, out_features, block_size, _ISA_CODES[isa])
     else:
         # Computed as out^T = W x^T, so that each tile's result is a contiguous block of rows.
