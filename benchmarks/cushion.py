@@ -16,25 +16,22 @@ finished ones (and reuses the saved cushions).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
 
 from leanlm.bench import results_dir, results_name, write_results  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.evaluation.outliers import block_input_magnitudes  # noqa: E402
-from leanlm.methods import SmoothQuantConfig, W8A8Config, quantize_loaded_w8a8_  # noqa: E402
+from leanlm.methods import SmoothQuantConfig, W8A8Config  # noqa: E402
 from leanlm.methods.cushion import (  # noqa: E402
     CushionConfig,
-    attach_cushion,
+    cushioned_copy,
     load_cushion,
-    quantize_with_cushion_,
     save_cushion,
     search_cushion,
     tune_cushion,
@@ -128,9 +125,7 @@ def main() -> None:
     for kind, cushion in cushions.items():
         if kind in payload["last_block_input"]:
             continue
-        model = copy.deepcopy(loaded.model)
-        if cushion is not None:
-            attach_cushion(model, cushion)
+        model, _ = cushioned_copy(loaded.model, loaded.tokenizer, cushion)
         payload["last_block_input"][kind] = block_input_magnitudes(model, probe)[-1]
         save()
 
@@ -141,21 +136,13 @@ def main() -> None:
             row = f"{group} / {kind}"
             if row in payload["rows"]:
                 continue
-            model = copy.deepcopy(loaded.model)
-            record = None
-            if base is None:
-                if cushion is not None:
-                    attach_cushion(model, cushion)
-            elif cushion is None:
-                record = quantize_loaded_w8a8_(model, loaded.tokenizer, _w8a8(base, level), calibration)
-            else:
-                record, _ = quantize_with_cushion_(model, loaded.tokenizer, _w8a8(base, level), config, calibration,
-                                                   cushion=cushion)
+            model, record = cushioned_copy(loaded.model, loaded.tokenizer, cushion,
+                                           None if base is None else _w8a8(base, level), config, calibration)
             result = evaluate(model, loaded.tokenizer, settings)
             payload["rows"][row] = {"wikitext2": result["results"]["wikitext2"]["perplexity"],
                                     "zero_shot_average": result["zero_shot_average"], "results": result["results"],
                                     "level": level, "base": base, "cushion": kind,
-                                    "quantization": {k: v for k, v in (record or {}).items() if k != "cushion"}}
+                                    "quantization": {k: v for k, v in record.items() if k != "cushion"}}
             print(f"{row}: wikitext2 {payload['rows'][row]['wikitext2']:.3f}, zero-shot "
                   f"{payload['rows'][row]['zero_shot_average']:.4f}", flush=True)
             save()

@@ -15,7 +15,6 @@ as they finish and `--resume` skips finished ones.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 from dataclasses import replace
 
@@ -28,14 +27,13 @@ from leanlm.bench import results_dir, results_name, write_results  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import EvalSettings, evaluate  # noqa: E402
 from leanlm.evaluation.outliers import block_input_magnitudes  # noqa: E402
-from leanlm.methods import W8A8Config, quantize_loaded_w8a8_  # noqa: E402
+from leanlm.methods import W8A8Config  # noqa: E402
 from leanlm.methods.cushion import (  # noqa: E402
     Cushion,
     CushionConfig,
-    attach_cushion,
+    cushioned_copy,
     cushion_keys_values,
     load_cushion,
-    quantize_with_cushion_,
     search_cushion,
     tune_cushion,
 )
@@ -125,15 +123,8 @@ def main() -> None:
                       else None)
 
     def wikitext(cushion: Cushion | None, level: str | None) -> float:
-        model = copy.deepcopy(loaded.model)
-        if level is None:
-            if cushion is not None:
-                attach_cushion(model, cushion)
-        elif cushion is None:
-            quantize_loaded_w8a8_(model, loaded.tokenizer, W8A8Config(level=level, quantize_bmm=False), calibration)
-        else:
-            quantize_with_cushion_(model, loaded.tokenizer, W8A8Config(level=level, quantize_bmm=False), base_config,
-                                   calibration, cushion=cushion)
+        w8a8 = None if level is None else W8A8Config(level=level, quantize_bmm=False)
+        model, _ = cushioned_copy(loaded.model, loaded.tokenizer, cushion, w8a8, base_config, calibration)
         return evaluate(model, loaded.tokenizer, settings)["results"]["wikitext2"]["perplexity"]
 
     if "fp32" not in payload:
@@ -143,9 +134,7 @@ def main() -> None:
     probe = calibration_batches(loaded.tokenizer, 8, 512, seed=7)
     for kind, cushion in (("none", None), ("search", searched), ("search+tune", tuned)):
         if kind not in payload["layers"]:
-            model = copy.deepcopy(loaded.model)
-            if cushion is not None:
-                attach_cushion(model, cushion)
+            model, _ = cushioned_copy(loaded.model, loaded.tokenizer, cushion)
             payload["layers"][kind] = block_input_magnitudes(model, probe)
             save()
     plot_layers(payload["layers"], results_dir() / f"{results_name('cushion_layers', args.model)}.png",

@@ -10,6 +10,7 @@ from leanlm.methods.cushion import (
     cushion_keys_values,
     attach_cushion,
     attached_cushion,
+    cushioned_copy,
     detach_cushion,
     quantization_error_probe,
     quantize_with_cushion_,
@@ -17,6 +18,7 @@ from leanlm.methods.cushion import (
     tune_cushion,
 )
 from leanlm.methods.w8a8 import CalibrationSettings
+from leanlm.nn import W8A8Linear
 from leanlm.models import load_model
 from tiny import tiny_model
 
@@ -72,6 +74,21 @@ def test_smoothing_v_proj_divides_an_attached_cushions_values_alike():
     torch.testing.assert_close(followed, expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(cushion.values[0], original_values)  # a new cushion is attached; the given one is shared
     assert not torch.equal(followed_values, original_values)
+
+
+def test_a_cushioned_copy_leaves_the_float_model_alone(smollm2_tokenizer):
+    model = tiny_model("llama", vocab_size=len(smollm2_tokenizer))
+    cushion = _cushion(model, [5, 17])
+    float_copy, record = cushioned_copy(model, smollm2_tokenizer, cushion)
+    assert attached_cushion(float_copy) is cushion and record == {} and attached_cushion(model) is None
+    calibration = CalibrationSettings(n_samples=2, seq_len=16)
+    quantized, record = cushioned_copy(model, smollm2_tokenizer, cushion, W8A8Config(level="O3"),
+                                       SMALL_SEARCH, calibration)
+    assert record["cushion"]["length"] == 2 and attached_cushion(quantized) is cushion
+    plain, record = cushioned_copy(model, smollm2_tokenizer, None, W8A8Config(level="O3"), calibration=calibration)
+    assert attached_cushion(plain) is None and "cushion" not in record
+    assert not any(isinstance(m, W8A8Linear) for m in model.modules())  # the original stays float
+    assert any(isinstance(m, W8A8Linear) for m in quantized.modules())
 
 
 def test_the_error_probe_ignores_the_skipped_positions():

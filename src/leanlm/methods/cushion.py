@@ -23,6 +23,7 @@ paper's text; the defaults here are choices, stated as such.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -330,3 +331,19 @@ def quantize_with_cushion_(model: nn.Module, tokenizer, w8a8: W8A8Config, config
     record["cushion"] = {"length": cushion.length, **{k: v for k, v in cushion.record.items() if k != "config"},
                          "config": asdict(config)}
     return record, cushion
+
+
+def cushioned_copy(model: nn.Module, tokenizer, cushion: Cushion | None, w8a8: W8A8Config | None = None,
+                   config: CushionConfig = CushionConfig(), calibration: CalibrationSettings = CalibrationSettings()
+                   ) -> tuple[nn.Module, dict]:
+    """One row of a with/without-cushion comparison: a copy of the float `model` with `cushion` attached (None:
+    none) and, given `w8a8`, quantized with it in place. Returns (the copy, the W8A8 record, {} in float)."""
+    model = copy.deepcopy(model)
+    if w8a8 is None:
+        if cushion is not None:
+            attach_cushion(model, cushion)
+        return model, {}
+    if cushion is None:
+        return model, quantize_loaded_w8a8_(model, tokenizer, w8a8, calibration)
+    record, _ = quantize_with_cushion_(model, tokenizer, w8a8, config, calibration, cushion=cushion)
+    return model, record
