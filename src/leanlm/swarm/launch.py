@@ -33,9 +33,9 @@ class SwarmRun:
     assignment: tuple[int, ...] = ()  # stage of each peer; default round-robin
 
 
-def _peer_epochs(dht, settings: SwarmSettings) -> list[list[int]]:
-    """Per stage: the optimizer step (epoch) each of its peers announces."""
-    return [sorted(p.get("epoch", 0) for p in stage_peers(dht, settings, stage).values())
+def _peer_epochs(dht, settings: SwarmSettings) -> list[dict[str, int]]:
+    """Per stage: {peer id: the optimizer step (epoch) it announces}."""
+    return [{peer: entry.get("epoch", 0) for peer, entry in stage_peers(dht, settings, stage).items()}
             for stage in range(settings.model.stages)]
 
 
@@ -85,7 +85,7 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
                 while joins and joins[0][0] <= training:
                     peers.append(start_peer(joins.pop(0)[1]))
             peer_epochs = _peer_epochs(root, settings)
-            counts, epochs = [len(e) for e in peer_epochs], [max(e, default=0) for e in peer_epochs]
+            counts, epochs = [len(e) for e in peer_epochs], [max(e.values(), default=0) for e in peer_epochs]
             steps = max(steps, min(epochs))
             recent = [s for at, _, s in losses if at > time.time() - 10]
             line = {"seconds": round(elapsed, 1), "training_seconds": None if training is None else round(training, 1),
