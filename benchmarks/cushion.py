@@ -16,14 +16,13 @@ finished ones (and reuses the saved cushions).
 from __future__ import annotations
 
 import argparse
-import json
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from leanlm.bench import results_dir, results_name, write_results  # noqa: E402
+from leanlm.bench import previous_results, results_dir, results_name, write_results  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.evaluation.outliers import block_input_magnitudes  # noqa: E402
@@ -89,11 +88,9 @@ def main() -> None:
                                                                 for k, v in vars(config).items()},
                                   "calibration_samples": args.calib_samples},
                      "rows": {}, "cushions": {}, "last_block_input": {}}
-    previous_path = out / f"{name}.json"
-    previous = json.loads(previous_path.read_text()) if previous_path.exists() else {}
-    resumable = args.resume and previous.get("settings") == json.loads(json.dumps(payload["settings"]))
-    if resumable:
-        payload.update({k: previous.get(k, {}) for k in ("rows", "cushions", "last_block_input")})
+    previous = previous_results(name, payload["settings"]) if args.resume else {}
+    payload.update({k: previous.get(k, {}) for k in ("rows", "cushions", "last_block_input")})
+    resumable = bool(previous)
     title = f"{args.model} W8A8 with CushionCache" + (f" ({loaded.weights_note})" if loaded.weights_note else "")
 
     def save() -> None:
@@ -149,7 +146,7 @@ def main() -> None:
 
     table = [[row, r["wikitext2"], r["zero_shot_average"]] for row, r in payload["rows"].items()]
     print(format_table(["setting / cushion", "wikitext2 ppl", "zero-shot avg"], table, markdown=True))
-    print(f"wrote {previous_path}")
+    print(f"wrote {results_dir() / name}.json")
 
 
 def _w8a8(base: str, level: str) -> W8A8Config:

@@ -15,7 +15,6 @@ as they finish and `--resume` skips finished ones.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 
 import matplotlib
@@ -23,7 +22,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from leanlm.bench import results_dir, results_name, write_results  # noqa: E402
+from leanlm.bench import previous_results, results_dir, results_name, write_results  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import EvalSettings, evaluate  # noqa: E402
 from leanlm.evaluation.outliers import block_input_magnitudes  # noqa: E402
@@ -111,9 +110,8 @@ def main() -> None:
                                   "tune_steps": args.tune_steps, "calibration_samples": args.calib_samples,
                                   "searched_tokens": searched.tokens},
                      "layers": {}, "length": {}, "lambda": {}}
-    previous_path = results_dir() / f"{name}.json"
-    previous = json.loads(previous_path.read_text()) if previous_path.exists() else {}
-    if args.resume and previous.get("settings") == json.loads(json.dumps(payload["settings"])):
+    if args.resume:
+        previous = previous_results(name, payload["settings"])
         payload.update({k: previous[k] for k in ("layers", "length", "lambda", "fp32", "longer_search")
                         if k in previous})
     title = f"{args.model} CushionCache ablations" + (f" ({loaded.weights_note})" if loaded.weights_note else "")
@@ -180,7 +178,7 @@ def main() -> None:
     print(format_table(["lambda", "O3 wikitext2", "O2 wikitext2", "quant. error first -> last 10"],
                        [[k, r["O3"], r["O2"], "{:.4f} -> {:.4f}".format(*r["quantization_error_first_last10"])]
                         for k, r in payload["lambda"].items()], markdown=True))
-    print(f"FP32 {payload['fp32']:.3f}; wrote {previous_path}")
+    print(f"FP32 {payload['fp32']:.3f}; wrote {results_dir() / name}.json")
 
 
 if __name__ == "__main__":

@@ -8,15 +8,15 @@ and the quantization wall time; then the SpQRLinear inference path against FP32 
     python benchmarks/gptq_spqr.py --max-tokens 16384 --skip speed   # a quick look
 
 Note for SmolLM2: its weights are de-quantized Q4_1 (4-bit, groups of 32 input columns, a scale and a minimum
-each), so 4-bit min-max groups aligned to 32 columns would reproduce them almost exactly; the rows use groups of
-128 (RTN/GPTQ) and 16 (SpQR) as the chapter does, and the numbers should be read with that in mind.
+each), so 4-bit min-max groups aligned to 32 columns reproduce them exactly; the rows use groups of 128
+(RTN/GPTQ) and 16 (SpQR) as the chapter does, and the numbers should be read with that in mind. The `grid` part
+measures it: the relative weight error of plain 4-bit min-max rounding at groups of 32, 64 and 128 (seconds).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 
 import matplotlib
 
@@ -25,12 +25,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from leanlm.bench import results_dir, results_name, time_modules, write_results  # noqa: E402
+from leanlm.bench import previous_results, results_dir, results_name, time_modules, write_results  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import EvalSettings, evaluate  # noqa: E402
 from leanlm.formats.gptq import SolverSettings, solve  # noqa: E402
+from leanlm.formats.minmax import round_trip_minmax  # noqa: E402
 from leanlm.methods.gptq import GPTQConfig, gptq_config, quantize_gptq_, rtn_config, spqr_config  # noqa: E402
-from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
+from leanlm.models import DEFAULT_MODEL, architecture_for, iter_quantizable_linears, load_model  # noqa: E402
+from leanlm.models.architectures import linear_weight_out_in  # noqa: E402
 from leanlm.nn import SpQRLinear  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
@@ -45,6 +47,23 @@ def rows(calibration: dict) -> dict[str, GPTQConfig | None]:
         "GPTQ 3-bit g128": gptq_config(3, 128, **calibration),
         "SpQR 3-bit base": spqr_config(bits=3, beta1=16, beta2=16, outlier_threshold=0.2, **calibration),
     }
+
+
+def grid_alignment(model: nn.Module, bits: int = 4, groups: tuple[int, ...] = (32, 64, 128)) -> dict[str, float]:
+    """Relative error, pooled over every block linear, of plain min-max rounding (no Hessian) to `bits` bits in
+    groups of g consecutive input columns (the columns past the last whole group left out): how far a new grid
+    lies from the one the weights may already sit on."""
+    table, errors = architecture_for(model), {}
+    for group in groups:
+        error = norm = 0.0
+        for _, module in iter_quantizable_linears(model, table):
+            weight = linear_weight_out_in(module, table)
+            usable = weight[:, : weight.shape[1] // group * group].detach().float()
+            grouped = usable.reshape(usable.shape[0], -1, group)
+            error += (round_trip_minmax(grouped, bits) - grouped).pow(2).sum().item()
+            norm += grouped.pow(2).sum().item()
+        errors[str(group)] = (error / norm) ** 0.5
+    return errors
 
 
 def bench_speed(repeats: int) -> dict:
@@ -98,7 +117,7 @@ def main() -> None:
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["table", "speed"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["table", "speed", "grid"])
     parser.add_argument("--resume", action="store_true", help="keep rows a previous run with the same settings finished")
     parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                         help="run only the rows whose name contains one of these (e.g. 'SpQR 3-bit')")
@@ -110,12 +129,12 @@ def main() -> None:
     payload: dict = {"model": args.model, "weights_note": loaded.weights_note,
                      "settings": {**vars(settings), **calibration}, "table": {}}
     name = results_name("gptq_spqr", args.model)
-    previous_path = results_dir() / f"{name}.json"
-    previous = json.loads(previous_path.read_text()) if previous_path.exists() else {}
-    if "speed" in args.skip and "speed_4096" in previous:
-        payload["speed_4096"] = previous["speed_4096"]
-    if args.resume and previous.get("settings") == json.loads(json.dumps(payload["settings"])):
-        payload["table"] = previous.get("table", {})
+    previous = previous_results(name)
+    for part, key in (("speed", "speed_4096"), ("grid", "grid_alignment")):
+        if part in args.skip and key in previous:
+            payload[key] = previous[key]
+    if args.resume:
+        payload["table"] = previous_results(name, payload["settings"]).get("table", {})
     title = f"{args.model} RTN / GPTQ / SpQR" + (f" ({loaded.weights_note})" if loaded.weights_note else "")
 
     def save() -> None:
@@ -138,6 +157,11 @@ def main() -> None:
                   + (f", {record['avg_bits']:.3f} bits, {100 * record['outlier_rate']:.2f}% outliers, "
                      f"{record['seconds']:.0f} s" if record else ""), flush=True)
             save()
+    if "grid" not in args.skip:
+        payload["grid_alignment"] = {"bits": 4, "relative_error_by_group": grid_alignment(loaded.model)}
+        print(f"4-bit min-max rounding, relative weight error by group size: "
+              f"{payload['grid_alignment']['relative_error_by_group']}", flush=True)
+        save()
     if "speed" not in args.skip:
         payload["speed_4096"] = bench_speed(args.repeats)
         save()
@@ -146,7 +170,7 @@ def main() -> None:
               None if r["outlier_rate"] is None else f"{100 * r['outlier_rate']:.2f}%", r["quantize_seconds"]]
              for n, r in payload["table"].items()]
     print(format_table(["method", "avg bits", "wikitext2", "ptb", "outliers", "quantize s"], table, markdown=True))
-    print(f"wrote {previous_path}")
+    print(f"wrote {results_dir() / name}.json")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ numbers the k-bit kernel computes, at FP32 speed, so the sweep's cost is the eva
 count the quantized linears at their measured bits and everything else (embeddings, norms, lm_head) at 16 bits,
 as the thesis does. Results are written after every configuration; `--resume` skips finished ones.
 
-    python benchmarks/kbit_sweep.py                              # first 16384 WikiText-2 tokens per point
+    python benchmarks/kbit_sweep.py --resume                     # first 16384 WikiText-2 tokens per point
+    python benchmarks/kbit_sweep.py --zero-shot-limit 25 --resume   # and zero-shot at block 64
     python benchmarks/kbit_sweep.py --dtypes nf int --bits 3 4   # a slice
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 
 import matplotlib
@@ -25,8 +25,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from leanlm.bench import results_dir, write_results  # noqa: E402
-from leanlm.evaluation import EvalSettings, evaluate  # noqa: E402
+from leanlm.bench import previous_results, results_dir, results_name, write_results  # noqa: E402
+from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.formats.codebooks import DTYPES  # noqa: E402
 from leanlm.methods import KbitConfig, quantize_kbit_  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, iter_quantizable_linears, load_model  # noqa: E402
@@ -61,66 +61,81 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--bits", nargs="*", type=int, default=[3, 4, 5, 6, 7, 8])
     parser.add_argument("--blocks", nargs="*", default=list(BLOCKS), choices=BLOCKS)
+    parser.add_argument("--zero-shot-limit", type=int, default=0,
+                        help="items per zero-shot task for the points of --zero-shot-blocks (0: perplexity only)")
+    parser.add_argument("--zero-shot-blocks", nargs="*", default=["64"], choices=BLOCKS)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(2)
 
     loaded = load_model(args.model)
-    name = f"kbit_sweep_{args.model.replace('/', '_')}"
+    name = results_name("kbit_sweep", args.model)
     settings = EvalSettings(tasks=("wikitext2",), max_tokens=args.max_tokens)
-    path = results_dir() / f"{name}.json"
-    payload = {"model": args.model, "weights_note": loaded.weights_note, "max_tokens": args.max_tokens, "points": {}}
-    if args.resume and path.exists():
-        previous = json.loads(path.read_text())
-        if previous.get("max_tokens") == args.max_tokens:
-            payload["points"] = previous["points"]
+    zero_shot = EvalSettings(tasks=ZERO_SHOT_TASKS, limit=args.zero_shot_limit) if args.zero_shot_limit else None
+    payload = {"model": args.model, "weights_note": loaded.weights_note,
+               "settings": {"max_tokens": args.max_tokens, "zero_shot_limit": args.zero_shot_limit},
+               "points": {}}
+    if args.resume:
+        previous = previous_results(name, payload["settings"])
+        payload.update({key: previous[key] for key in ("points", "fp32") if key in previous})
 
     def plot(png):
-        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-        for dtype in DTYPES:
-            points = [p for p in payload["points"].values() if p["dtype"] == dtype and p["block"] == "64"]
-            points.sort(key=lambda p: p["total_bits"])
-            if points:
-                axes[0].plot([p["total_bits"] for p in points], [p["perplexity"] for p in points], marker="o",
-                             label=dtype)
-        for block in BLOCKS:
-            points = [p for p in payload["points"].values() if p["dtype"] == "nf" and p["block"] == block]
-            points.sort(key=lambda p: p["total_bits"])
-            if points:
-                axes[1].plot([p["total_bits"] for p in points], [p["perplexity"] for p in points], marker="o",
-                             label=f"block {block}")
-        for ax, title in zip(axes, ("data types (block 64)", "block sizes (NF)")):
-            if "fp32" in payload:
-                ax.axhline(payload["fp32"]["perplexity"], color="black", linestyle=":", label="fp32")
+        fig, axes = plt.subplots(1, 3 if zero_shot else 2, figsize=(19 if zero_shot else 13, 4.5))
+        panels = [("perplexity", "data types (block 64)", lambda p: p["block"] == "64", "dtype"),
+                  ("perplexity", "block sizes (NF)", lambda p: p["dtype"] == "nf", "block")]
+        if zero_shot:
+            panels.append(("zero_shot_average", "zero-shot (block 64)", lambda p: p["block"] == "64", "dtype"))
+        for ax, (metric, title, keep, series) in zip(axes, panels):
+            for value in (DTYPES if series == "dtype" else BLOCKS):
+                points = sorted((p for p in payload["points"].values()
+                                 if keep(p) and p[series] == value and metric in p), key=lambda p: p["total_bits"])
+                if points:
+                    ax.plot([p["total_bits"] for p in points], [p[metric] for p in points], marker="o",
+                            label=value if series == "dtype" else f"block {value}")
+            if metric in payload.get("fp32", {}):
+                ax.axhline(payload["fp32"][metric], color="black", linestyle=":", label="fp32")
             ax.set_xscale("log")
-            ax.set_yscale("log")
             ax.set_xlabel("total model bits")
-            ax.set_ylabel(f"WikiText-2 perplexity (first {args.max_tokens} tokens)")
+            if metric == "perplexity":
+                ax.set_yscale("log")
+                ax.set_ylabel(f"WikiText-2 perplexity (first {args.max_tokens} tokens)")
+            else:
+                ax.set_ylabel(f"zero-shot average ({args.zero_shot_limit} items per task)")
             ax.set_title(title, fontsize=9)
             ax.legend(fontsize=8)
         save_figure(fig, png, f"{args.model}" + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
 
-    if "fp32" not in payload:
-        result = evaluate(loaded.model, loaded.tokenizer, settings)["results"]["wikitext2"]
-        payload["fp32"] = {"perplexity": result["perplexity"], "total_bits": total_bits(loaded.model, None)}
-    for dtype in args.dtypes:
-        for bits in args.bits:
-            for block in args.blocks:
+    def evaluate_point(model: nn.Module, point: dict, with_zero_shot: bool) -> None:
+        if "perplexity" not in point:
+            point["perplexity"] = evaluate(model, loaded.tokenizer, settings)["results"]["wikitext2"]["perplexity"]
+        if with_zero_shot and "zero_shot_average" not in point:
+            point["zero_shot_average"] = evaluate(model, loaded.tokenizer, zero_shot)["zero_shot_average"]
+
+    payload.setdefault("fp32", {"total_bits": total_bits(loaded.model, None)})
+    evaluate_point(loaded.model, payload["fp32"], zero_shot is not None)
+    # Block 64 first (the data-type comparison), so that a run stopped early has the most telling points.
+    for block in sorted(args.blocks, key=lambda b: b != "64"):
+        with_zero_shot = zero_shot is not None and block in args.zero_shot_blocks
+        for dtype in args.dtypes:
+            for bits in args.bits:
                 key = f"{dtype}{bits}-{block}"
-                if key in payload["points"]:
+                point = payload["points"].get(key, {})
+                if "perplexity" in point and (not with_zero_shot or "zero_shot_average" in point):
                     continue
                 started = time.perf_counter()
                 config = KbitConfig(dtype=dtype, bits=bits, block_size=None if block == "row" else int(block))
                 model, record = dequantized_copy(loaded.model, config)
-                result = evaluate(model, loaded.tokenizer, settings)["results"]["wikitext2"]
-                payload["points"][key] = {"dtype": dtype, "bits": bits, "block": block,
-                                          "avg_bits": record["avg_bits"], "perplexity": result["perplexity"],
-                                          "total_bits": total_bits(loaded.model, record["avg_bits"]),
-                                          "seconds": time.perf_counter() - started}
-                print(f"{key}: {result['perplexity']:.3f} at {record['avg_bits']:.3f} bits/weight", flush=True)
+                point.update({"dtype": dtype, "bits": bits, "block": block, "avg_bits": record["avg_bits"],
+                              "total_bits": total_bits(loaded.model, record["avg_bits"])})
+                evaluate_point(model, point, with_zero_shot)
+                point["seconds"] = point.get("seconds", 0.0) + time.perf_counter() - started
+                payload["points"][key] = point
+                print(f"{key}: {point['perplexity']:.3f} at {record['avg_bits']:.3f} bits/weight"
+                      + (f", zero-shot {point['zero_shot_average']:.4f}" if "zero_shot_average" in point else ""),
+                      flush=True)
                 write_results(name, payload, plot)
-    print(f"wrote {path}")
-
+    write_results(name, payload, plot)
+    print(f"wrote {results_dir() / name}.json")
 
 if __name__ == "__main__":
     main()

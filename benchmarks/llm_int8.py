@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import warnings
 
 import matplotlib
@@ -24,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from leanlm.bench import results_dir, time_modules, time_prefill, write_results  # noqa: E402
+from leanlm.bench import previous_results, results_dir, time_modules, time_prefill, write_results  # noqa: E402
 from leanlm.bench.peers import bitsandbytes_int8_linear  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.methods import W8A8Config, llm_int8_config, quantize_w8a8_  # noqa: E402
@@ -138,13 +137,12 @@ def main() -> None:
                             seq_len=args.seq_len)
     payload: dict = {"model": args.model, "weights_note": loaded.weights_note, "settings": vars(settings),
                      "table": {}, "threshold_sweep": {}}
-    previous_path = results_dir() / "llm_int8.json"
-    previous = json.loads(previous_path.read_text()) if previous_path.exists() else {}
+    previous = previous_results("llm_int8")
     for part in args.skip:
         for key in PARTS[part]:
             if key in previous:
                 payload[key] = previous[key]
-    if args.resume and previous.get("settings") == json.loads(json.dumps(payload["settings"])):
+    if args.resume and previous_results("llm_int8", payload["settings"]):
         payload["table"] = previous.get("table", {})
         payload["threshold_sweep"] = previous.get("threshold_sweep", {})
     title = f"{args.model} LLM.int8()" + (f" ({loaded.weights_note})" if loaded.weights_note else "")

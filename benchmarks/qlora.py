@@ -25,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from leanlm.bench import results_dir, results_name, write_results  # noqa: E402
+from leanlm.bench import previous_results, results_dir, results_name, write_results  # noqa: E402
 from leanlm.data import plain_text, verified_path  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.evaluation.perplexity import perplexity  # noqa: E402
@@ -118,11 +118,8 @@ def main() -> None:
     settings = {k: v for k, v in vars(args).items() if k not in ("bases", "resume")}
     name = results_name("qlora", args.model)
     payload = {"model": args.model, "weights_note": loaded.weights_note, "settings": settings, "runs": {}}
-    previous_path = results_dir() / f"{name}.json"
-    if args.resume and previous_path.exists():
-        previous = json.loads(previous_path.read_text())
-        if previous.get("settings") == settings:
-            payload["runs"], payload["before"] = previous.get("runs", {}), previous.get("before")
+    if args.resume and (previous := previous_results(name, settings)):
+        payload["runs"], payload["before"] = previous.get("runs", {}), previous.get("before")
     title = (f"{args.model} LoRA / QLoRA, {args.steps} steps x {args.batch_size} x {args.seq_len} tokens of LAMBADA dev"
              + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
 

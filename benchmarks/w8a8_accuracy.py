@@ -3,10 +3,11 @@
 Rows: FP32, naive W8A8 (per-tensor dynamic), ZeroQuant-style (per-token dynamic, group-wise weights),
 SmoothQuant O1 / O2 / O3 with per-tensor weights (the paper's setting) and with per-channel weights, the
 latter with and without the v->o / up->down extension. One calibration pass (on the float model) serves every row.
-Writes benchmarks/results/w8a8_accuracy.json + .png.
+Writes benchmarks/results/w8a8_accuracy_<model>.json + .png (`_first<N>` appended for a --max-tokens subset);
+rows are saved as they finish and `--resume` keeps the finished ones of a run with the same settings.
 
-    python benchmarks/w8a8_accuracy.py                                  # full WikiText-2, --limit 500
-    python benchmarks/w8a8_accuracy.py --max-tokens 16384 --limit 50    # a quick subset
+    python benchmarks/w8a8_accuracy.py --limit 50 --resume              # full WikiText-2 (about 4 h here)
+    python benchmarks/w8a8_accuracy.py --max-tokens 16384 --limit 10    # a quick subset
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from leanlm.bench import write_results  # noqa: E402
+from leanlm.bench import previous_results, results_name, write_results  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.methods import ZEROQUANT, SmoothQuantConfig, W8A8Config, calibrate, quantize_w8a8_  # noqa: E402
@@ -34,8 +35,9 @@ def rows(alpha_by_level: dict[str, float]) -> dict[str, W8A8Config | None]:
         "W8A8 naive (O2)": W8A8Config(level="O2"),
         "ZeroQuant-style": ZEROQUANT,
     }
-    # The paper's per-tensor weights with the extension, then per-channel weights without and with it.
-    for weights, extension in (("per_tensor", True), ("per_channel", False), ("per_channel", True)):
+    # Per-channel weights with and without the extension, then the paper's per-tensor weights with it (in this order
+    # so that a run stopped early has the rows that decide the targets).
+    for weights, extension in (("per_channel", True), ("per_channel", False), ("per_tensor", True)):
         for level in ("O1", "O2", "O3"):
             name = f"SmoothQuant-{level}{' +ext' if extension else ''} W:{weights}"
             table[name] = W8A8Config(
@@ -72,8 +74,8 @@ def plot_accuracy(payload: dict, sweep_tokens: int, title: str):
         left.tick_params(axis="y", labelsize=7)
         for level, points in payload["alpha_sweep"].items():
             right.plot([float(a) for a in points], list(points.values()), marker="o", label=f"SmoothQuant-{level}")
-        if fp32:
-            right.axhline(fp32, color="black", linewidth=0.8, label="FP32")
+        if payload.get("alpha_sweep_fp32"):
+            right.axhline(payload["alpha_sweep_fp32"], color="black", linewidth=0.8, label="FP32")
         right.set_yscale("log")
         right.set_xlabel("migration strength alpha (per-channel weights)")
         right.set_ylabel(f"WikiText-2 perplexity (first {sweep_tokens} tokens)")
@@ -94,47 +96,61 @@ def main() -> None:
                         help="migration strength per level (from the sweep)")
     parser.add_argument("--sweep-tokens", type=int, default=8192, help="WikiText-2 tokens per alpha of the sweep")
     parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--only", nargs="*", help="run only these row names")
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="run only the rows whose name contains one of these (e.g. 'SmoothQuant-O3')")
+    parser.add_argument("--resume", action="store_true", help="keep rows a previous run with the same settings finished")
     args = parser.parse_args()
 
     loaded = load_model(args.model)
-    started = time.perf_counter()
-    stats = calibrate(loaded.model, calibration_batches(loaded.tokenizer, n_samples=args.calib_samples, seq_len=512))
-    calibration_seconds = time.perf_counter() - started
     settings = EvalSettings(tasks=("wikitext2", *ZERO_SHOT_TASKS), limit=args.limit, max_tokens=args.max_tokens,
                             seq_len=args.seq_len)
-    payload = {"model": args.model, "weights_note": loaded.weights_note, "settings": vars(settings),
-               "calibration": {"samples": args.calib_samples, "seq_len": 512, "seconds": calibration_seconds},
-               "alpha_by_level": dict(zip(("O1", "O2", "O3"), args.alpha)), "rows": {}, "alpha_sweep": {}}
+    alpha_by_level = dict(zip(("O1", "O2", "O3"), args.alpha))
+    payload = {"model": args.model, "weights_note": loaded.weights_note,
+               "settings": {**vars(settings), "calibration_samples": args.calib_samples, "calibration_seq_len": 512,
+                            "alpha_by_level": alpha_by_level, "sweep_tokens": args.sweep_tokens},
+               "rows": {}, "alpha_sweep": {}}
+    name = results_name("w8a8_accuracy", args.model) + (f"_first{args.max_tokens}" if args.max_tokens else "")
+    if args.resume:
+        previous = previous_results(name, payload["settings"])
+        payload.update({key: previous[key] for key in ("rows", "alpha_sweep", "alpha_sweep_fp32", "calibration") if key in previous})
     title = f"{args.model} W8A8" + (f" ({loaded.weights_note})" if loaded.weights_note else "")
 
     def save() -> None:
         """Results so far, written after every row: a long run stopped early still leaves its table."""
-        write_results("w8a8_accuracy", payload, plot_accuracy(payload, args.sweep_tokens, title))
+        write_results(name, payload, plot_accuracy(payload, args.sweep_tokens, title))
 
-    for name, config in rows(payload["alpha_by_level"]).items():
-        if args.only and name not in args.only:
+    started = time.perf_counter()
+    stats = calibrate(loaded.model, calibration_batches(loaded.tokenizer, n_samples=args.calib_samples, seq_len=512))
+    payload.setdefault("calibration", {"seconds": time.perf_counter() - started})
+
+    for row, config in rows(alpha_by_level).items():
+        if row in payload["rows"] or (args.only and not any(text in row for text in args.only)):
             continue
         model = copy.deepcopy(loaded.model)
         if config is not None:
             quantize_w8a8_(model, config, stats)
         result = evaluate(model, loaded.tokenizer, settings)
-        payload["rows"][name] = {"config": config.as_record() if config else None, **result}
-        print(f"{name}: wikitext2 {result['results']['wikitext2']['perplexity']:.3f}, "
+        payload["rows"][row] = {"config": config.as_record() if config else None, **result}
+        print(f"{row}: wikitext2 {result['results']['wikitext2']['perplexity']:.3f}, "
               f"zero-shot {result['zero_shot_average']:.4f}", flush=True)
         save()
 
     if not args.no_sweep:
         sweep_settings = EvalSettings(tasks=("wikitext2",), max_tokens=args.sweep_tokens, seq_len=args.seq_len)
+        if "alpha_sweep_fp32" not in payload:  # the sweep's own FP32 reference, on its tokens
+            result = evaluate(loaded.model, loaded.tokenizer, sweep_settings)
+            payload["alpha_sweep_fp32"] = result["results"]["wikitext2"]["perplexity"]
         for level in ("O1", "O3"):
             for alpha in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
+                if str(alpha) in payload["alpha_sweep"].get(level, {}):
+                    continue
                 model = copy.deepcopy(loaded.model)
                 quantize_w8a8_(model, W8A8Config(level=level, weight_granularity="per_channel",
                                                  smoothquant=SmoothQuantConfig(alpha)), stats)
                 ppl = evaluate(model, loaded.tokenizer, sweep_settings)["results"]["wikitext2"]["perplexity"]
                 payload["alpha_sweep"].setdefault(level, {})[str(alpha)] = ppl
                 print(f"sweep {level} alpha {alpha}: {ppl:.3f}", flush=True)
-            save()
+                save()
 
     print(format_table(["setting", "wikitext2 ppl", "vs FP32", "zero-shot avg"], table_rows(payload), markdown=True))
 

@@ -6,7 +6,10 @@ int8 weight. Writes benchmarks/results/w8a8_speed.json + .png.
     python benchmarks/w8a8_speed.py --quick    # fewer repeats, prefill at 512 only
 
 Whole-model rows use leanlm with attention in float (quantize_bmm=False, SDPA): the int8 attention matmuls
-are simulated and not a speed path. The lm_head and embeddings stay FP32 in every row.
+are simulated and not a speed path. The lm_head and embeddings stay FP32 in every row. leanlm runs the linears
+that read one norm's output as one GEMM (q/k/v: 960 x 576 on SmolLM2; gate/up: 3072 x 576); the "separate GEMMs"
+row is O1 without that, and the shapes table has the stacked shapes beside the single ones. Prefill timings
+interleave the models round by round.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from torch import nn  # noqa: E402
 from leanlm.bench import time_call, time_modules, time_prefill, weight_bytes, write_results  # noqa: E402
 from leanlm.bench.peers import bitsandbytes_int8_linear, torchao_int8_dynamic_  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
-from leanlm.methods import SmoothQuantConfig, W8A8Config, calibrate, quantize_w8a8_  # noqa: E402
+from leanlm.methods import SmoothQuantConfig, W8A8Config, calibrate, quantize_w8a8_, share_input_gemms_  # noqa: E402
 from leanlm.models import iter_quantizable_linears, load_model  # noqa: E402
 from leanlm.nn import W8A8Linear  # noqa: E402
 from leanlm.report import save_figure  # noqa: E402
 
 warnings.filterwarnings("ignore")
+# SmolLM2-135M's block linears (out x in): q/o, k/v, gate/up, down, and the stacked q/k/v and gate/up GEMMs.
+SMOLLM2_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (960, 576), (3072, 576)]
 LEVEL_ACTIVATION = {"O1": ("per_token", None), "O2": ("per_tensor", None), "O3": ("per_tensor", 0.05)}
 
 
@@ -76,6 +81,9 @@ def model_variants(loaded) -> dict[str, nn.Module]:
         model = copy.deepcopy(float_model)
         quantize_w8a8_(model, W8A8Config(level=level, smoothquant=SmoothQuantConfig(0.5), quantize_bmm=False), stats)
         variants[f"leanlm {level}"] = model
+    separate = copy.deepcopy(variants["leanlm O1"])
+    share_input_gemms_(separate, share=False)
+    variants["leanlm O1 separate GEMMs"] = separate
     block_linears = {name for name, _ in iter_quantizable_linears(float_model)}
     variants["torchao int8 dyn"] = torchao_int8_dynamic_(copy.deepcopy(float_model), block_linears.__contains__)
     return variants
@@ -148,12 +156,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    repeats = 3 if args.quick else 7
+    repeats = 3 if args.quick else 9
     payload = {
         "threads": torch.get_num_threads(),
         "linear_4096": bench_linear(4096, 4096, [1, 16, 64, 512], repeats),
         "smollm2_shapes_m512": {
-            f"{o}x{i}": bench_linear(i, o, [512], repeats) for o, i in [(576, 576), (192, 576), (1536, 576), (576, 1536)]
+            f"{o}x{i}": bench_linear(i, o, [512], repeats) for o, i in SMOLLM2_SHAPES
         },
         "model_prefill": bench_model([512] if args.quick else [512, 2048], repeats),
     }

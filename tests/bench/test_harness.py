@@ -3,7 +3,7 @@ import json
 import numpy as np
 import torch
 
-from leanlm.bench import peak_memory, time_call, weight_bytes, write_results
+from leanlm.bench import peak_memory, previous_results, time_call, time_interleaved, weight_bytes, write_results
 from tiny import tiny_model
 
 
@@ -64,3 +64,19 @@ def test_time_modules_and_prefill_report_ratios_against_fp32():
     model = tiny_model("llama")
     timings = time_prefill({"fp32": model}, torch.randint(0, 128, (1, 8)), repeats=1)
     assert timings["fp32"]["tokens_per_second"] > 0 and timings["fp32"]["weight_bytes"] == weight_bytes(model)
+
+
+def test_previous_results_are_kept_only_for_the_same_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEANLM_RESULTS", str(tmp_path))
+    assert previous_results("demo") == {}
+    write_results("demo", {"settings": {"tasks": ("wikitext2",), "limit": 10}, "rows": {"FP32": 1.0}})
+    assert previous_results("demo")["rows"] == {"FP32": 1.0}
+    assert previous_results("demo", {"tasks": ("wikitext2",), "limit": 10})["rows"] == {"FP32": 1.0}  # tuple == list
+    assert previous_results("demo", {"tasks": ("wikitext2",), "limit": 20}) == {}
+
+
+def test_interleaved_timing_calls_each_function_once_per_round():
+    calls = []
+    timings = time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=1, repeats=3)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-ups, then rounds in rotated order
+    assert {name: t.repeats for name, t in timings.items()} == {"a": 3, "b": 3}

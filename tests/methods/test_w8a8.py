@@ -4,8 +4,18 @@ import pytest
 import torch
 
 from leanlm.errors import ConfigError
-from leanlm.methods import LEVELS, ZEROQUANT, SmoothQuantConfig, W8A8Config, calibrate, quantize_w8a8_, search_alpha
+from leanlm.methods import (
+    LEVELS,
+    ZEROQUANT,
+    SmoothQuantConfig,
+    W8A8Config,
+    calibrate,
+    quantize_w8a8_,
+    search_alpha,
+    share_input_gemms_,
+)
 from leanlm.nn import ATTENTION_NAME, BmmQuantizer, W8A8Linear
+from leanlm.models import architecture_for
 from tiny import FAMILIES, tiny_model
 
 
@@ -35,6 +45,17 @@ def test_every_linear_becomes_int8_and_outputs_stay_close(model_type, level):
     assert quantized.config._attn_implementation == ATTENTION_NAME
     assert record["method"] == "smoothquant" and record["level"] == level
     assert _relative_error(model, quantized) < 0.08
+    # The linears reading one norm (the table's norm_feeds with more than one linear: q/k/v, gate/up) share a GEMM,
+    # and sharing changes no logit.
+    feeds = [f.linears for f in architecture_for(quantized).norm_feeds if len(f.linears) > 1]
+    assert sum(m.shared_input is not None for m in linears) == 2 * sum(map(len, feeds))  # two blocks
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        shared = quantized(ids).logits
+        assert share_input_gemms_(quantized, share=False) == 0
+        separate = quantized(ids).logits
+        assert share_input_gemms_(quantized) == 2 * len(feeds)
+    assert torch.allclose(shared, separate, rtol=1e-5, atol=1e-5)
 
 
 def test_static_scales_are_the_calibrated_maxima():
@@ -84,3 +105,4 @@ def test_llm_int8_and_zeropoint_configs_reach_every_linear():
     assert all(m.asymmetric for m in zeropoint.modules() if isinstance(m, W8A8Linear))
     with pytest.raises(ConfigError, match="dynamic activation scales"):
         W8A8Config(level="O3", outlier_threshold=6.0)
+

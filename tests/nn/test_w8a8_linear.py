@@ -3,7 +3,7 @@ import torch
 
 from leanlm.errors import ConfigError
 from leanlm.kernels.int8_gemm import fbgemm_available
-from leanlm.nn import W8A8Linear
+from leanlm.nn import SharedInputGemm, W8A8Linear
 
 
 def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
@@ -65,3 +65,52 @@ def test_zeropoint_uses_the_whole_range_of_one_signed_inputs():
     again = W8A8Linear(**modules["fbgemm"].constructor_args())
     again.load_state_dict(state)
     assert torch.equal(again(x), modules["fbgemm"](x))
+
+
+def _group(activation: str, static: bool, backend: str = "fbgemm"):
+    torch.manual_seed(0)
+    weights = [torch.randn(48, 40), torch.randn(16, 40), torch.randn(16, 40) * 3]
+    biases = [None, torch.randn(16), None]  # one member with a bias: the stacked bias pads the others with 0
+    scale = torch.tensor(0.05) if static else None
+    return [W8A8Linear.from_float(w, b, "per_tensor", activation=activation, input_scale=scale, backend=backend)
+            for w, b in zip(weights, biases)]
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="no fbgemm engine")
+@pytest.mark.parametrize("activation, static", [("per_token", False), ("per_tensor", False), ("per_tensor", True)])
+def test_a_shared_input_gemm_gives_each_member_its_own_output(activation, static):
+    separate, shared = _group(activation, static), _group(activation, static)
+    SharedInputGemm(shared)
+    x = torch.randn(2, 7, 40) * 4
+    expected = [m(x) for m in separate]
+    got = [m(x) for m in shared]  # the first call computes all three, the others take theirs
+    for e, g in zip(expected, got):
+        assert g.shape == e.shape and g.is_contiguous()
+        assert torch.allclose(g, e, rtol=1e-6, atol=1e-5)
+    assert shared[0].shared_input._pending == {}  # every member took its output: nothing is kept
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="no fbgemm engine")
+def test_a_shared_input_gemm_never_hands_out_an_output_computed_from_another_input():
+    separate, shared = _group("per_token", False), _group("per_token", False)
+    SharedInputGemm(shared)
+    x, y = torch.randn(5, 40), torch.randn(5, 40)
+    shared[0](x)
+    assert torch.allclose(shared[1](y), separate[1](y), atol=1e-5)  # another tensor: a new round
+    shared[0](x)
+    x.mul_(2)  # the same tensor, changed in place: its version counter moved
+    assert torch.allclose(shared[2](x), separate[2](x), atol=1e-5)
+    assert torch.allclose(shared[2](x.clone()), separate[2](x), atol=1e-5)  # equal values, another tensor
+
+
+def test_linears_that_quantize_their_input_differently_cannot_share_a_gemm():
+    static = _group("per_tensor", True, "reference")
+    static[1].input_scale = torch.tensor(0.1)
+    assert "static input scales" in SharedInputGemm.problem(static)
+    mixed = _group("per_token", False, "reference")[:1] + _group("per_tensor", False, "reference")[1:]
+    assert "granularity" in SharedInputGemm.problem(mixed)
+    outliers = [W8A8Linear.from_float(torch.randn(8, 4), None, "per_channel", activation="per_token",
+                                      outlier_threshold=6.0) for _ in range(2)]
+    assert "outlier" in SharedInputGemm.problem(outliers)
+    with pytest.raises(ConfigError, match="cannot share one GEMM"):
+        SharedInputGemm(static)

@@ -5,13 +5,15 @@ from leanlm.bench.harness import (
     Timing,
     environment,
     peak_memory,
+    previous_results,
     results_dir,
     results_name,
     time_call,
+    time_interleaved,
     time_modules,
     time_prefill,
     weight_bytes,
     write_results,
 )
 
-__all__ = ["PeakMemory", "Timing", "environment", "peak_memory", "results_dir", "results_name", "time_call", "time_modules", "time_prefill", "weight_bytes", "write_results"]
+__all__ = ["PeakMemory", "Timing", "environment", "peak_memory", "previous_results", "results_dir", "results_name", "time_call", "time_interleaved", "time_modules", "time_prefill", "weight_bytes", "write_results"]

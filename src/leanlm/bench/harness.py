@@ -51,10 +51,16 @@ def time_call(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 5, mi
 def time_modules(modules: dict[str, nn.Module], x: torch.Tensor, reference: torch.Tensor, repeats: int,
                  slow: Callable[[str], bool] = lambda name: False) -> dict[str, dict]:
     """Each module applied to `x`: timing (ms), relative error against `reference`, and speed-up over the module
-    named "fp32". `slow` names get 2 repeats only."""
+    named "fp32". The modules are timed interleaved, round by round (`time_interleaved`); `slow` names are timed
+    apart, 2 repeats only."""
+    fast = {name: (lambda module=module: module(x)) for name, module in modules.items() if not slow(name)}
+    timings = time_interleaved(fast, warmup=1, repeats=repeats)
+    for name, module in modules.items():
+        if name not in timings:
+            timings[name] = time_call(lambda module=module: module(x), warmup=1, repeats=2)
     results = {}
     for name, module in modules.items():
-        timing = time_call(lambda: module(x), warmup=1, repeats=2 if slow(name) else repeats)
+        timing = timings[name]
         with torch.inference_mode():
             error = ((module(x) - reference).norm() / reference.norm()).item()
         results[name] = {"median_ms": timing.median * 1e3, "min_ms": timing.min * 1e3, "max_ms": timing.max * 1e3,
@@ -64,11 +70,35 @@ def time_modules(modules: dict[str, nn.Module], x: torch.Tensor, reference: torc
     return results
 
 
+def time_interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 1, repeats: int = 5) -> dict[str, Timing]:
+    """Time several callables in rounds, each round calling every one once (in a rotated order), so that a slow
+    spell of a shared machine falls on all of them alike instead of on whichever ran then: what a ratio between
+    them needs, when one call takes long enough (a whole prefill) for such spells to matter."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    with torch.inference_mode():
+        for name in names:
+            for _ in range(warmup):
+                fns[name]()
+        for round_index in range(repeats):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                started = time.perf_counter()
+                fns[name]()
+                samples[name].append(time.perf_counter() - started)
+    return {name: Timing(statistics.median(t), min(t), max(t), len(t)) for name, t in samples.items()}
+
+
 def time_prefill(models: dict[str, nn.Module], ids: torch.Tensor, repeats: int) -> dict[str, dict]:
-    """One forward of `ids` through each model: timing, tokens per second, speed-up over "fp32", weight bytes."""
+    """One forward of `ids` through each model, the models interleaved round by round: timing, tokens per
+    second, speed-up over "fp32", weight bytes."""
+    timings = time_interleaved({name: (lambda model=model: model(input_ids=ids, use_cache=False))
+                                for name, model in models.items()}, warmup=1, repeats=repeats)
     results = {}
     for name, model in models.items():
-        timing = time_call(lambda: model(input_ids=ids, use_cache=False), warmup=1, repeats=repeats)
+        timing = timings[name]
         results[name] = {"median_s": timing.median, "min_s": timing.min, "max_s": timing.max,
                          "tokens_per_second": ids.numel() / timing.median, "weight_bytes": weight_bytes(model)}
     for entry in results.values():
@@ -189,6 +219,16 @@ def results_dir() -> Path:
 def results_name(benchmark: str, model: str) -> str:
     """`<benchmark>_<model>` for a registry name, or for a model directory / file its last path component."""
     return f"{benchmark}_{Path(model).stem}"
+
+
+def previous_results(name: str, settings: dict | None = None) -> dict:
+    """What an earlier run wrote to `name.json` ({} if nothing). Given `settings`, only if that run used exactly
+    these (compared through JSON, so a tuple matches the list it was saved as): what a `--resume` may keep."""
+    path = results_dir() / f"{name}.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    if settings is not None and previous.get("settings") != json.loads(json.dumps(settings)):
+        return {}
+    return previous
 
 
 def write_results(name: str, payload: dict, plot: Callable[[Path], None] | None = None) -> Path:

@@ -61,8 +61,8 @@ def pack_weight(
 def int8_linear(
     x: torch.Tensor,  # (M, K) float32
     x_scale: torch.Tensor,  # () or (M, 1)
-    weight_int8: torch.Tensor,  # (N, K)
-    weight_scale: torch.Tensor,  # (N,)
+    weight_int8: torch.Tensor | None,  # (N, K); may be None on fbgemm when `packed` is given
+    weight_scale: torch.Tensor | None,  # (N,); likewise
     bias: torch.Tensor | None,
     backend: Backend,
     packed: PackedInt8Weight | None = None,
@@ -77,7 +77,8 @@ def int8_linear(
         return out + bias if bias is not None else out
     if backend != "fbgemm":
         raise ValueError(f"unknown int8 backend {backend!r}; choose reference or fbgemm")
-    packed = packed or pack_weight(weight_int8, weight_scale, bias, weight_zero_point)
+    if packed is None:
+        packed = pack_weight(weight_int8, weight_scale, bias, weight_zero_point)
     op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
     # The op quantizes its input as uint8 with the given scale and zero point 128, i.e. round(x / s) + 128
     # clamped to 0..255: exactly the symmetric int8 grid -128..127, shifted.

@@ -17,6 +17,7 @@ from leanlm.methods.w8a8 import (
     quantize_loaded_w8a8_,
     quantize_w8a8_,
     search_alpha,
+    share_input_gemms_,
 )
 
 __all__ = [
@@ -46,4 +47,5 @@ __all__ = [
     "quantize_loaded_w8a8_",
     "quantize_w8a8_",
     "search_alpha",
+    "share_input_gemms_",
 ]

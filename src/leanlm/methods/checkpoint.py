@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from leanlm.errors import CorruptModelError, ModelNotFoundError
 from leanlm.methods.cushion import attach_cushion, attached_cushion, load_cushion, save_cushion
+from leanlm.methods.w8a8 import share_input_gemms_
 from leanlm.models.architectures import architecture_for
 from leanlm.models.loading import LoadedModel, load_model
 from leanlm.nn import ATTENTION_NAME, QUANTIZED_MODULES
@@ -77,6 +78,7 @@ def load_quantized(directory: str | os.PathLike) -> tuple[LoadedModel, dict]:
         load_safetensors_into(model, str(directory / WEIGHTS_FILE), strict=True)
     except Exception as error:  # safetensors raises its own error types for damaged files
         raise CorruptModelError(f"the weights in {directory / WEIGHTS_FILE} cannot be loaded: {error}") from error
+    share_input_gemms_(model)  # derived, like fbgemm's packed weights: rebuilt, not saved
     if record.get("cushion"):
         attach_cushion(model, load_cushion(directory))
     if record.get("attn_implementation") == ATTENTION_NAME:

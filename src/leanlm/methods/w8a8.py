@@ -26,7 +26,7 @@ from leanlm.methods.calibration import collect_input_absmax
 from leanlm.methods.smoothquant import SmoothQuantConfig, smooth_
 from leanlm.models.architectures import architecture_for, decoder_blocks, iter_quantizable_linears, linear_weight_out_in
 from leanlm.models.scoring import next_token_nll
-from leanlm.nn import BmmQuantizer, W8A8Linear, use_int8_bmm_attention
+from leanlm.nn import BmmQuantizer, SharedInputGemm, W8A8Linear, use_int8_bmm_attention
 
 Level = Literal["O1", "O2", "O3"]
 LEVELS: dict[str, tuple[str, bool]] = {  # level -> (activation granularity, static)
@@ -133,6 +133,7 @@ def quantize_w8a8_(model: nn.Module, config: W8A8Config, stats: CalibrationStats
             config.outlier_threshold, config.asymmetric,
         )
         model.set_submodule(name, quantized)
+    share_input_gemms_(model)
     if config.quantize_bmm:
         for name, attention in _attention_modules(model):
             ranges = attention_ranges.get(name)
@@ -143,6 +144,25 @@ def quantize_w8a8_(model: nn.Module, config: W8A8Config, stats: CalibrationStats
             attention.bmm_quantizer = quantizer
         use_int8_bmm_attention(model)
     return {"method": config.method, **config.as_record()}
+
+
+def share_input_gemms_(model: nn.Module, share: bool = True) -> int:
+    """Let the W8A8 linears that read one norm's output (the architecture table's `norm_feeds`: q/k/v, gate/up)
+    run as one GEMM each (`SharedInputGemm`; same outputs, fewer and wider GEMMs); `share=False` undoes it.
+    Groups whose members quantize their input differently (LLM.int8()'s decomposition, zero points, unequal
+    static scales) stay separate. Returns the number of groups formed."""
+    table = architecture_for(model)
+    groups = 0
+    for block in decoder_blocks(model, table):
+        for feeds in table.norm_feeds:
+            members = [block.get_submodule(path) for path in feeds.linears]
+            for member in members:
+                if isinstance(member, W8A8Linear):
+                    member.shared_input = None
+            if share and SharedInputGemm.problem(members) is None:
+                SharedInputGemm(members)
+                groups += 1
+    return groups
 
 
 def search_alpha(

@@ -5,9 +5,9 @@ from leanlm.nn.attention import ATTENTION_NAME, BmmQuantizer, use_int8_bmm_atten
 from leanlm.nn.kbit_linear import KbitLinear
 from leanlm.nn.lora import LoRALinear
 from leanlm.nn.spqr_linear import SpQRLinear
-from leanlm.nn.w8a8_linear import W8A8Linear
+from leanlm.nn.w8a8_linear import SharedInputGemm, W8A8Linear
 
 # Class name -> class: how a saved checkpoint's module records are turned back into modules.
 QUANTIZED_MODULES = {cls.__name__: cls for cls in (W8A8Linear, BmmQuantizer, KbitLinear, SpQRLinear)}
 
-__all__ = ["ATTENTION_NAME", "BmmQuantizer", "use_int8_bmm_attention", "W8A8Linear", "KbitLinear", "LoRALinear", "SpQRLinear", "QUANTIZED_MODULES"]
+__all__ = ["ATTENTION_NAME", "BmmQuantizer", "use_int8_bmm_attention", "W8A8Linear", "SharedInputGemm", "KbitLinear", "LoRALinear", "SpQRLinear", "QUANTIZED_MODULES"]

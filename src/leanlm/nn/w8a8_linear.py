@@ -11,6 +11,8 @@ the int8 GEMM, the per-token scales computed after the outlier columns are remov
 outlier weight columns are de-quantized from the int8 weight (no float copy is kept).
 
 With `asymmetric` both operands use per-tensor zero points (LLM.int8()'s "zeropoint" baseline, Table 2.1).
+
+`SharedInputGemm` runs linears that read the same input (q/k/v, gate/up) as one GEMM.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class W8A8Linear(nn.Module):
         self.register_buffer("input_scale", torch.ones(()) if static else None)
         self.register_buffer("weight_zero_point", torch.zeros((), dtype=torch.long) if asymmetric else None)
         self._packed = None  # fbgemm's packed weight, rebuilt lazily whenever the int8 weight changes
+        self.shared_input: SharedInputGemm | None = None  # set by SharedInputGemm; derived, never saved
         # Input dimensions seen, and how many of them went through the float path (LLM.int8() only).
         self.decomposition_counts = {"dims": 0, "outlier_dims": 0}
 
@@ -100,11 +103,22 @@ class W8A8Linear(nn.Module):
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._packed = None
+        if self.shared_input is not None:
+            self.shared_input.forget_weights()
         super()._load_from_state_dict(*args, **kwargs)
+
+    def input_scale_for(self, rows: torch.Tensor) -> torch.Tensor:
+        """The activation scale of a plain (symmetric, no outlier decomposition) forward: static or dynamic."""
+        return self.input_scale if self.static else activation_scale(rows, self.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"W8A8Linear expects {self.in_features} input features, got shape {tuple(x.shape)}")
+        if self.shared_input is not None and self.backend == "fbgemm":
+            return self.shared_input.output(self, x)
+        return self._forward_alone(x)
+
+    def _forward_alone(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
         outlier_inputs = outlier_weight = None
         rows_are_ours = False  # whether `rows` is a private copy the kernel may scale in place
@@ -121,7 +135,7 @@ class W8A8Linear(nn.Module):
             scale, x_zero_point = zeropoint_params(rows)
             zero_points = {"x_zero_point": x_zero_point, "weight_zero_point": int(self.weight_zero_point)}
         else:
-            scale = self.input_scale if self.static else activation_scale(rows, self.activation)
+            scale = self.input_scale_for(rows)
         if self.backend == "fbgemm" and self._packed is None:
             self._packed = pack_weight(self.weight, self.weight_scale, self.bias, zero_points.get("weight_zero_point", 0))
         out = int8_linear(rows, scale, self.weight, self.weight_scale, self.bias, self.backend, self._packed,
@@ -135,3 +149,83 @@ class W8A8Linear(nn.Module):
         outliers = f", outlier_threshold={self.outlier_threshold}" if self.outlier_threshold is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"activation={self.activation} {mode}{outliers}, backend={self.backend}")
+
+
+class SharedInputGemm:
+    """Linears that read the same input (q/k/v after the attention norm, gate/up after the MLP norm) run as one
+    int8 GEMM: the input is quantized once, and the stacked weights make one wide GEMM, which fbgemm runs much
+    better than several narrow ones (SmolLM2's k and v projections are 192 x 576 and alone run slower than
+    FP32 at 512 tokens). The outputs are exactly those of the separate layers: the same input scale (one per
+    token, or one per tensor, computed from the shared input or calibrated equal) and each layer's own weight
+    scales, per output channel.
+
+    The first member called computes every member's output and keeps the others' until they are asked for with
+    the very same tensor, unmodified (`is` plus its version counter, and the kept input stays referenced, so no
+    other tensor can take its identity); a member called with another input starts a new round. On the
+    reference backend (the test oracle) every member computes alone. Derived state: built from the members,
+    never saved."""
+
+    def __init__(self, members: list[W8A8Linear]):
+        problem = self.problem(members)
+        if problem:
+            raise ConfigError(f"these linears cannot share one GEMM: {problem}")
+        self.members = list(members)
+        self._packed = None  # fbgemm's packed stacked weight, built at the first call
+        self._bias: torch.Tensor | None = None  # the stacked bias (zeros for members without one), if any has one
+        self._input: torch.Tensor | None = None
+        self._input_version: int | None = None
+        self._pending: dict[int, torch.Tensor] = {}  # id(member) -> its output, not yet asked for
+        for member in self.members:
+            member.shared_input = self
+
+    @staticmethod
+    def problem(members: list[W8A8Linear]) -> str | None:
+        """Why `members` cannot share a GEMM, or None."""
+        if len(members) < 2:
+            return "a group needs at least two linears"
+        first = members[0]
+        if any(not isinstance(m, W8A8Linear) for m in members):
+            return "all must be W8A8Linear"
+        if any(m.outlier_threshold is not None or m.asymmetric for m in members):
+            return "outlier decomposition and zero points quantize each layer's input differently"
+        if len({(m.in_features, m.activation, m.static, m.backend) for m in members}) > 1:
+            return "inputs, activation granularity, static/dynamic and backend must agree"
+        if first.static and any(not torch.equal(m.input_scale, first.input_scale) for m in members):
+            return "their static input scales differ"
+        return None
+
+    def forget_weights(self) -> None:
+        self._packed = None
+
+    def _stacked_packed(self):
+        if self._packed is None:  # the int8 rows are copied into fbgemm's layout; no stacked copy is kept
+            members = self.members
+            self._bias = None
+            if any(m.bias is not None for m in members):
+                self._bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features)
+                                        for m in members])
+            self._packed = pack_weight(torch.cat([m.weight for m in members]),
+                                       torch.cat([m.weight_scale for m in members]), self._bias)
+        return self._packed
+
+    @staticmethod
+    def _version(x: torch.Tensor) -> int | None:
+        """x's version counter; None for an inference-mode tensor, which has none (there the identity alone
+        decides: no model this serves changes a norm's output in place between the projections that read it)."""
+        return None if x.is_inference() else x._version
+
+    def output(self, member: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
+        if x is self._input and self._version(x) == self._input_version and id(member) in self._pending:
+            out = self._pending.pop(id(member))
+            if not self._pending:
+                self._input = None
+            return out
+        rows = x.reshape(-1, member.in_features).float()
+        packed = self._stacked_packed()
+        out = int8_linear(rows, member.input_scale_for(rows), None, None, self._bias, "fbgemm", packed)
+        outputs = [part.reshape(*x.shape[:-1], m.out_features).to(x.dtype)
+                   for m, part in zip(self.members, out.split([m.out_features for m in self.members], dim=-1))]
+        outputs = [o.contiguous() for o in outputs]  # callers .view() them (split columns are strided)
+        self._pending = {id(m): o for m, o in zip(self.members, outputs) if m is not member}
+        self._input, self._input_version = x, self._version(x)
+        return outputs[self.members.index(member)]
