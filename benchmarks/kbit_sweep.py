@@ -8,7 +8,7 @@ count the quantized linears at their measured bits and everything else (embeddin
 as the thesis does. Results are written after every configuration; `--resume` skips finished ones.
 
     python benchmarks/kbit_sweep.py --resume                     # first 16384 WikiText-2 tokens per point
-    python benchmarks/kbit_sweep.py --zero-shot-limit 25 --resume   # and zero-shot at block 64
+    python benchmarks/kbit_sweep.py --zero-shot-limit 25 --resume   # then zero-shot at block 64, keeping the rest
     python benchmarks/kbit_sweep.py --dtypes nf int --bits 3 4   # a slice
 """
 
@@ -54,6 +54,26 @@ def total_bits(model: nn.Module, avg_bits: float | None) -> float:
     return linear_params * (avg_bits if avg_bits is not None else 16.0) + other * 16.0
 
 
+def report(payload: dict) -> str:
+    """Markdown tables of the saved points: perplexity (and bits per weight) by data type x bits at each block size."""
+    points, out = payload.get("points", {}), []
+    fp32 = payload.get("fp32", {}).get("perplexity")
+    for block in BLOCKS:
+        chosen = {(p["dtype"], p["bits"]): p for p in points.values() if p["block"] == block}
+        if not chosen:
+            continue
+        bits = sorted({b for _, b in chosen})
+        out += [f"block {block}" + (f" (FP32 {fp32:.3f})" if fp32 else "") + ": perplexity @ bits per weight", "",
+                "| data type | " + " | ".join(f"{b}-bit" for b in bits) + " |", "|---" * (len(bits) + 1) + "|"]
+        for dtype in DTYPES:
+            cells = [f"{chosen[dtype, b]['perplexity']:.2f} @ {chosen[dtype, b]['avg_bits']:.2f}"
+                     if (dtype, b) in chosen else "-" for b in bits]
+            if any(c != "-" for c in cells):
+                out.append(f"| {dtype} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -65,16 +85,21 @@ def main() -> None:
                         help="items per zero-shot task for the points of --zero-shot-blocks (0: perplexity only)")
     parser.add_argument("--zero-shot-blocks", nargs="*", default=["64"], choices=BLOCKS)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--report", action="store_true", help="print the saved results as tables, run nothing")
     args = parser.parse_args()
     torch.set_num_threads(2)
 
-    loaded = load_model(args.model)
     name = results_name("kbit_sweep", args.model)
+    if args.report:
+        print(report(previous_results(name)))
+        return
+    loaded = load_model(args.model)
     settings = EvalSettings(tasks=("wikitext2",), max_tokens=args.max_tokens)
     zero_shot = EvalSettings(tasks=ZERO_SHOT_TASKS, limit=args.zero_shot_limit) if args.zero_shot_limit else None
-    payload = {"model": args.model, "weights_note": loaded.weights_note,
-               "settings": {"max_tokens": args.max_tokens, "zero_shot_limit": args.zero_shot_limit},
-               "points": {}}
+    # Zero-shot results carry their own limit (in each point), so a later run with another --zero-shot-limit adds
+    # them without discarding the perplexities.
+    payload = {"model": args.model, "weights_note": loaded.weights_note, "settings": {"max_tokens": args.max_tokens},
+               "zero_shot_limit": args.zero_shot_limit, "points": {}}
     if args.resume:
         previous = previous_results(name, payload["settings"])
         payload.update({key: previous[key] for key in ("points", "fp32") if key in previous})
@@ -84,16 +109,18 @@ def main() -> None:
         panels = [("perplexity", "data types (block 64)", lambda p: p["block"] == "64", "dtype"),
                   ("perplexity", "block sizes (NF)", lambda p: p["dtype"] == "nf", "block")]
         if zero_shot:
-            panels.append(("zero_shot_average", "zero-shot (block 64)", lambda p: p["block"] == "64", "dtype"))
+            panels.append(("zero_shot_average", f"zero-shot (block 64, {args.zero_shot_limit} items per task)",
+                           lambda p: p["block"] == "64", "dtype"))
         for ax, (metric, title, keep, series) in zip(axes, panels):
             for value in (DTYPES if series == "dtype" else BLOCKS):
                 points = sorted((p for p in payload["points"].values()
-                                 if keep(p) and p[series] == value and metric in p), key=lambda p: p["total_bits"])
+                                 if keep(p) and p[series] == value and measured(p, metric) is not None),
+                                key=lambda p: p["total_bits"])
                 if points:
-                    ax.plot([p["total_bits"] for p in points], [p[metric] for p in points], marker="o",
+                    ax.plot([p["total_bits"] for p in points], [measured(p, metric) for p in points], marker="o",
                             label=value if series == "dtype" else f"block {value}")
-            if metric in payload.get("fp32", {}):
-                ax.axhline(payload["fp32"][metric], color="black", linestyle=":", label="fp32")
+            if measured(payload.get("fp32", {}), metric) is not None:
+                ax.axhline(measured(payload["fp32"], metric), color="black", linestyle=":", label="fp32")
             ax.set_xscale("log")
             ax.set_xlabel("total model bits")
             if metric == "perplexity":
@@ -105,11 +132,19 @@ def main() -> None:
             ax.legend(fontsize=8)
         save_figure(fig, png, f"{args.model}" + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
 
+    def measured(point: dict, metric: str) -> float | None:
+        """A point's perplexity, or its zero-shot average at this run's --zero-shot-limit."""
+        if metric == "perplexity":
+            return point.get("perplexity")
+        entry = point.get("zero_shot", {})
+        return entry.get("average") if entry.get("limit") == args.zero_shot_limit else None
+
     def evaluate_point(model: nn.Module, point: dict, with_zero_shot: bool) -> None:
         if "perplexity" not in point:
             point["perplexity"] = evaluate(model, loaded.tokenizer, settings)["results"]["wikitext2"]["perplexity"]
-        if with_zero_shot and "zero_shot_average" not in point:
-            point["zero_shot_average"] = evaluate(model, loaded.tokenizer, zero_shot)["zero_shot_average"]
+        if with_zero_shot and measured(point, "zero_shot_average") is None:
+            average = evaluate(model, loaded.tokenizer, zero_shot)["zero_shot_average"]
+            point["zero_shot"] = {"limit": args.zero_shot_limit, "average": average}
 
     payload.setdefault("fp32", {"total_bits": total_bits(loaded.model, None)})
     evaluate_point(loaded.model, payload["fp32"], zero_shot is not None)
@@ -120,7 +155,7 @@ def main() -> None:
             for bits in args.bits:
                 key = f"{dtype}{bits}-{block}"
                 point = payload["points"].get(key, {})
-                if "perplexity" in point and (not with_zero_shot or "zero_shot_average" in point):
+                if "perplexity" in point and (not with_zero_shot or measured(point, "zero_shot_average") is not None):
                     continue
                 started = time.perf_counter()
                 config = KbitConfig(dtype=dtype, bits=bits, block_size=None if block == "row" else int(block))
@@ -131,7 +166,7 @@ def main() -> None:
                 point["seconds"] = point.get("seconds", 0.0) + time.perf_counter() - started
                 payload["points"][key] = point
                 print(f"{key}: {point['perplexity']:.3f} at {record['avg_bits']:.3f} bits/weight"
-                      + (f", zero-shot {point['zero_shot_average']:.4f}" if "zero_shot_average" in point else ""),
+                      + (f", zero-shot {point['zero_shot']['average']:.4f}" if "zero_shot" in point else ""),
                       flush=True)
                 write_results(name, payload, plot)
     write_results(name, payload, plot)
