@@ -33,6 +33,11 @@ from leanlm.formats.int8 import (
 from leanlm.kernels.int8_gemm import Backend, default_backend, int8_linear, pack_weight
 
 
+def shaped_like_input(out_rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A GEMM's (tokens, out_features) result in the shape and dtype of the input x it was computed from."""
+    return out_rows.reshape(*x.shape[:-1], out_rows.shape[-1]).to(x.dtype)
+
+
 class W8A8Linear(nn.Module):
     def __init__(
         self,
@@ -142,7 +147,7 @@ class W8A8Linear(nn.Module):
                           overwrite_input=rows_are_ours, **zero_points)
         if outlier_inputs is not None:
             out = out.addmm_(outlier_inputs, outlier_weight.T)
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return shaped_like_input(out, x)
 
     def extra_repr(self) -> str:
         mode = "static" if self.static else "dynamic"
@@ -223,9 +228,9 @@ class SharedInputGemm:
         rows = x.reshape(-1, member.in_features).float()
         packed = self._stacked_packed()
         out = int8_linear(rows, member.input_scale_for(rows), None, None, self._bias, "fbgemm", packed)
-        outputs = [part.reshape(*x.shape[:-1], m.out_features).to(x.dtype)
-                   for m, part in zip(self.members, out.split([m.out_features for m in self.members], dim=-1))]
-        outputs = [o.contiguous() for o in outputs]  # callers .view() them (split columns are strided)
+        # contiguous: callers .view() the outputs, and split columns are strided
+        outputs = [shaped_like_input(part, x).contiguous()
+                   for part in out.split([m.out_features for m in self.members], dim=-1)]
         self._pending = {id(m): o for m, o in zip(self.members, outputs) if m is not member}
         self._input, self._input_version = x, self._version(x)
         return outputs[self.members.index(member)]
