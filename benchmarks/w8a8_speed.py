@@ -9,7 +9,8 @@ Whole-model rows use leanlm with attention in float (quantize_bmm=False, SDPA): 
 are simulated and not a speed path. The lm_head and embeddings stay FP32 in every row. leanlm runs the linears
 that read one norm's output as one GEMM (q/k/v: 960 x 576 on SmolLM2; gate/up: 3072 x 576); the "separate GEMMs"
 row is O1 without that, and the shapes table has the stacked shapes beside the single ones. Prefill timings
-interleave the models round by round.
+interleave the models round by round, once computing every position's logits (a perplexity forward) and once
+only the last position's (what a generation's prefill computes, transformers' `logits_to_keep=1`).
 """
 
 from __future__ import annotations
@@ -92,14 +93,18 @@ def model_variants(loaded) -> dict[str, nn.Module]:
 def bench_model(lengths: list[int], repeats: int) -> dict:
     loaded = load_model("smollm2-135m")
     variants = model_variants(loaded)
-    results: dict = {"by_length": {}}
+    # Every position's logits (a perplexity forward: the FP32 lm_head runs on every token), then only the last
+    # position's, as a generation's prefill computes them (the diagnostic "separate GEMMs" row left out there).
+    results: dict = {"by_length": {}, "by_length_last_logits": {}}
     for length in lengths:
         ids = torch.randint(0, loaded.tokenizer.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
-        timings = time_prefill(variants, ids, repeats)
-        results["by_length"][str(length)] = timings
-        print(f"prefill {length}: " + ", ".join(
-            f"{name} {t['tokens_per_second']:.0f} tok/s ({t['speedup_vs_fp32']:.2f}x)" for name, t in timings.items()),
-            flush=True)
+        for key, keep in (("by_length", 0), ("by_length_last_logits", 1)):
+            timed = {name: model for name, model in variants.items() if keep == 0 or "separate" not in name}
+            timings = time_prefill(timed, ids, repeats, logits_to_keep=keep)
+            results[key][str(length)] = timings
+            print(f"prefill {length} ({'last' if keep else 'all'} logits): " + ", ".join(
+                f"{name} {t['tokens_per_second']:.0f} tok/s ({t['speedup_vs_fp32']:.2f}x)"
+                for name, t in timings.items()), flush=True)
     # What the FP32 lm_head costs of a prefill, and what an int8 lm_head would take instead.
     hidden = torch.randn(lengths[0], loaded.model.config.hidden_size)
     head = loaded.model.lm_head
@@ -116,7 +121,7 @@ def bench_model(lengths: list[int], repeats: int) -> dict:
     linear_bytes = {name: sum(weight_bytes(m) for _, m in iter_quantizable_linears(model))
                     for name, model in variants.items()}
     results["block_linear_bytes_ratio"] = {name: b / linear_bytes["fp32"] for name, b in linear_bytes.items()}
-    results["model_weight_bytes"] = {name: t["weight_bytes"] for name, t in timings.items()}
+    results["model_weight_bytes"] = {name: t["weight_bytes"] for name, t in results["by_length"][str(lengths[0])].items()}
     return results
 
 
@@ -124,7 +129,7 @@ def plot(payload: dict):
     def draw(path):
         linear = payload["linear_4096"]["by_m"]
         names = [n for n in next(iter(linear.values())) if n != "fp32"]
-        fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+        fig, (left, *prefill_axes) = plt.subplots(1, 3, figsize=(18, 4.5))
         ms = list(linear)
         width = 0.8 / len(names)
         for i, name in enumerate(names):
@@ -136,17 +141,23 @@ def plot(payload: dict):
         left.set_ylabel("speed-up over FP32 (log)")
         left.set_title("4096x4096 linear")
         left.legend(fontsize=8)
-        prefill = payload["model_prefill"]["by_length"]
-        lengths = list(prefill)
-        names = list(next(iter(prefill.values())))
-        width = 0.8 / len(names)
-        for i, name in enumerate(names):
-            right.bar([j + i * width for j in range(len(lengths))],
-                      [prefill[n][name]["tokens_per_second"] for n in lengths], width=width, label=name)
-        right.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))], [f"{n} tokens" for n in lengths])
-        right.set_ylabel("prefill tokens / s")
-        right.set_title("SmolLM2-135M prefill (lm_head FP32)")
-        right.legend(fontsize=8)
+        colors = {name: f"C{i}" for i, name in enumerate(next(iter(payload["model_prefill"]["by_length"].values())))}
+        for axis, (key, logits) in zip(prefill_axes, (("by_length", "every position's logits"),
+                                                      ("by_length_last_logits", "last position's logits"))):
+            prefill = payload["model_prefill"].get(key)
+            if not prefill:
+                continue
+            lengths = list(prefill)
+            names = list(next(iter(prefill.values())))
+            width = 0.8 / len(names)
+            for i, name in enumerate(names):
+                axis.bar([j + i * width for j in range(len(lengths))],
+                         [prefill[n][name]["tokens_per_second"] for n in lengths], width=width, label=name,
+                         color=colors.get(name))
+            axis.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))], [f"{n} tokens" for n in lengths])
+            axis.set_ylabel("prefill tokens / s")
+            axis.set_title(f"SmolLM2-135M prefill, {logits} (lm_head FP32)")
+            axis.legend(fontsize=8)
         save_figure(fig, path)
 
     return draw

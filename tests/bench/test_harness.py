@@ -64,6 +64,11 @@ def test_time_modules_and_prefill_report_ratios_against_fp32():
     model = tiny_model("llama")
     timings = time_prefill({"fp32": model}, torch.randint(0, 128, (1, 8)), repeats=1)
     assert timings["fp32"]["tokens_per_second"] > 0 and timings["fp32"]["weight_bytes"] == weight_bytes(model)
+    head_rows = []  # positions the lm_head sees: every one, or only the last (a generation's prefill)
+    model.lm_head.register_forward_hook(lambda module, args, out: head_rows.append(out.shape[-2]))
+    time_prefill({"fp32": model}, torch.randint(0, 128, (1, 8)), repeats=1)
+    time_prefill({"fp32": model}, torch.randint(0, 128, (1, 8)), repeats=1, logits_to_keep=1)
+    assert head_rows == [8, 8, 1, 1]  # warm-up and one timed round each
 
 
 def test_previous_results_are_kept_only_for_the_same_settings(tmp_path, monkeypatch):

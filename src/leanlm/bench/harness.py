@@ -91,11 +91,18 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 1, r
     return {name: Timing(statistics.median(t), min(t), max(t), len(t)) for name, t in samples.items()}
 
 
-def time_prefill(models: dict[str, nn.Module], ids: torch.Tensor, repeats: int) -> dict[str, dict]:
+def time_prefill(models: dict[str, nn.Module], ids: torch.Tensor, repeats: int,
+                 logits_to_keep: int = 0) -> dict[str, dict]:
     """One forward of `ids` through each model, the models interleaved round by round: timing, tokens per
-    second, speed-up over "fp32", weight bytes."""
-    timings = time_interleaved({name: (lambda model=model: model(input_ids=ids, use_cache=False))
-                                for name, model in models.items()}, warmup=1, repeats=repeats)
+    second, speed-up over "fp32", weight bytes. `logits_to_keep`: 0 computes every position's logits (a
+    perplexity forward); 1 only the last one's, as a generation's prefill does (transformers' argument)."""
+    def forward(model: nn.Module):
+        if logits_to_keep:
+            return model(input_ids=ids, use_cache=False, logits_to_keep=logits_to_keep)
+        return model(input_ids=ids, use_cache=False)
+
+    timings = time_interleaved({name: (lambda model=model: forward(model)) for name, model in models.items()},
+                               warmup=1, repeats=repeats)
     results = {}
     for name, model in models.items():
         timing = timings[name]
