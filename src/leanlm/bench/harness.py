@@ -95,14 +95,10 @@ def time_prefill(models: dict[str, nn.Module], ids: torch.Tensor, repeats: int,
                  logits_to_keep: int = 0) -> dict[str, dict]:
     """One forward of `ids` through each model, the models interleaved round by round: timing, tokens per
     second, speed-up over "fp32", weight bytes. `logits_to_keep`: 0 computes every position's logits (a
-    perplexity forward); 1 only the last one's, as a generation's prefill does (transformers' argument)."""
-    def forward(model: nn.Module):
-        if logits_to_keep:
-            return model(input_ids=ids, use_cache=False, logits_to_keep=logits_to_keep)
-        return model(input_ids=ids, use_cache=False)
-
-    timings = time_interleaved({name: (lambda model=model: forward(model)) for name, model in models.items()},
-                               warmup=1, repeats=repeats)
+    perplexity forward, transformers' default); 1 only the last one's, as a generation's prefill does."""
+    timings = time_interleaved(
+        {name: (lambda model=model: model(input_ids=ids, use_cache=False, logits_to_keep=logits_to_keep))
+         for name, model in models.items()}, warmup=1, repeats=repeats)
     results = {}
     for name, model in models.items():
         timing = timings[name]
