@@ -214,6 +214,7 @@ def test_merge_writes_a_float_model_with_the_adapters_folded_in(tiny_llama_dir, 
 @pytest.mark.parametrize("method, options", [
     ("gptq", ["--bits", "4", "--group-size", "16"]),
     ("spqr", ["--bits", "3", "--beta1", "16", "--beta2", "16", "--outlier-threshold", "0.2"]),
+    ("spqr", ["--bits", "4", "--beta1", "32", "--statistic-bits", "8", "--no-act-order"]),
     ("rtn", ["--bits", "4", "--group-size", "0"]),
 ])
 def test_quantize_gptq_family_writes_a_reloadable_checkpoint(tiny_llama_dir, tmp_path, method, options):
@@ -222,6 +223,8 @@ def test_quantize_gptq_family_writes_a_reloadable_checkpoint(tiny_llama_dir, tmp
                  "--calib-seq-len", "32", "--out", str(out)]) == 0
     record = json.loads((out / "leanlm_quant.json").read_text())
     assert record["method"] == method and record["avg_bits"] > 0 and "outlier_rate" in record
+    if "--no-act-order" in options:
+        assert record["act_order"] is False and record["statistic_bits"] == 8 and record["group_size"] == 32
     assert main(["eval", str(out), "--tasks", "wikitext2", "--max-tokens", "256", "--seq-len", "64"]) == 0
 
 

@@ -181,7 +181,7 @@ def _gptq_config(args):
             raise ConfigError("--method spqr takes its group size as --beta1")
         return spqr_config(bits=args.bits or 3, beta1=args.beta1 or 16, beta2=args.beta2 or 16,
                            outlier_threshold=args.outlier_threshold if args.outlier_threshold is not None else 0.2,
-                           statistic_bits=args.statistic_bits or 3,
+                           statistic_bits=args.statistic_bits or 3, act_order=args.act_order,
                            damping=args.damping if args.damping is not None else 1.0, **calibration)
     group_size = None if args.group_size == 0 else (args.group_size or 128)
     if args.method == "rtn":
@@ -506,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--damping", type=float,
                           help="gptq/spqr: Hessian damping as a fraction of its mean diagonal (default 0.01 / 1.0)")
     quantize.add_argument("--no-act-order", dest="act_order", action="store_false",
-                          help="gptq: quantize columns in their natural order, not by decreasing Hessian diagonal")
+                          help="gptq/spqr: quantize columns in their natural order, not by decreasing Hessian diagonal")
     quantize.add_argument("--no-bmm", action="store_true", help="keep attention's two matmuls in float32")
     quantize.add_argument("--quantize-probs", action="store_true",
                           help="also round softmax probabilities to the int8 grid 1/127 (the int8 OPT kernel does)")

@@ -53,12 +53,12 @@ def gptq_config(bits: int = 4, group_size: int | None = 128, act_order: bool = T
 
 
 def spqr_config(bits: int = 3, beta1: int = 16, beta2: int = 16, outlier_threshold: float | None = 0.2,
-                statistic_bits: int = 3, damping: float = 1.0, **calibration) -> GPTQConfig:
+                statistic_bits: int = 3, damping: float = 1.0, act_order: bool = True, **calibration) -> GPTQConfig:
     """Defaults: the chapter's ~4-bit recipe shape (3-bit base and statistics, beta1 = beta2 = 16, tau = 0.2,
     damping 1.0 as the reference near-lossless recipe)."""
     return GPTQConfig("spqr", SolverSettings(bits=bits, group_size=beta1, statistic_bits=statistic_bits,
                                              statistic_group_size=beta2, outlier_threshold=outlier_threshold,
-                                             damping=damping), **calibration)
+                                             act_order=act_order, damping=damping), **calibration)
 
 
 class _StopForward(Exception):
