@@ -55,7 +55,7 @@ def rows(calibration: dict) -> dict[str, GPTQConfig | None]:
         # SmolLM2's weights are de-quantized Q4_1: 4-bit min-max codes in blocks of 32 consecutive inputs, so a
         # 4-bit base in groups of 32 taken in column order sits on their own grid, and 8-bit statistics keep the
         # grid almost exactly (about 4.6 bits). The act-order row beside it separates that grid from the
-        # statistics' extra bits; Gemma's K-quants (searched scales, some 6-bit tensors) are the control.
+        # statistics' extra bits; Gemma (mostly Q5_0, plus Q4_K with searched scales and Q6_K) is the control.
         "SpQR 4-bit base, beta 32, 8-bit statistics, tau 1": spqr_config(
             bits=4, beta1=32, beta2=32, outlier_threshold=1.0, statistic_bits=8, **calibration),
         "SpQR 4-bit base, beta 32, 8-bit statistics, tau 1, column order": spqr_config(
