@@ -231,6 +231,7 @@ def test_quantize_gptq_family_writes_a_reloadable_checkpoint(tiny_llama_dir, tmp
 @pytest.mark.parametrize("argv, message", [
     (["--method", "gptq", "--beta1", "16"], "--beta1 apply to --method spqr"),
     (["--method", "spqr", "--group-size", "16"], "takes its group size as --beta1"),
+    (["--method", "rtn", "--no-act-order"], "--no-act-order applies to --method gptq and spqr"),
     (["--method", "w8a8", "--bits", "4"], "--bits applies to weight-only methods"),
     (["--method", "w8a8", "--group-size", "0", "--weight-granularity", "per_group"], "group size must be at least 1"),
 ])

@@ -198,6 +198,8 @@ def command_quantize(args) -> None:
 
     if args.out.exists() and any(args.out.iterdir()):
         raise ConfigError(f"--out {args.out} exists and is not empty; choose a new directory")
+    if not args.act_order and args.method not in ("gptq", "spqr"):
+        raise ConfigError("--no-act-order applies to --method gptq and spqr (the others have no column order)")
     kbit_options = [args.dtype, args.block_size, args.exponent_bits, args.proxy_fraction]
     if args.method == "kbit":
         block_size = None if args.block_size == "row" else (args.block_size or 64)
