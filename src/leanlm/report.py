@@ -26,10 +26,13 @@ def format_table(headers: list[str], rows: list[list], markdown: bool = False) -
 def save_figure(fig, path, title: str | None = None) -> None:
     """Every PNG leanlm writes: a small suptitle (the model and its weights note), tight layout, 110 dpi; the
     figure is closed so long benchmark runs do not accumulate them."""
+    import textwrap
+
     import matplotlib.pyplot as plt
 
-    if title:
-        fig.suptitle(title, fontsize=9)
+    if title:  # wrapped to the figure's width (about 14 characters an inch at 9 pt), or long notes run off it
+        width = max(40, int(fig.get_figwidth() * 14))
+        fig.suptitle("\n".join(textwrap.wrap(title, width)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
