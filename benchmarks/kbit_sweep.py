@@ -55,22 +55,35 @@ def total_bits(model: nn.Module, avg_bits: float | None) -> float:
 
 
 def report(payload: dict) -> str:
-    """Markdown tables of the saved points: perplexity (and bits per weight) by data type x bits at each block size."""
+    """Markdown tables of the saved points by data type x bits at each block size: perplexity (and bits per
+    weight), then the zero-shot average where the block has any."""
     points, out = payload.get("points", {}), []
-    fp32 = payload.get("fp32", {}).get("perplexity")
+    fp32 = payload.get("fp32", {})
+    limit = fp32.get("zero_shot", {}).get("limit")
+
+    def zero_shot_cell(point: dict) -> str:  # a point measured at another limit says so
+        entry = point.get("zero_shot")
+        if entry is None:
+            return "-"
+        return f"{entry['average']:.4f}" + (f" ({entry['limit']} items)" if entry["limit"] != limit else "")
+
+    tables = [("perplexity @ bits per weight", fp32.get("perplexity"), ".3f",
+               lambda p: f"{p['perplexity']:.2f} @ {p['avg_bits']:.2f}"),
+              (f"zero-shot average, {limit} items per task", fp32.get("zero_shot", {}).get("average"), ".4f",
+               zero_shot_cell)]
     for block in BLOCKS:
         chosen = {(p["dtype"], p["bits"]): p for p in points.values() if p["block"] == block}
-        if not chosen:
-            continue
         bits = sorted({b for _, b in chosen})
-        out += [f"block {block}" + (f" (FP32 {fp32:.3f})" if fp32 else "") + ": perplexity @ bits per weight", "",
-                "| data type | " + " | ".join(f"{b}-bit" for b in bits) + " |", "|---" * (len(bits) + 1) + "|"]
-        for dtype in DTYPES:
-            cells = [f"{chosen[dtype, b]['perplexity']:.2f} @ {chosen[dtype, b]['avg_bits']:.2f}"
-                     if (dtype, b) in chosen else "-" for b in bits]
-            if any(c != "-" for c in cells):
-                out.append(f"| {dtype} | " + " | ".join(cells) + " |")
-        out.append("")
+        for title, reference, style, cell in tables:
+            rows = [(dtype, [cell(chosen[dtype, b]) if (dtype, b) in chosen else "-" for b in bits])
+                    for dtype in DTYPES]
+            rows = [(dtype, cells) for dtype, cells in rows if any(c != "-" for c in cells)]
+            if not rows:
+                continue
+            out += [f"block {block}" + (f" (FP32 {reference:{style}})" if reference else "") + f": {title}", "",
+                    "| data type | " + " | ".join(f"{b}-bit" for b in bits) + " |", "|---" * (len(bits) + 1) + "|"]
+            out += [f"| {dtype} | " + " | ".join(cells) + " |" for dtype, cells in rows]
+            out.append("")
     return "\n".join(out)
 
 
