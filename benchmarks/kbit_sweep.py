@@ -32,7 +32,7 @@ from leanlm.methods import KbitConfig, quantize_kbit_  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, iter_quantizable_linears, load_model  # noqa: E402
 from leanlm.nn import KbitLinear  # noqa: E402
 from leanlm.nn.lora import frozen_linear  # noqa: E402
-from leanlm.report import save_figure  # noqa: E402
+from leanlm.report import format_table, save_figure  # noqa: E402
 
 BLOCKS = ("32", "64", "128", "256", "row")
 
@@ -59,7 +59,8 @@ def report(payload: dict) -> str:
     weight), then the zero-shot average where the block has any."""
     points, out = payload.get("points", {}), []
     fp32 = payload.get("fp32", {})
-    limit = fp32.get("zero_shot", {}).get("limit")
+    fp32_zero_shot = fp32.get("zero_shot", {})
+    limit = fp32_zero_shot.get("limit")
 
     def zero_shot_cell(point: dict) -> str:  # a point measured at another limit says so
         entry = point.get("zero_shot")
@@ -69,7 +70,7 @@ def report(payload: dict) -> str:
 
     tables = [("perplexity @ bits per weight", fp32.get("perplexity"), ".3f",
                lambda p: f"{p['perplexity']:.2f} @ {p['avg_bits']:.2f}"),
-              (f"zero-shot average, {limit} items per task", fp32.get("zero_shot", {}).get("average"), ".4f",
+              (f"zero-shot average, {limit} items per task", fp32_zero_shot.get("average"), ".4f",
                zero_shot_cell)]
     for block in BLOCKS:
         chosen = {(p["dtype"], p["bits"]): p for p in points.values() if p["block"] == block}
@@ -81,9 +82,8 @@ def report(payload: dict) -> str:
             if not rows:
                 continue
             out += [f"block {block}" + (f" (FP32 {reference:{style}})" if reference else "") + f": {title}", "",
-                    "| data type | " + " | ".join(f"{b}-bit" for b in bits) + " |", "|---" * (len(bits) + 1) + "|"]
-            out += [f"| {dtype} | " + " | ".join(cells) + " |" for dtype, cells in rows]
-            out.append("")
+                    format_table(["data type", *(f"{b}-bit" for b in bits)], [[dtype, *cells] for dtype, cells in rows],
+                                 markdown=True), ""]
     return "\n".join(out)
 
 

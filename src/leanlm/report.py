@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 
 def format_value(value, digits: int = 3) -> str:
     if value is None:
@@ -26,8 +28,6 @@ def format_table(headers: list[str], rows: list[list], markdown: bool = False) -
 def save_figure(fig, path, title: str | None = None) -> None:
     """Every PNG leanlm writes: a small suptitle (the model and its weights note), tight layout, 110 dpi; the
     figure is closed so long benchmark runs do not accumulate them."""
-    import textwrap
-
     import matplotlib.pyplot as plt
 
     if title:  # wrapped to the figure's width (about 14 characters an inch at 9 pt), or long notes run off it
