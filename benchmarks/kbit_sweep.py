@@ -8,7 +8,8 @@ count the quantized linears at their measured bits and everything else (embeddin
 as the thesis does. Results are written after every configuration; `--resume` skips finished ones.
 
     python benchmarks/kbit_sweep.py --resume                     # first 16384 WikiText-2 tokens per point
-    python benchmarks/kbit_sweep.py --zero-shot-limit 25 --resume   # then zero-shot at block 64, keeping the rest
+    python benchmarks/kbit_sweep.py --zero-shot-limit 10 --resume   # then zero-shot at block 64, keeping the rest
+    python benchmarks/kbit_sweep.py --zero-shot-limit 10 --zero-shot-blocks 32 128 256 row --resume  # other blocks
     python benchmarks/kbit_sweep.py --dtypes nf int --bits 3 4   # a slice
 """
 
@@ -84,6 +85,19 @@ def report(payload: dict) -> str:
             out += [f"block {block}" + (f" (FP32 {reference:{style}})" if reference else "") + f": {title}", "",
                     format_table(["data type", *(f"{b}-bit" for b in bits)], [[dtype, *cells] for dtype, cells in rows],
                                  markdown=True), ""]
+    # Ten items per task make one block's zero-shot cell noisy (one item is 1.7 points); the mean over the block
+    # sizes pools five such measurements per data type and width.
+    pooled = {}
+    for p in points.values():
+        if "zero_shot" in p and p["zero_shot"]["limit"] == limit:
+            pooled.setdefault((p["dtype"], p["bits"]), []).append(p["zero_shot"]["average"])
+    if pooled:
+        bits = sorted({b for _, b in pooled})
+        rows = [[dtype, *(f"{sum(v) / len(v):.4f} ({len(v)})" if (v := pooled.get((dtype, b))) else "-"
+                          for b in bits)] for dtype in DTYPES if any((dtype, b) in pooled for b in bits)]
+        out += [f"mean over block sizes (FP32 {fp32_zero_shot['average']:.4f}): zero-shot average, {limit} items "
+                "per task (number of block sizes)", "",
+                format_table(["data type", *(f"{b}-bit" for b in bits)], rows, markdown=True), ""]
     return "\n".join(out)
 
 
@@ -118,13 +132,14 @@ def main() -> None:
         payload.update({key: previous[key] for key in ("points", "fp32") if key in previous})
 
     def plot(png):
-        fig, axes = plt.subplots(1, 3 if zero_shot else 2, figsize=(19 if zero_shot else 13, 4.5))
-        panels = [("perplexity", "data types (block 64)", lambda p: p["block"] == "64", "dtype"),
-                  ("perplexity", "block sizes (NF)", lambda p: p["dtype"] == "nf", "block")]
-        if zero_shot:
-            panels.append(("zero_shot_average", f"zero-shot (block 64, {args.zero_shot_limit} items per task)",
-                           lambda p: p["block"] == "64", "dtype"))
-        for ax, (metric, title, keep, series) in zip(axes, panels):
+        # Thesis Fig 3.2 (data types at one block size) and Fig 3.3 (block sizes for one data type), for each metric.
+        metrics = ["perplexity"] + (["zero_shot_average"] if zero_shot else [])
+        fig, axes = plt.subplots(len(metrics), 2, figsize=(13, 4.5 * len(metrics)), squeeze=False)
+        panels = [(metric, f"{label}: {view}", keep, series)
+                  for metric, label in zip(metrics, ["perplexity", f"zero-shot ({args.zero_shot_limit} items per task)"])
+                  for view, keep, series in [("data types (block 64)", lambda p: p["block"] == "64", "dtype"),
+                                             ("block sizes (NF)", lambda p: p["dtype"] == "nf", "block")]]
+        for ax, (metric, title, keep, series) in zip(axes.flat, panels):
             for value in (DTYPES if series == "dtype" else BLOCKS):
                 points = sorted((p for p in payload["points"].values()
                                  if keep(p) and p[series] == value and measured(p, metric) is not None),
