@@ -2,15 +2,21 @@
 quantization; plus NF4 forced onto the AVX2 kernel, what a CPU without AVX-512 runs), bitsandbytes
 `Linear4bit` (nf4) and torchao's NF4 tensor, on a 4096 x 4096 linear at M = 1, 16, 64, 512; plus SmolLM2's
 batch-1 decode tokens/s in FP32 and with every block linear in leanlm NF4 + DQ.
-Writes benchmarks/results/kbit_speed.json + .png.
+Then, in a child process, the same linear as a CPU without AVX512-BF16 runs it (the brief's AVX2 machine):
+bitsandbytes with that feature hidden from it (it then de-quantizes and calls FP32 `linear`) beside leanlm's
+AVX2 kernel. Writes benchmarks/results/kbit_speed.json + .png.
 
     python benchmarks/kbit_speed.py
+    python benchmarks/kbit_speed.py --without-avx512bf16   # the child's part alone, printed as JSON
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import subprocess
+import sys
 import time
 import warnings
 
@@ -47,6 +53,28 @@ class TorchaoNF4Linear(nn.Module):
         return linear_nf4(x, self.weight)
 
 
+def hide_avx512bf16_from_bitsandbytes() -> None:
+    """Make bitsandbytes, imported after this, see a CPU without AVX512-BF16: its native library's feature probe
+    answers no, so it registers none of its bf16 CPU kernels and keeps the plain packing, as on an AVX2-only CPU.
+    (Its compiled de-quantization may still use AVX-512 here, which only makes it faster than on such a CPU.)"""
+    if "bitsandbytes" in sys.modules:
+        raise RuntimeError("bitsandbytes is already imported; the feature must be hidden before its first import")
+    import ctypes
+
+    load = ctypes.cdll.LoadLibrary
+
+    class WithoutAvx512Bf16:
+        def __init__(self, library):
+            self._library = library
+
+        def __getattr__(self, name):
+            if name == "has_avx512bf16_cpu":
+                return lambda: False
+            return getattr(self._library, name)
+
+    ctypes.cdll.LoadLibrary = lambda path: WithoutAvx512Bf16(load(path))
+
+
 def bitsandbytes_nf4(linear: nn.Linear) -> nn.Module:
     import bitsandbytes as bnb
 
@@ -56,18 +84,28 @@ def bitsandbytes_nf4(linear: nn.Linear) -> nn.Module:
     return module.to("cpu").eval()  # the move quantizes
 
 
-def bench_linear(repeats: int) -> dict:
+def leanlm_nf4(linear: nn.Linear, double_quant: bool, kernel_isa: str = "auto") -> KbitLinear:
+    module = KbitLinear.from_float(linear.weight, None, "nf", 4, 64, double_quant=double_quant)
+    module.kernel_isa = kernel_isa
+    return module
+
+
+def bench_linear(repeats: int, without_avx512bf16: bool = False) -> dict:
+    """Every implementation on one 4096 x 4096 linear at each M of ROWS. `without_avx512bf16`: the AVX2-only
+    CPU's view (leanlm's AVX2 kernel; bitsandbytes, which must not be imported yet, without its bf16 kernels)."""
+    if without_avx512bf16:
+        hide_avx512bf16_from_bitsandbytes()
     torch.manual_seed(0)
     linear = nn.Linear(4096, 4096, bias=False)
-    modules = {
-        "fp32": linear,
-        "leanlm nf4": KbitLinear.from_float(linear.weight, None, "nf", 4, 64, double_quant=False),
-        "leanlm nf4+dq": KbitLinear.from_float(linear.weight, None, "nf", 4, 64, double_quant=True),
-        "leanlm nf4 avx2": KbitLinear.from_float(linear.weight, None, "nf", 4, 64, double_quant=False),
-        "bitsandbytes nf4": bitsandbytes_nf4(linear),
-        "torchao nf4": TorchaoNF4Linear(linear),
-    }
-    modules["leanlm nf4 avx2"].kernel_isa = "avx2"
+    if without_avx512bf16:
+        modules = {"fp32": linear, "leanlm nf4 avx2": leanlm_nf4(linear, False, "avx2"),
+                   "leanlm nf4+dq avx2": leanlm_nf4(linear, True, "avx2"), "bitsandbytes nf4": bitsandbytes_nf4(linear)}
+        if modules["bitsandbytes nf4"].support_avx512bf16_for_cpu:
+            raise RuntimeError("bitsandbytes still sees AVX512-BF16; the emulation did not take")
+    else:
+        modules = {"fp32": linear, "leanlm nf4": leanlm_nf4(linear, False), "leanlm nf4+dq": leanlm_nf4(linear, True),
+                   "leanlm nf4 avx2": leanlm_nf4(linear, False, "avx2"), "bitsandbytes nf4": bitsandbytes_nf4(linear),
+                   "torchao nf4": TorchaoNF4Linear(linear)}
     results = {"weight_bytes": {name: weight_bytes(m) for name, m in modules.items()}, "kernels": kernel_isas()}
     for m in ROWS:
         x = torch.randn(m, 4096)
@@ -75,12 +113,13 @@ def bench_linear(repeats: int) -> dict:
             exact = linear(x)
         slow = lambda name: name.startswith(("bitsandbytes", "torchao")) and m >= 64  # noqa: E731
         entry = time_modules(modules, x, exact, repeats, slow=slow)
-        for name in ("leanlm nf4", "leanlm nf4+dq", "leanlm nf4 avx2"):
-            entry[name]["speedup_vs_bitsandbytes"] = entry["bitsandbytes nf4"]["median_ms"] / entry[name]["median_ms"]
-            entry[name]["speedup_vs_torchao"] = entry["torchao nf4"]["median_ms"] / entry[name]["median_ms"]
+        for name in (n for n in modules if n.startswith("leanlm")):
+            for peer in ("bitsandbytes", "torchao"):
+                if f"{peer} nf4" in entry:
+                    entry[name][f"speedup_vs_{peer}"] = entry[f"{peer} nf4"]["median_ms"] / entry[name]["median_ms"]
         results[str(m)] = entry
         print(f"M={m}: " + ", ".join(f"{n} {v['median_ms']:.2f} ms ({v['speedup_vs_fp32']:.2f}x)"
-                                     for n, v in entry.items()), flush=True)
+                                     for n, v in entry.items()), file=sys.stderr, flush=True)
     return results
 
 
@@ -114,30 +153,50 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--without-avx512bf16", action="store_true",
+                        help="only the linear as a CPU without AVX512-BF16 runs it; print its results as JSON")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.without_avx512bf16:
+        print(json.dumps(bench_linear(args.repeats, without_avx512bf16=True)))
+        return
     payload = {"linear_4096": bench_linear(args.repeats), "decode": bench_decode(args.model, args.new_tokens),
                "settings": vars(args)}
+    # Its own process: bitsandbytes decides at import which CPU kernels to register.
+    child = subprocess.run([sys.executable, __file__, "--without-avx512bf16", "--repeats", str(args.repeats)],
+                           stdout=subprocess.PIPE, check=True, text=True)
+    payload["linear_4096_without_avx512bf16"] = json.loads(child.stdout)
 
     names = ["fp32", "leanlm nf4", "leanlm nf4+dq", "leanlm nf4 avx2", "bitsandbytes nf4", "torchao nf4"]
     rows = [[m] + [f"{payload['linear_4096'][str(m)][n]['median_ms']:.2f} "
                    f"({payload['linear_4096'][str(m)][n]['speedup_vs_fp32']:.2f}x)" for n in names] for m in ROWS]
     print(format_table(["M", *names], rows, markdown=True))
+    avx2 = payload["linear_4096_without_avx512bf16"]
+    avx2_names = ["fp32", "leanlm nf4 avx2", "leanlm nf4+dq avx2", "bitsandbytes nf4"]
+    print("\nwithout AVX512-BF16 (ms, speed-up over FP32; leanlm's speed-up over bitsandbytes):")
+    print(format_table(["M", *avx2_names, "leanlm nf4+dq / bitsandbytes"],
+                       [[m, *(f"{avx2[str(m)][n]['median_ms']:.2f} ({avx2[str(m)][n]['speedup_vs_fp32']:.2f}x)"
+                              for n in avx2_names),
+                         f"{avx2[str(m)]['leanlm nf4+dq avx2']['speedup_vs_bitsandbytes']:.2f}x"] for m in ROWS],
+                       markdown=True))
 
     def plot(path):
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        for name in names[1:]:
-            ax.plot(ROWS, [payload["linear_4096"][str(m)][name]["speedup_vs_fp32"] for m in ROWS], marker="o",
-                    label=name)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("M (rows)")
-        ax.set_ylabel("speed-up over FP32, 4096x4096 linear")
-        ax.legend(fontsize=8)
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
         decode = payload["decode"]
-        ax.set_title(f"{args.model} decode: fp32 {decode['fp32']['tokens_per_second']:.1f} tok/s, "
-                     f"leanlm nf4+dq {decode['leanlm nf4+dq']['tokens_per_second']:.1f} tok/s", fontsize=9)
+        panels = [(payload["linear_4096"], names, f"this CPU; {args.model} decode: fp32 "
+                   f"{decode['fp32']['tokens_per_second']:.1f} tok/s, leanlm nf4+dq "
+                   f"{decode['leanlm nf4+dq']['tokens_per_second']:.1f} tok/s"),
+                  (avx2, avx2_names, "without AVX512-BF16 (bitsandbytes with the feature hidden)")]
+        for ax, (entries, shown, title) in zip(axes, panels):
+            for name in shown[1:]:
+                ax.plot(ROWS, [entries[str(m)][name]["speedup_vs_fp32"] for m in ROWS], marker="o", label=name)
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("M (rows)")
+            ax.set_ylabel("speed-up over FP32, 4096x4096 linear")
+            ax.legend(fontsize=8)
+            ax.set_title(title, fontsize=9)
         save_figure(fig, path)
 
     print(f"wrote {write_results('kbit_speed', payload, plot)}")
