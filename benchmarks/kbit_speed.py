@@ -148,6 +148,15 @@ def bench_decode(model_name: str, new_tokens: int) -> dict:
     return results
 
 
+def speed_table(entries: dict, names: list[str], ratio_of: str | None = None) -> str:
+    """Markdown: a row per M, "ms (speed-up over FP32)" per implementation; `ratio_of`: one more column, that
+    implementation's speed-up over bitsandbytes."""
+    rows = [[m, *(f"{entries[str(m)][n]['median_ms']:.2f} ({entries[str(m)][n]['speedup_vs_fp32']:.2f}x)"
+                  for n in names)] + ([f"{entries[str(m)][ratio_of]['speedup_vs_bitsandbytes']:.2f}x"] if ratio_of else [])
+            for m in ROWS]
+    return format_table(["M", *names] + ([f"{ratio_of} / bitsandbytes"] if ratio_of else []), rows, markdown=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -168,17 +177,11 @@ def main() -> None:
     payload["linear_4096_without_avx512bf16"] = json.loads(child.stdout)
 
     names = ["fp32", "leanlm nf4", "leanlm nf4+dq", "leanlm nf4 avx2", "bitsandbytes nf4", "torchao nf4"]
-    rows = [[m] + [f"{payload['linear_4096'][str(m)][n]['median_ms']:.2f} "
-                   f"({payload['linear_4096'][str(m)][n]['speedup_vs_fp32']:.2f}x)" for n in names] for m in ROWS]
-    print(format_table(["M", *names], rows, markdown=True))
     avx2 = payload["linear_4096_without_avx512bf16"]
     avx2_names = ["fp32", "leanlm nf4 avx2", "leanlm nf4+dq avx2", "bitsandbytes nf4"]
+    print(speed_table(payload["linear_4096"], names))
     print("\nwithout AVX512-BF16 (ms, speed-up over FP32; leanlm's speed-up over bitsandbytes):")
-    print(format_table(["M", *avx2_names, "leanlm nf4+dq / bitsandbytes"],
-                       [[m, *(f"{avx2[str(m)][n]['median_ms']:.2f} ({avx2[str(m)][n]['speedup_vs_fp32']:.2f}x)"
-                              for n in avx2_names),
-                         f"{avx2[str(m)]['leanlm nf4+dq avx2']['speedup_vs_bitsandbytes']:.2f}x"] for m in ROWS],
-                       markdown=True))
+    print(speed_table(avx2, avx2_names, ratio_of="leanlm nf4+dq avx2"))
 
     def plot(path):
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))

@@ -55,6 +55,14 @@ def total_bits(model: nn.Module, avg_bits: float | None) -> float:
     return linear_params * (avg_bits if avg_bits is not None else 16.0) + other * 16.0
 
 
+def type_by_bits_table(cells: dict[tuple[str, int], str]) -> str:
+    """A markdown table with a row per data type and a column per width, of the (dtype, bits) cells given."""
+    bits = sorted({b for _, b in cells})
+    rows = [[dtype, *(cells.get((dtype, b), "-") for b in bits)]
+            for dtype in DTYPES if any((dtype, b) in cells for b in bits)]
+    return format_table(["data type", *(f"{b}-bit" for b in bits)], rows, markdown=True)
+
+
 def report(payload: dict) -> str:
     """Markdown tables of the saved points by data type x bits at each block size: perplexity (and bits per
     weight), then the zero-shot average where the block has any."""
@@ -64,27 +72,19 @@ def report(payload: dict) -> str:
     limit = fp32_zero_shot.get("limit")
 
     def zero_shot_cell(point: dict) -> str:  # a point measured at another limit says so
-        entry = point.get("zero_shot")
-        if entry is None:
-            return "-"
+        entry = point["zero_shot"]
         return f"{entry['average']:.4f}" + (f" ({entry['limit']} items)" if entry["limit"] != limit else "")
 
-    tables = [("perplexity @ bits per weight", fp32.get("perplexity"), ".3f",
+    tables = [("perplexity @ bits per weight", fp32.get("perplexity"), ".3f", "perplexity",
                lambda p: f"{p['perplexity']:.2f} @ {p['avg_bits']:.2f}"),
-              (f"zero-shot average, {limit} items per task", fp32_zero_shot.get("average"), ".4f",
+              (f"zero-shot average, {limit} items per task", fp32_zero_shot.get("average"), ".4f", "zero_shot",
                zero_shot_cell)]
     for block in BLOCKS:
-        chosen = {(p["dtype"], p["bits"]): p for p in points.values() if p["block"] == block}
-        bits = sorted({b for _, b in chosen})
-        for title, reference, style, cell in tables:
-            rows = [(dtype, [cell(chosen[dtype, b]) if (dtype, b) in chosen else "-" for b in bits])
-                    for dtype in DTYPES]
-            rows = [(dtype, cells) for dtype, cells in rows if any(c != "-" for c in cells)]
-            if not rows:
-                continue
-            out += [f"block {block}" + (f" (FP32 {reference:{style}})" if reference else "") + f": {title}", "",
-                    format_table(["data type", *(f"{b}-bit" for b in bits)], [[dtype, *cells] for dtype, cells in rows],
-                                 markdown=True), ""]
+        for title, reference, style, field, cell in tables:
+            cells = {(p["dtype"], p["bits"]): cell(p) for p in points.values() if p["block"] == block and field in p}
+            if cells:
+                out += [f"block {block}" + (f" (FP32 {reference:{style}})" if reference else "") + f": {title}", "",
+                        type_by_bits_table(cells), ""]
     # Ten items per task make one block's zero-shot cell noisy (one item is 1.7 points); the mean over the block
     # sizes pools five such measurements per data type and width.
     pooled = {}
@@ -92,12 +92,9 @@ def report(payload: dict) -> str:
         if "zero_shot" in p and p["zero_shot"]["limit"] == limit:
             pooled.setdefault((p["dtype"], p["bits"]), []).append(p["zero_shot"]["average"])
     if pooled:
-        bits = sorted({b for _, b in pooled})
-        rows = [[dtype, *(f"{sum(v) / len(v):.4f} ({len(v)})" if (v := pooled.get((dtype, b))) else "-"
-                          for b in bits)] for dtype in DTYPES if any((dtype, b) in pooled for b in bits)]
         out += [f"mean over block sizes (FP32 {fp32_zero_shot['average']:.4f}): zero-shot average, {limit} items "
                 "per task (number of block sizes)", "",
-                format_table(["data type", *(f"{b}-bit" for b in bits)], rows, markdown=True), ""]
+                type_by_bits_table({key: f"{sum(v) / len(v):.4f} ({len(v)})" for key, v in pooled.items()}), ""]
     return "\n".join(out)
 
 
