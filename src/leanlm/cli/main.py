@@ -10,6 +10,7 @@ from pathlib import Path
 
 from leanlm.errors import ConfigError, LeanLMError
 from leanlm.evaluation import ALL_TASKS, EvalSettings
+from leanlm.formats.codebooks import DTYPES
 from leanlm.models import DEFAULT_MODEL
 from leanlm.report import format_table
 
@@ -476,8 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="cushion: quantization-aware prefix-tuning steps after the search (default 0)")
     quantize.add_argument("--cushion-lambda", type=float, default=1e-3,
                           help="cushion: weight of the quantization error in the tuning loss")
-    quantize.add_argument("--dtype", choices=["int", "int_asym", "fp", "nf", "dynamic"],
-                          help="kbit: data type (default nf)")
+    quantize.add_argument("--dtype", choices=DTYPES,
+                          help="kbit: data type (default nf; int is symmetric, int_asym two's complement)")
     quantize.add_argument("--bits", type=int, choices=range(2, 9),
                           help="kbit (3-8), rtn, gptq (default 4), spqr (default 3): bits per weight code")
     quantize.add_argument("--block-size", type=_block_size, help="kbit: values per absmax constant, or 'row' (default 64)")
