@@ -20,9 +20,6 @@ def smollm2_tokenizer(default_checkpoint_dir):
 @pytest.fixture
 def tiny_llama_dir(tmp_path, smollm2_tokenizer):
     """A local HF model directory: a tiny random Llama with SmolLM2's tokenizer (so real text works)."""
-    from tiny import tiny_model
+    from tiny import save_tiny_llama
 
-    model = tiny_model("llama", vocab_size=len(smollm2_tokenizer))
-    model.save_pretrained(tmp_path)
-    smollm2_tokenizer.save_pretrained(tmp_path)
-    return tmp_path
+    return save_tiny_llama(tmp_path, smollm2_tokenizer)

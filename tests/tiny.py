@@ -33,3 +33,10 @@ def tiny_model(model_type: str = "llama", vocab_size: int = 128, layers: int = 2
     torch.manual_seed(seed)
     model = hf.AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size, layers), dtype=torch.float32)
     return model.eval()
+
+
+def save_tiny_llama(directory, tokenizer):
+    """A local HF model directory: a tiny random Llama with `tokenizer` (SmolLM2's, so real text works)."""
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

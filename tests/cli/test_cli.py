@@ -264,3 +264,93 @@ def test_bench_linear_and_model_write_json(tiny_llama_dir, tmp_path):
     model = json.loads((tmp_path / "m.json").read_text())
     assert {"fp32", "nf4 + double quant", "w8a8 O1"} == set(model["variants"])
     assert all(v["decode_ms_per_token"] > 0 for v in model["variants"].values())
+
+
+def _one_line_error(capsys) -> str:
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and error.startswith("leanlm: error: ") and error.count("\n") == 1, error
+    return error
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fails the test if a command loads a model: its input checks must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was refused")
+
+    monkeypatch.setattr("leanlm.models.load_model", refuse)
+
+
+@pytest.mark.parametrize("options, out, message", [
+    (["--method", "kbit"], "/proc/x", "output directory /proc/x cannot be created"),
+    (["--method", "kbit"], "FILE", "is an existing file"),
+    (["--method", "kbit", "--block-size", "7"], "x", "block_size must be a power of two from 16 to 4096"),
+    (["--method", "kbit", "--bits", "2"], "x", "bits must be between 3 and 8"),
+])
+def test_quantize_refuses_bad_input_before_loading_the_model(tmp_path, capsys, no_model_loading, options, out, message):
+    if out == "FILE":
+        out = tmp_path / "file"
+        out.write_text("x")
+    code = main(["quantize", "smollm2-135m", *options, "--out", str(tmp_path / out if out == "x" else out)])
+    assert code == 2 and message in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x00\x01\x02binary\xff", "is not UTF-8 text"),
+    (b"too short\nfor a block\n", "the data fill 0 training and 0 held-out blocks"),
+])
+def test_finetune_refuses_bad_data_before_loading_the_model(tiny_llama_dir, tmp_path, capsys, no_model_loading,
+                                                            content, message):
+    data = tmp_path / "d.txt"
+    data.write_bytes(content)
+    assert main(["finetune", str(tiny_llama_dir), "--data", str(data), "--out", str(tmp_path / "a")]) == 2
+    assert message in _one_line_error(capsys)
+
+
+def test_ctrl_c_in_quantize_says_nothing_was_written(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("leanlm.methods.checkpoint.save_safetensors_from", interrupt)
+    out = tmp_path / "q"
+    assert main(["quantize", str(tiny_llama_dir), "--method", "kbit", "--out", str(out)]) == 130
+    error = capsys.readouterr().err
+    assert "Traceback" not in error
+    assert f"leanlm: interrupted; nothing was written to {out} (the partial output was removed)" in error
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".q", "q"))]
+
+
+def test_ctrl_c_in_finetune_names_the_saved_step_and_resume(tiny_llama_dir, tmp_path):
+    """A real SIGINT to a running `leanlm finetune`: exit 130, one line naming the checkpoint's step and --resume."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from leanlm.data import plain_text
+
+    data = tmp_path / "train.txt"
+    data.write_text("\n".join(plain_text("lambada-dev").splitlines()[:150]) + "\n")
+    out = tmp_path / "adapter"
+    process = subprocess.Popen([sys.executable, "-m", "leanlm.cli.main", *_finetune_argv(tiny_llama_dir, data, out)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    state = out / "checkpoint" / "trainer_state.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None and not state.is_file():
+        time.sleep(0.02)
+    assert process.poll() is None, "training ended before it could be interrupted"
+    process.send_signal(signal.SIGINT)
+    _, error = process.communicate(timeout=60)
+    step = json.loads(state.read_text())["step"]
+    assert process.returncode == 130 and "Traceback" not in error
+    assert f"leanlm: interrupted; the checkpoint of step {step} is in {out}; add --resume" in error
+
+
+def test_an_unexpected_failure_is_one_line_not_a_traceback(tiny_llama_dir, capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise IndexError("index 3 is out of bounds")
+
+    monkeypatch.setattr("leanlm.evaluation.evaluate", broken)
+    assert main(["eval", str(tiny_llama_dir)]) == 1
+    error = capsys.readouterr().err
+    assert "\nleanlm: internal error: IndexError: index 3 is out of bounds (a bug" in error and "Traceback" not in error

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from leanlm.errors import CorruptModelError
+from leanlm.errors import CorruptModelError, LeanLMError
 from leanlm.methods import (
     QUANT_FILE,
     SmoothQuantConfig,
@@ -50,3 +50,146 @@ def test_damaged_record_is_named(quantized_dir):
     (out / QUANT_FILE).write_text(json.dumps(record))
     with pytest.raises(CorruptModelError, match="unknown module class 'Int3Linear'"):
         load_quantized(out)
+
+
+def _edit_record(out, edit):
+    record = json.loads((out / QUANT_FILE).read_text())
+    (out / QUANT_FILE).write_text(json.dumps(edit(record)))
+
+
+def _first_linear(record):
+    return next(entry for entry in record["modules"].values() if entry["class"] == "W8A8Linear")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: [r], "holds a JSON list; a checkpoint record is an object"),
+    (lambda r: {**r, "method": "awq"}, "method 'awq' is not a leanlm method"),
+    (lambda r: {**r, "level": "O4"}, "level 'O4' is not one of O1, O2, O3"),
+    (lambda r: {**r, "modules": []}, "'modules' must be an object"),
+    (lambda r: (_first_linear(r)["args"].update(colour="red"), r)[1], "unexpected keyword argument 'colour'"),
+    (lambda r: (_first_linear(r)["args"].update(in_features=7), r)[1], "does not replace a linear of that shape"),
+    (lambda r: (_first_linear(r)["args"].update(bias=True), r)[1], "does not match its leanlm_quant.json"),
+    (lambda r: {**r, "modules": {"model.nowhere.q_proj": _first_linear(r)}}, "has no module 'model.nowhere'"),
+])
+def test_every_damaged_record_is_named_before_anything_is_allocated(quantized_dir, edit, message):
+    out, _ = quantized_dir
+    _edit_record(out, edit)
+    with pytest.raises(CorruptModelError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_any(out)
+
+
+def test_a_record_with_absurd_sizes_allocates_nothing(quantized_dir):
+    """Module args are checked on the meta device, so a record asking for a terabyte fails in a moment."""
+    out, _ = quantized_dir
+    _edit_record(out, lambda r: (_first_linear(r)["args"].update(in_features=10**6, out_features=10**6), r)[1])
+    with pytest.raises(CorruptModelError, match="does not replace a linear of that shape"):
+        load_any(out)
+
+
+def test_tensors_without_their_record_are_refused_not_read_as_float(quantized_dir):
+    out, _ = quantized_dir
+    (out / QUANT_FILE).unlink()
+    with pytest.raises(CorruptModelError, match="holds leanlm quantized weights .* no leanlm_quant.json, so it was "
+                                                "not written completely"):
+        load_any(out)
+
+
+def test_a_checkpoint_without_config_is_named(quantized_dir):
+    out, _ = quantized_dir
+    (out / "config.json").unlink()
+    with pytest.raises(LeanLMError, match="has no config.json"):
+        load_any(out)
+
+
+def test_a_quantized_checkpoint_is_not_taken_for_a_float_model(quantized_dir):
+    out, _ = quantized_dir
+    with pytest.raises(CorruptModelError, match="is a quantized checkpoint: this needs a float model"):
+        load_model(out)
+
+
+def test_a_float_directory_missing_tensors_is_refused(tiny_llama_dir):
+    from safetensors.torch import load_file, save_file
+
+    weights = tiny_llama_dir / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(CorruptModelError, match="lack 1 of the model's tensors .model.layers.1.mlp.down_proj"):
+        load_model(tiny_llama_dir)
+
+
+_KILLING_QUANTIZE = """
+import os, signal, sys
+from contextlib import contextmanager
+import pathlib, transformers
+import leanlm.methods.checkpoint as checkpoint
+from leanlm.cli.main import main
+
+kill_at, argv = int(sys.argv[1]), sys.argv[2:]
+armed, calls = [False], [0]
+
+def killing(write):
+    def wrapper(*args, **kwargs):
+        if armed[0]:
+            calls[0] += 1
+            if calls[0] == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return write(*args, **kwargs)
+    return wrapper
+
+staged = checkpoint.staged_directory
+@contextmanager
+def arming(out):
+    with staged(out) as staging:
+        armed[0] = True
+        yield staging
+        calls[0] += 1  # the step that publishes the directory
+        if calls[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+checkpoint.staged_directory = arming
+checkpoint.save_safetensors_from = killing(checkpoint.save_safetensors_from)
+transformers.PretrainedConfig.save_pretrained = killing(transformers.PretrainedConfig.save_pretrained)
+transformers.PreTrainedTokenizerBase.save_pretrained = killing(transformers.PreTrainedTokenizerBase.save_pretrained)
+pathlib.Path.write_text = killing(pathlib.Path.write_text)
+sys.exit(main(argv))
+"""
+
+
+def test_a_quantize_killed_at_any_write_never_leaves_a_loadable_half_checkpoint(tiny_llama_dir, tmp_path, capsys):
+    """SIGKILL before each write step of `leanlm quantize` in turn (config, tokenizer, weights, record, publish):
+    the output directory either does not exist or is whole, and a half-written staging directory is refused."""
+    import subprocess
+    import sys
+
+    from leanlm.cli.main import main
+
+    out = tmp_path / "q"
+    argv = ["quantize", str(tiny_llama_dir), "--method", "kbit", "--bits", "4", "--out", str(out)]
+    eval_argv = ["--tasks", "wikitext2", "--max-tokens", "128", "--seq-len", "64", "--json"]
+    outcomes = []
+    for kill_at in range(1, 20):
+        run = subprocess.run([sys.executable, "-c", _KILLING_QUANTIZE, str(kill_at), *argv],
+                             capture_output=True, text=True, timeout=300)
+        if run.returncode == 0:
+            break
+        assert run.returncode == -9, run.stderr[-2000:]
+        assert not out.exists()
+        staging = [p for p in tmp_path.iterdir() if p.name.startswith(".q.partial-")]
+        assert len(staging) == 1
+        code = main(["eval", str(staging[0]), *eval_argv, str(tmp_path / f"{kill_at}.json")])
+        error = capsys.readouterr().err
+        assert "Traceback" not in error
+        outcomes.append(code)
+        if code != 0:
+            assert code == 2 and error.startswith("leanlm: error: ") and error.count("\n") == 1
+    assert kill_at >= 5, "fewer write steps than config, tokenizer, weights, record and publish"
+    # The last killed run had written everything but the rename: its staging directory is whole and loads; every
+    # earlier one is refused with a reason.
+    assert outcomes[:-1] == [2] * (len(outcomes) - 1) and outcomes[-1] == 0
+    assert main(["eval", str(out), *eval_argv, str(tmp_path / "whole.json")]) == 0
+    whole = json.loads((tmp_path / "whole.json").read_text())["results"]["wikitext2"]["perplexity"]
+    last = json.loads((tmp_path / f"{kill_at - 1}.json").read_text())["results"]["wikitext2"]["perplexity"]
+    assert last == whole
+    # The finished run removed the staging directories of the killed ones.
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

@@ -46,7 +46,7 @@ def test_corrupt_gguf_is_named(tmp_path, monkeypatch):
 def test_corrupt_weights_are_named(tiny_llama_dir):
     weights = tiny_llama_dir / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    with pytest.raises(CorruptModelError, match="cannot be loaded"):
+    with pytest.raises(CorruptModelError, match="model.safetensors is not a readable safetensors file"):
         load_model(tiny_llama_dir)
 
 

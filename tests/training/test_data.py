@@ -1,6 +1,8 @@
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from leanlm.errors import DataError
 from leanlm.training import pack_blocks, read_documents, split_documents
@@ -46,3 +48,51 @@ def test_split_is_seeded_and_blocks_are_packed(smollm2_tokenizer):
     blocks = pack_blocks(smollm2_tokenizer, train, 16)
     total = sum(len(document_ids(smollm2_tokenizer, d)) for d in train)
     assert blocks.shape == (total // 16, 16)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "is not UTF-8 text (invalid byte at offset 0)"),
+    (b"text\x00with a NUL\n", "holds NUL bytes"),
+    ("caf\u00e9 au lait\n".encode("latin-1"), "is not UTF-8 text (invalid byte at offset 3)"),
+])
+def test_binary_or_non_utf8_data_is_named(tmp_path, content, message):
+    path = tmp_path / "d.txt"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_documents(path)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=400) | st.lists(st.text(max_size=40), max_size=6).map(
+    lambda lines: "\n".join(lines).encode()), suffix=st.sampled_from([".txt", ".jsonl"]))
+def test_any_bytes_read_or_are_refused(tmp_path, data, suffix):
+    path = tmp_path / f"d{suffix}"
+    path.write_bytes(data)
+    try:
+        documents = read_documents(path)
+    except DataError:
+        return
+    assert documents and all(isinstance(d, (str, list)) for d in documents)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(
+        st.sampled_from(["text", "messages", "role", "content", "instruction", "input", "output", "x"]), children,
+        max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(records=st.lists(json_values, min_size=1, max_size=4))
+def test_any_jsonl_records_render_or_are_refused(tmp_path, smollm2_tokenizer, records):
+    """Whatever JSON a line holds, it is refused with a DataError or becomes a document the tokenizer renders."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    try:
+        documents = read_documents(path)
+    except DataError:
+        return
+    for document in documents:
+        assert document_ids(smollm2_tokenizer, document)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from leanlm.evaluation import ALL_TASKS, EvalSettings
 from leanlm.formats.codebooks import DTYPES
 from leanlm.models import DEFAULT_MODEL
 from leanlm.report import format_table
+from leanlm.storage import check_output_directory, staged_directory
 
 
 def _whole_number(text: str, minimum: int, meaning: str) -> int:
@@ -197,8 +199,6 @@ def command_quantize(args) -> None:
     from leanlm.methods import CalibrationSettings, KbitConfig, quantize_kbit_, quantize_loaded_w8a8_, save_quantized
     from leanlm.models import load_model
 
-    if args.out.exists() and any(args.out.iterdir()):
-        raise ConfigError(f"--out {args.out} exists and is not empty; choose a new directory")
     if not args.act_order and args.method not in ("gptq", "spqr"):
         raise ConfigError("--no-act-order applies to --method gptq and spqr (the others have no column order)")
     kbit_options = [args.dtype, args.block_size, args.exponent_bits, args.proxy_fraction]
@@ -219,6 +219,7 @@ def command_quantize(args) -> None:
         if args.base is not None:
             raise ConfigError("--base applies to --method cushion")
         config = _int8_config(args, args.method)
+    check_output_directory(args.out)
     loaded = load_model(args.model)
     started = time.perf_counter()
     if args.method == "kbit":
@@ -247,13 +248,6 @@ def command_quantize(args) -> None:
         record, cushion = quantize_with_cushion_(loaded.model, loaded.tokenizer, config, cushion_config, calibration,
                                                  search_alpha=args.alpha == "auto")
         record["method"] = f"cushion+{record['method']}"
-        if cushion_config.tune_steps:
-            from leanlm.report import plot_training_curves
-
-            args.out.mkdir(parents=True, exist_ok=True)
-            curve = cushion.record["tuning"]["curve"]
-            plot_training_curves({name: [point[name] for point in curve] for name in curve[0]},
-                                 args.out / "cushion_tuning.png", f"{args.model}: CushionCache prefix tuning")
         summary = (f"cushion {cushion.record['text']!r} ({cushion.length} tokens, search "
                    f"{cushion.record['search_seconds']:.0f} s) + {record['method']} {record['level']}")
     else:
@@ -266,6 +260,12 @@ def command_quantize(args) -> None:
                    + (f", alpha {alpha}" if alpha is not None else ""))
     record["quantize_seconds"] = time.perf_counter() - started
     out = save_quantized(loaded, loaded.model, record, args.out)
+    curve = record.get("cushion", {}).get("tuning", {}).get("curve")
+    if curve:  # an illustration beside the finished checkpoint, which does not need it
+        from leanlm.report import plot_training_curves
+
+        plot_training_curves({name: [point[name] for point in curve] for name in curve[0]},
+                             out / "cushion_tuning.png", f"{args.model}: CushionCache prefix tuning")
     print(f"wrote {out} ({summary}) in {record['quantize_seconds']:.0f} s")
 
 
@@ -349,8 +349,9 @@ def command_finetune(args) -> None:
     import torch
 
     from leanlm.methods import LoRAConfig, add_lora_
-    from leanlm.models import load_model
-    from leanlm.training import FinetuneSettings, finetune, read_documents
+    from leanlm.models import load_model, load_tokenizer
+    from leanlm.storage import writable_directory
+    from leanlm.training import FinetuneSettings, finetune, read_documents, training_blocks
 
     if args.method == "lora" and args.base not in (None, "float"):
         raise ConfigError(f"--method lora trains over a float base; use --method qlora for --base {args.base}")
@@ -361,6 +362,10 @@ def command_finetune(args) -> None:
         held_out_fraction=args.held_out, save_every=args.save_every, seed=args.seed,
         gradient_checkpointing=args.gradient_checkpointing, optimizer_bits=args.optimizer_bits)
     documents = read_documents(args.data)
+    writable_directory(args.out)
+    # Data too short for one block fails here, in seconds, not after the model has loaded.
+    training_blocks(load_tokenizer(args.model), documents, settings.seq_len, settings.held_out_fraction, settings.seed,
+                    settings.max_eval_blocks)
     loaded = load_model(args.model)
     torch.manual_seed(args.seed)
     setup = add_lora_(loaded.model, lora)
@@ -383,14 +388,16 @@ def command_merge(args) -> None:
     from leanlm.models import load_model
 
     lora = read_adapter_config(args.adapter)
+    check_output_directory(args.out)
     loaded = load_model(args.model)
     add_lora_(loaded.model, lora)
     load_adapters_(loaded.model, args.adapter)
     requantize = LORA_BASES[args.requantize] if args.requantize else None
     record = merge_lora_(loaded.model, requantize)
     if requantize is None:
-        loaded.model.save_pretrained(args.out)
-        loaded.tokenizer.save_pretrained(args.out)
+        with staged_directory(args.out) as staging:
+            loaded.model.save_pretrained(staging)
+            loaded.tokenizer.save_pretrained(staging)
     else:
         save_quantized(loaded, loaded.model, {"method": "kbit", **record, "lora_base": lora.base}, args.out)
         print(f"re-quantized to {args.requantize}: relative weight error {record['requantization_relative_error']:.5f}")
@@ -520,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--calib-seq-len", type=_positive_int, default=512)
     quantize.add_argument("--seed", type=int, default=0)
     quantize.add_argument("--out", type=Path, required=True, help="directory for the checkpoint")
-    quantize.set_defaults(handler=command_quantize)
+    quantize.set_defaults(handler=command_quantize, interrupted=_nothing_written)
 
     analyze = commands.add_parser("analyze", help="activation outlier features (LLM.int8() section 2.3)")
     analyze.add_argument("model", help="registry name, model directory or .gguf file")
@@ -587,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="AdamW moment storage: block-wise 8-bit (default) or float32")
     finetune.add_argument("--seed", type=int, default=0)
     finetune.add_argument("--json", type=Path, help="write the results as one JSON object to this path")
-    finetune.set_defaults(handler=command_finetune)
+    finetune.set_defaults(handler=command_finetune, interrupted=_finetune_interrupted)
 
     merge = commands.add_parser("merge", help="fold LoRA adapters into the de-quantized base weights")
     merge.add_argument("model", help="the base the adapter was trained on (registry name, directory, .gguf)")
@@ -595,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--out", type=Path, required=True, help="directory for the merged model")
     merge.add_argument("--requantize", choices=["nf4-dq", "nf4", "fp4", "int4"],
                        help="re-quantize the merged weights (reports the error it adds); default: float32")
-    merge.set_defaults(handler=command_merge)
+    merge.set_defaults(handler=command_merge, interrupted=_nothing_written)
 
     bench = commands.add_parser("bench", help="quick side-by-side measurements (the full studies are the scripts "
                                 "in benchmarks/)")
@@ -632,14 +639,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _nothing_written(args) -> str:
+    return f"nothing was written to {args.out} (the partial output was removed); run the same command to start again"
+
+
+def _finetune_interrupted(args) -> str:
+    from leanlm.training.finetune import last_checkpoint_step
+
+    step = last_checkpoint_step(args.out)
+    if step is None:
+        return (f"no checkpoint was written yet (one every --save-every {args.save_every} steps); run the same "
+                "command to start again")
+    return f"the checkpoint of step {step} is in {args.out}; add --resume to the same command to continue from it"
+
+
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="leanlm: %(message)s")
     args = build_parser().parse_args(argv)
     try:
         args.handler(args)
     except LeanLMError as error:
-        print(f"leanlm: error: {error}", file=sys.stderr)
+        # One line, whatever a library below put into the message.
+        print(f"leanlm: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        where = getattr(args, "interrupted", None)
+        print(f"\nleanlm: interrupted" + (f"; {where(args)}" if where else ""), file=sys.stderr)
+        return INTERRUPTED
+    except OSError as error:  # the disk filled up, a file vanished, a path became unreadable mid-run
+        print(f"leanlm: error: {error.strerror or error}" + (f": {error.filename}" if error.filename else ""),
+              file=sys.stderr)
+        return 1
+    except Exception as error:  # a bug: one line for the user, the traceback on request
+        if os.environ.get("LEANLM_TRACEBACK"):
+            raise
+        print(f"leanlm: internal error: {type(error).__name__}: {error} (a bug in leanlm; run again with "
+              "LEANLM_TRACEBACK=1 to see where)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,7 +1,11 @@
 """Quantized checkpoints: safetensors weights + the model's config and tokenizer + `leanlm_quant.json`, which
 records the method, its settings and every replaced module, so that loading rebuilds the exact structure and
 then reads the tensors (no pickle anywhere). A model with a CushionCache attached also gets `cushion.safetensors`
-(its per-layer keys and values), re-attached on load."""
+(its per-layer keys and values), re-attached on load.
+
+A checkpoint directory appears only when complete (`leanlm.storage.staged_directory`), and loading checks the
+record against the weights file before allocating anything: every module it names must replace a module of the
+same shape, and the file must hold exactly the tensors those modules have, with their shapes and types."""
 
 from __future__ import annotations
 
@@ -10,37 +14,36 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model as load_safetensors_into
 from safetensors.torch import save_model as save_safetensors_from
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from leanlm.errors import CorruptModelError, ModelNotFoundError
+from leanlm.methods.gptq import METHODS as GPTQ_METHODS
 from leanlm.methods.cushion import attach_cushion, attached_cushion, load_cushion, save_cushion
-from leanlm.methods.w8a8 import share_input_gemms_
+from leanlm.methods.w8a8 import INT8_METHODS, LEVELS, share_input_gemms_
 from leanlm.models.architectures import architecture_for
-from leanlm.models.loading import LoadedModel, load_model
+from leanlm.models.loading import LoadedModel, load_model, read_model_config, read_tokenizer
 from leanlm.nn import ATTENTION_NAME, QUANTIZED_MODULES
+from leanlm.storage import QUANT_FILE, QUANTIZED_MARKER, staged_directory
 
-QUANT_FILE = "leanlm_quant.json"
 WEIGHTS_FILE = "model.safetensors"
+# Every method a checkpoint's record may name; CushionCache runs on top of one of the int8 recipes.
+CHECKPOINT_METHODS = (*INT8_METHODS, "kbit", *GPTQ_METHODS, *(f"cushion+{method}" for method in INT8_METHODS))
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+                       torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 def save_quantized(loaded: LoadedModel, model: nn.Module, record: dict, out_dir: str | os.PathLike) -> Path:
-    """Write `model` (quantized from `loaded`) with `record` (method and settings) to `out_dir`."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    """Write `model` (quantized from `loaded`) with `record` (method and settings) to `out_dir`, which appears
+    only once every file is written."""
     modules = {
         name: {"class": type(module).__name__, "args": module.constructor_args()}
         for name, module in model.named_modules()
         if type(module).__name__ in QUANTIZED_MODULES
     }
-    model.config.save_pretrained(out)
-    loaded.tokenizer.save_pretrained(out)
-    save_safetensors_from(model, str(out / WEIGHTS_FILE))
-    cushion = attached_cushion(model)
-    if cushion is not None:
-        save_cushion(cushion, out)
     quant = {
         **record,
         "source_model": loaded.name,
@@ -48,43 +51,127 @@ def save_quantized(loaded: LoadedModel, model: nn.Module, record: dict, out_dir:
         "attn_implementation": model.config._attn_implementation,
         "modules": modules,
     }
-    (out / QUANT_FILE).write_text(json.dumps(quant, indent=2) + "\n")
-    return out
+    with staged_directory(out_dir) as staging:
+        model.config.save_pretrained(staging)
+        loaded.tokenizer.save_pretrained(staging)
+        save_safetensors_from(model, str(staging / WEIGHTS_FILE), metadata={"format": "pt", QUANTIZED_MARKER: "1"})
+        cushion = attached_cushion(model)
+        if cushion is not None:
+            save_cushion(cushion, staging)
+        (staging / QUANT_FILE).write_text(json.dumps(quant, indent=2) + "\n")
+    return Path(out_dir)
 
 
 def is_quantized_checkpoint(source: str | os.PathLike) -> bool:
     return (Path(source) / QUANT_FILE).is_file()
 
 
+def read_record(directory: str | os.PathLike) -> dict:
+    """A checkpoint's `leanlm_quant.json`, checked: an object naming a known method (and level) and the modules
+    to rebuild as {name: {"class", "args"}}."""
+    path = Path(directory) / QUANT_FILE
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise CorruptModelError(f"{path} cannot be read: {error}") from None
+    if not isinstance(record, dict):
+        raise CorruptModelError(f"{path} holds a JSON {type(record).__name__}; a checkpoint record is an object")
+    if record.get("method") not in CHECKPOINT_METHODS:
+        raise CorruptModelError(f"{path}: method {record.get('method')!r} is not a leanlm method "
+                                f"({', '.join(CHECKPOINT_METHODS)})")
+    if "level" in record and record["level"] not in LEVELS:
+        raise CorruptModelError(f"{path}: level {record['level']!r} is not one of {', '.join(LEVELS)}")
+    modules = record.get("modules")
+    if not isinstance(modules, dict):
+        raise CorruptModelError(f"{path}: 'modules' must be an object mapping module names to their class and args")
+    for name, entry in modules.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("args"), dict):
+            raise CorruptModelError(f"{path}: module {name} must be {{'class': ..., 'args': {{...}}}}, got {entry!r:.80}")
+        if entry.get("class") not in QUANTIZED_MODULES:
+            raise CorruptModelError(f"{path}: unknown module class {entry.get('class')!r} at {name} (leanlm's are "
+                                    f"{', '.join(QUANTIZED_MODULES)})")
+    return record
+
+
+def _rebuilt_modules(model: nn.Module, modules: dict, source: Path) -> dict[str, nn.Module]:
+    """The quantized modules the record names, built empty on the meta device (no memory, whatever the args
+    say), each checked to replace a module of its own shape."""
+    rebuilt = {}
+    for name, entry in modules.items():
+        try:
+            with torch.device("meta"):
+                module = QUANTIZED_MODULES[entry["class"]](**entry["args"])
+        except Exception as error:  # a constructor rejects bad args with TypeError, ValueError or ConfigError
+            raise CorruptModelError(f"{source}: module {name} cannot be rebuilt from {entry['args']}: {error}") from None
+        parent_name, _, leaf = name.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name)
+        except AttributeError:
+            raise CorruptModelError(f"{source}: the model has no module {parent_name!r} (for {name})") from None
+        replaced = getattr(parent, leaf, None)
+        expected = getattr(replaced, "weight", None)
+        if hasattr(module, "in_features") and (expected is None or expected.shape not in (
+                (module.out_features, module.in_features), (module.in_features, module.out_features))):
+            raise CorruptModelError(f"{source}: module {name} ({module.out_features} x {module.in_features}) does "
+                                    f"not replace a linear of that shape in this model")
+        rebuilt[name] = module
+    return rebuilt
+
+
+def _check_weights_file(path: Path, model: nn.Module) -> None:
+    """The file must hold exactly the tensors of `model` (a meta-device skeleton), with their shapes and types;
+    checked on the header, before anything is read into memory."""
+    expected = model.state_dict()
+    try:
+        with safe_open(str(path), "pt") as handle:
+            found = {name: handle.get_slice(name) for name in handle.keys()}
+            problems = [f"{name}: {s.get_dtype()} {s.get_shape()}, expected {_SAFETENSORS_DTYPES.get(t.dtype)} "
+                        f"{list(t.shape)}" for name, s in found.items() if name in expected
+                        for t in [expected[name]]
+                        if s.get_shape() != list(t.shape) or s.get_dtype() != _SAFETENSORS_DTYPES.get(t.dtype)]
+    except (SafetensorError, OSError, ValueError) as error:
+        raise CorruptModelError(f"{path} is not a readable safetensors file: {error}") from None
+    unexpected = sorted(set(found) - set(expected))
+    # Tied weights are stored once (safetensors drops the duplicate name): a name is not missing when a tensor
+    # it is tied to is there.
+    present = {id(tensor) for name, tensor in model.state_dict(keep_vars=True).items() if name in found}
+    missing = sorted(name for name, tensor in model.state_dict(keep_vars=True).items() if id(tensor) not in present)
+    if problems or unexpected or missing:
+        detail = (problems[:2] + [f"unexpected {name}" for name in unexpected[:2]]
+                  + [f"missing {name}" for name in missing[:2]])
+        raise CorruptModelError(f"{path} does not match its {QUANT_FILE}: {'; '.join(detail)}")
+
+
 def load_quantized(directory: str | os.PathLike) -> tuple[LoadedModel, dict]:
     """(the rebuilt model, its leanlm_quant.json record)."""
     directory = Path(directory)
-    try:
-        record = json.loads((directory / QUANT_FILE).read_text())
-        modules = record["modules"]
-    except (OSError, ValueError, KeyError) as error:
-        raise CorruptModelError(f"{directory / QUANT_FILE} cannot be read: {error}") from error
-    if not (directory / WEIGHTS_FILE).is_file():
+    record = read_record(directory)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
         raise ModelNotFoundError(f"{directory} has {QUANT_FILE} but no {WEIGHTS_FILE}")
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    config = read_model_config(directory, quantized=True)
     table = architecture_for(config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    rebuilt = _rebuilt_modules(skeleton, record["modules"], directory / QUANT_FILE)
+    for name, module in rebuilt.items():
+        skeleton.set_submodule(name, module, strict=False)
+    _check_weights_file(weights, skeleton)
+    del skeleton, rebuilt
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    for name, entry in modules.items():
-        module_class = QUANTIZED_MODULES.get(entry.get("class"))
-        if module_class is None:
-            raise CorruptModelError(f"{directory / QUANT_FILE}: unknown module class {entry.get('class')!r} at {name}")
-        model.set_submodule(name, module_class(**entry["args"]), strict=False)
+    for name, entry in record["modules"].items():
+        model.set_submodule(name, QUANTIZED_MODULES[entry["class"]](**entry["args"]), strict=False)
     try:
-        load_safetensors_into(model, str(directory / WEIGHTS_FILE), strict=True)
+        load_safetensors_into(model, str(weights), strict=True)
     except Exception as error:  # safetensors raises its own error types for damaged files
-        raise CorruptModelError(f"the weights in {directory / WEIGHTS_FILE} cannot be loaded: {error}") from error
+        raise CorruptModelError(f"the weights in {weights} cannot be loaded: {error}") from None
     share_input_gemms_(model)  # derived, like fbgemm's packed weights: rebuilt, not saved
     if record.get("cushion"):
         attach_cushion(model, load_cushion(directory))
     if record.get("attn_implementation") == ATTENTION_NAME:
         model.config._attn_implementation = ATTENTION_NAME
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tokenizer = read_tokenizer(directory)
     name = str(directory)
     return LoadedModel(model, tokenizer, name, directory, table, record.get("weights_note")), record
 

@@ -21,6 +21,9 @@ from leanlm.models.architectures import (
 from leanlm.nn import KbitLinear
 
 
+BLOCK_SIZES = tuple(2**power for power in range(4, 13))  # 16 .. 4096, bitsandbytes' range
+
+
 @dataclass(frozen=True)
 class KbitConfig:
     dtype: str = "nf"  # int, int_asym, fp, nf, dynamic
@@ -35,8 +38,10 @@ class KbitConfig:
             raise ConfigError(f"unknown data type {self.dtype!r}; choose from {', '.join(DTYPES)}")
         if not 3 <= self.bits <= 8:
             raise ConfigError(f"bits must be between 3 and 8, got {self.bits}")
-        if self.block_size is not None and self.block_size < 2:
-            raise ConfigError(f"block size must be at least 2, got {self.block_size}")
+        if self.block_size is not None and self.block_size not in BLOCK_SIZES:
+            # Each block stores a 32-bit absmax: a block of 7 would cost 4.6 bits per weight on top of the codes.
+            raise ConfigError(f"block_size must be a power of two from {BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]} "
+                              f"(or None: one block per row), got {self.block_size}")
         if not 0.0 <= self.proxy_fraction < 1.0:
             raise ConfigError(f"proxy fraction must be in [0, 1), got {self.proxy_fraction}")
 

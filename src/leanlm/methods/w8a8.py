@@ -34,6 +34,7 @@ LEVELS: dict[str, tuple[str, bool]] = {  # level -> (activation granularity, sta
     "O2": ("per_tensor", False),
     "O3": ("per_tensor", True),
 }
+INT8_METHODS = ("w8a8", "smoothquant", "llm-int8")  # the names `W8A8Config.method` gives
 ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
@@ -60,9 +61,10 @@ class W8A8Config:
 
     @property
     def method(self) -> str:
+        naive, smoothed, decomposed = INT8_METHODS
         if self.outlier_threshold is not None:
-            return "llm-int8"
-        return "w8a8" if self.smoothquant is None else "smoothquant"
+            return decomposed
+        return naive if self.smoothquant is None else smoothed
 
     def as_record(self) -> dict:
         return asdict(self)

@@ -10,7 +10,7 @@ from leanlm.models.architectures import (
     iter_quantizable_linears,
     supported_model_types,
 )
-from leanlm.models.loading import LoadedModel, cache_root, load_model
+from leanlm.models.loading import LoadedModel, cache_root, load_model, load_tokenizer
 from leanlm.models.registry import DEFAULT_MODEL, REGISTRY, RegisteredModel
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "LoadedModel",
     "cache_root",
     "load_model",
+    "load_tokenizer",
     "DEFAULT_MODEL",
     "REGISTRY",
     "RegisteredModel",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from leanlm.checksums import sha256_of
 from leanlm.errors import CorruptModelError, ModelNotFoundError, UnsupportedArchitectureError
 from leanlm.models.architectures import ArchitectureTable, architecture_for
 from leanlm.models.registry import REGISTRY, gguf_path_of
+from leanlm.storage import QUANT_FILE, quantized_weights_file, staged_directory
 
 log = logging.getLogger(__name__)
 
@@ -40,46 +40,86 @@ def cache_root() -> Path:
 
 def load_model(source: str | os.PathLike, *, attn_implementation: str = "sdpa") -> LoadedModel:
     """Load `source` (registry name, HF directory or .gguf file) in float32, in eval mode."""
+    directory, weights_note = resolve_float_directory(source)
+    model, tokenizer = _load_hf_directory(directory, attn_implementation)
+    return LoadedModel(model, tokenizer, str(source), directory, architecture_for(model), weights_note)
+
+
+def resolve_float_directory(source: str | os.PathLike) -> tuple[Path, str | None]:
+    """(the Hugging Face directory holding `source`'s float weights, converting a GGUF on first use, and what
+    those weights really are where that matters)."""
     source_str = str(source)
-    weights_note = None
     if source_str in REGISTRY:
         registered = REGISTRY[source_str]
         gguf = gguf_path_of(registered, cache_root() / "gguf")
-        directory = _cached_float_checkpoint(gguf, expected_sha256=registered.sha256)
-        weights_note = registered.weights_note
-    else:
-        path = Path(source_str).expanduser()
-        if path.is_file() and path.suffix == ".gguf":
-            directory = _cached_float_checkpoint(path, expected_sha256=None)
-        elif path.is_dir():
-            directory = path
-        else:
-            raise ModelNotFoundError(
-                f"{source_str!r} is neither a registered model ({', '.join(sorted(REGISTRY))}), "
-                "a local model directory, nor a .gguf file"
-            )
-    model, tokenizer = _load_hf_directory(directory, attn_implementation)
-    return LoadedModel(model, tokenizer, source_str, directory, architecture_for(model), weights_note)
+        return _cached_float_checkpoint(gguf, expected_sha256=registered.sha256), registered.weights_note
+    path = Path(source_str).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _cached_float_checkpoint(path, expected_sha256=None), None
+    if path.is_dir():
+        return path, None
+    raise ModelNotFoundError(
+        f"{source_str!r} is neither a registered model ({', '.join(sorted(REGISTRY))}), "
+        "a local model directory, nor a .gguf file"
+    )
 
 
-def _load_hf_directory(directory: Path, attn_implementation: str):
+def load_tokenizer(source: str | os.PathLike):
+    """Only the tokenizer of `source`: seconds, where the model takes much longer, so that data can be checked
+    against it before any slow work."""
+    directory, _ = resolve_float_directory(source)
+    read_model_config(directory)
+    return read_tokenizer(directory)
+
+
+def read_model_config(directory: Path, *, quantized: bool = False):
+    """`directory`'s config.json, refusing unsupported families and, unless `quantized`, leanlm quantized
+    weights (a quantized checkpoint is read by `leanlm.methods.load_quantized`, never as a float model)."""
     if not (directory / "config.json").is_file():
         raise ModelNotFoundError(f"{directory} is not a model directory: it has no config.json")
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
-    except (ValueError, OSError) as error:
-        raise CorruptModelError(f"{directory}/config.json cannot be read: {error}") from error
+    except Exception as error:  # transformers raises ValueError, OSError, TypeError, KeyError on a bad config.json
+        raise CorruptModelError(f"{directory}/config.json cannot be read: {error}") from None
     architecture_for(config)  # refuse unsupported families before spending time on the weights
+    if not quantized and getattr(config, "quantization_config", None) is None:
+        marked = quantized_weights_file(directory)
+        if marked is not None:
+            reason = (f"{QUANT_FILE} is there, so it is a quantized checkpoint: this needs a float model"
+                      if (directory / QUANT_FILE).exists() else
+                      f"it has no {QUANT_FILE}, so it was not written completely (or that file was removed); "
+                      "quantize again")
+            raise CorruptModelError(f"{directory} holds leanlm quantized weights ({marked.name}) but {reason}")
+    return config
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them holds a vocabulary
+
+
+def read_tokenizer(directory: Path):
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelNotFoundError(f"{directory} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except (ValueError, OSError) as error:
-        raise ModelNotFoundError(f"{directory} has no usable tokenizer files: {error}") from error
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as error:  # tokenizers raises its own exception types for damaged files
+        raise ModelNotFoundError(f"{directory} has no usable tokenizer files: {error}") from None
+
+
+def _load_hf_directory(directory: Path, attn_implementation: str):
+    read_model_config(directory)
+    tokenizer = read_tokenizer(directory)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True
+        model, info = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True,
+            output_loading_info=True,
         )
     except Exception as error:  # safetensors, torch and transformers each raise their own types here
-        raise CorruptModelError(f"the weights in {directory} cannot be loaded: {error}") from error
+        raise CorruptModelError(f"the weights in {directory} cannot be loaded: {error}") from None
+    if info["missing_keys"]:
+        # transformers would leave these randomly initialised: a model that runs and talks nonsense.
+        missing = sorted(info["missing_keys"])
+        raise CorruptModelError(f"the weights in {directory} lack {len(missing)} of the model's tensors "
+                                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
     model.eval()
     return model, tokenizer
 
@@ -118,9 +158,6 @@ def _convert_gguf(gguf: Path, directory: Path) -> None:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
-    staging = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    # Publish atomically, so an interrupted conversion never leaves a half-written cache entry behind.
-    staging.replace(directory)
+    with staged_directory(directory) as staging:  # an interrupted conversion leaves no half-written cache entry
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)

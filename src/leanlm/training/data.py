@@ -24,7 +24,15 @@ def read_documents(path: str | os.PathLike) -> list[Document]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"fine-tuning data {path} does not exist or is not a file")
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise DataError(f"fine-tuning data {path} is not UTF-8 text (invalid byte at offset {error.start}); give "
+                        "plain text or JSONL") from None
+    except OSError as error:
+        raise DataError(f"fine-tuning data {path} cannot be read: {error.strerror or error}") from None
+    if any("\x00" in line for line in lines):
+        raise DataError(f"fine-tuning data {path} holds NUL bytes: it is a binary file, not text or JSONL")
     if path.suffix != ".jsonl":
         documents = [line.strip() for line in lines if line.strip()]
     else:
@@ -43,10 +51,13 @@ def _record_document(line: str, path: Path, number: int) -> Document:
         if isinstance(record.get("text"), str):
             return record["text"]
         messages = record.get("messages")
-        if isinstance(messages, list) and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages):
+        if isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
             return messages
         if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
-            prompt = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
+            context = record.get("input")
+            prompt = record["instruction"] + (f"\n\n{context}" if isinstance(context, str) and context else "")
             return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
     raise DataError(f"{path}:{number}: expected a record with 'text', 'messages' (role/content list) or "
                     f"'instruction' + 'output'; got {line[:80]!r}")
@@ -78,6 +89,18 @@ def pack_blocks(tokenizer, documents: list[Document], seq_len: int) -> torch.Ten
     stream = [token for document in documents for token in document_ids(tokenizer, document)]
     count = len(stream) // seq_len
     return torch.tensor(stream[: count * seq_len], dtype=torch.long).reshape(count, seq_len)
+
+
+def training_blocks(tokenizer, documents: list[Document], seq_len: int, held_out_fraction: float, seed: int,
+                    max_eval_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training blocks, held-out blocks) of `seq_len` tokens; refuses data that fills no block on either side."""
+    train_docs, held_docs = split_documents(documents, held_out_fraction, seed)
+    train_blocks = pack_blocks(tokenizer, train_docs, seq_len)
+    eval_blocks = pack_blocks(tokenizer, held_docs, seq_len)[:max_eval_blocks]
+    if len(train_blocks) == 0 or len(eval_blocks) == 0:
+        raise DataError(f"the data fill {len(train_blocks)} training and {len(eval_blocks)} held-out blocks of "
+                        f"{seq_len} tokens (seq_len); give more text or a shorter seq_len")
+    return train_blocks, eval_blocks
 
 
 def batch_indices(step: int, batch_size: int, blocks: int, seed: int) -> torch.Tensor:

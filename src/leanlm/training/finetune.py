@@ -23,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from leanlm.bench.harness import peak_memory, weight_bytes
-from leanlm.errors import ConfigError, DataError
+from leanlm.errors import ConfigError
 from leanlm.methods.qlora import (
     LoRAConfig,
     adapter_tensors,
@@ -32,7 +32,7 @@ from leanlm.methods.qlora import (
 )
 from leanlm.optim import AdamW
 from leanlm.report import plot_training_curves
-from leanlm.training.data import Document, batch_indices, pack_blocks, split_documents
+from leanlm.training.data import Document, batch_indices, training_blocks
 
 CHECKPOINT_DIR = "checkpoint"
 LOSS_CURVE = "loss_curve.png"
@@ -105,18 +105,25 @@ def _recover_checkpoint(out: Path) -> Path | None:
     return None
 
 
+def last_checkpoint_step(out: str | os.PathLike) -> int | None:
+    """The step of the newest whole checkpoint in `out`, or None."""
+    checkpoint = _recover_checkpoint(Path(out))
+    if checkpoint is None:
+        return None
+    try:
+        return int(json.loads((checkpoint / "trainer_state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def finetune(model: nn.Module, tokenizer, documents: list[Document], settings: FinetuneSettings,
              lora: LoRAConfig, out_dir: str | os.PathLike, base_model: str, resume: bool = False,
              progress: bool = True) -> dict:
     """Train the LoRA adapters of `model` (see `add_lora_`) on `documents`; write the PEFT adapter, the loss
     curve and a checkpoint to `out_dir`. Returns the record (losses, held-out perplexity, peak memory, ...)."""
     out = Path(out_dir)
-    train_docs, held_docs = split_documents(documents, settings.held_out_fraction, settings.seed)
-    train_blocks = pack_blocks(tokenizer, train_docs, settings.seq_len)
-    eval_blocks = pack_blocks(tokenizer, held_docs, settings.seq_len)[: settings.max_eval_blocks]
-    if len(train_blocks) == 0 or len(eval_blocks) == 0:
-        raise DataError(f"the data fill {len(train_blocks)} training and {len(eval_blocks)} held-out blocks of "
-                        f"--seq-len {settings.seq_len}; give more text or a shorter --seq-len")
+    train_blocks, eval_blocks = training_blocks(tokenizer, documents, settings.seq_len, settings.held_out_fraction,
+                                                settings.seed, settings.max_eval_blocks)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ConfigError("the model has no trainable parameters (call add_lora_ first)")

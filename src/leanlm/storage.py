@@ -1,0 +1,105 @@
+"""How leanlm writes results to disk so that nothing half-written is ever read back.
+
+- Output directories appear only when complete: everything is written into a hidden staging directory beside
+  the destination (`.NAME.partial-PID`) and renamed into place in one step (rename(2) is atomic within a file
+  system, and replaces an empty directory), so a kill at any moment leaves either no result or a whole one. A
+  later write to the same destination removes staging directories whose process no longer exists.
+- Every safetensors file of a quantized checkpoint carries `QUANTIZED_MARKER` in its metadata, so a directory
+  whose `leanlm_quant.json` is missing can be recognised and refused instead of being read as a float model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from safetensors import SafetensorError, safe_open
+
+from leanlm.errors import ConfigError, CorruptModelError
+
+QUANT_FILE = "leanlm_quant.json"  # a quantized checkpoint's record: method, settings, replaced modules
+QUANTIZED_MARKER = "leanlm_quantized"
+_STAGING_TAG = ".partial-"
+
+
+def _staging_path(out: Path, pid: int) -> Path:
+    return out.with_name(f".{out.name}{_STAGING_TAG}{pid}")
+
+
+def check_output_directory(out: str | os.PathLike) -> Path:
+    """`out` as a Path, after checking that a result can be published there: it must not exist, or be an empty
+    directory, and its parent must accept a new directory (tried for real: permission bits say nothing to root
+    or on /proc). Cheap, so commands call it before any slow work."""
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output directory {out} is an existing file; give a path for a new directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"output directory {out} exists and is not empty; choose a new directory")
+    probe = _staging_path(out, os.getpid())
+    try:
+        probe.mkdir(parents=True, exist_ok=True)
+        probe.rmdir()
+    except OSError as error:
+        raise ConfigError(f"output directory {out} cannot be created: {error.strerror or error}") from None
+    return out
+
+
+def writable_directory(out: str | os.PathLike) -> Path:
+    """`out`, created if need be, for a command that writes into it over time (fine-tuning's checkpoints)."""
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output directory {out} is an existing file; give a directory path")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"output directory {out} cannot be created: {error.strerror or error}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"output directory {out} is not writable")
+    return out
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Staging directories left beside `out` by killed processes (their PID no longer runs)."""
+    if not out.parent.is_dir():
+        return
+    for candidate in out.parent.glob(f".{out.name}{_STAGING_TAG}*"):
+        pid = candidate.name.rsplit(_STAGING_TAG, 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(candidate, ignore_errors=True)
+
+
+@contextmanager
+def staged_directory(out: str | os.PathLike) -> Iterator[Path]:
+    """Yields an empty staging directory; when the block ends normally it becomes `out` in one rename, and when
+    it raises (or is interrupted) it is removed."""
+    out = check_output_directory(out)
+    _remove_stale_staging(out)
+    staging = _staging_path(out, os.getpid())
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        staging.replace(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def quantized_weights_file(directory: Path) -> Path | None:
+    """The first safetensors file in `directory` that holds leanlm quantized tensors (marked, or int8 `weight`s
+    as W8A8 stored them before the marker existed), or None. Reads headers only. (For a directory whose
+    config.json declares no `quantization_config`: other formats store int8 weights too.)"""
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "pt") as handle:
+                if QUANTIZED_MARKER in (handle.metadata() or {}):
+                    return path
+                if any(name.endswith(".weight") and handle.get_slice(name).get_dtype() in ("I8", "U8")
+                       for name in handle.keys()):
+                    return path
+        except (SafetensorError, OSError, ValueError) as error:
+            raise CorruptModelError(f"{path} is not a readable safetensors file: {error}") from None
+    return None
