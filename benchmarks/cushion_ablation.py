@@ -27,15 +27,8 @@ from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import EvalSettings, evaluate  # noqa: E402
 from leanlm.evaluation.outliers import block_input_magnitudes  # noqa: E402
 from leanlm.methods import W8A8Config  # noqa: E402
-from leanlm.methods.cushion import (  # noqa: E402
-    Cushion,
-    CushionConfig,
-    cushioned_copy,
-    cushion_keys_values,
-    load_cushion,
-    search_cushion,
-    tune_cushion,
-)
+from leanlm.cache.prefix import Cushion, cushion_keys_values, load_cushion  # noqa: E402
+from leanlm.methods.cushion import CushionConfig, cushioned_copy, search_cushion, tune_cushion  # noqa: E402
 from leanlm.methods.w8a8 import CalibrationSettings  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402

@@ -3,15 +3,10 @@ import torch
 
 from leanlm.errors import ConfigError, UnsupportedArchitectureError
 from leanlm.methods import SmoothQuantConfig, W8A8Config, collect_input_absmax, load_quantized, save_quantized, smooth_
+from leanlm.cache.prefix import CUSHION_FILE, Cushion, attach_cushion, attached_cushion, cushion_keys_values, detach_cushion
 from leanlm.methods.cushion import (
-    CUSHION_FILE,
-    Cushion,
     CushionConfig,
-    cushion_keys_values,
-    attach_cushion,
-    attached_cushion,
     cushioned_copy,
-    detach_cushion,
     quantization_error_probe,
     quantize_with_cushion_,
     search_cushion,

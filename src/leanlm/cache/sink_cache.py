@@ -9,8 +9,9 @@ at positions 0..n-1 and the next token gets position n, however long the stream 
   rotated by -shift positions (RoPE rotations compose: R(p - shift) = R(-shift) R(p)). A key lives at most
   `window` steps in the cache, so at most `window` such float32 rotations touch it: the error stays ~1e-6
   relative and does not grow with the stream. The sinks never move.
-* the model must be given the cache position n (not the text position) for the new tokens. That is
-  `leanlm.methods.streaming`'s job (a forward pre-hook), since transformers' `generate` counts text positions.
+* the model must be given the cache position n (not the text position) for the new tokens: a forward pre-hook,
+  `cache_positions_hook`, does that (installed by `leanlm.methods.streaming`), since transformers' `generate`
+  counts text positions.
 
 Eviction is deferred like the reference implementation's: after a forward the cache may hold sinks + window +
 the tokens just added; the next `update` trims it before appending, and `get_seq_length` already reports the
@@ -26,6 +27,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from leanlm.errors import ConfigError
@@ -129,3 +131,28 @@ class SinkCache(Cache):
 
     def __repr__(self) -> str:
         return f"SinkCache(sinks={self.sinks}, window={self.window}, length={self.get_seq_length()}, evicted={self.evicted})"
+
+
+def cache_positions_hook(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: with a SinkCache, the new tokens get positions cache_length .. cache_length + n - 1."""
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, SinkCache):
+        return None
+    inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    if inputs is None and args:
+        inputs = args[0]
+    if inputs is None:
+        raise ConfigError("a forward with a SinkCache needs input_ids or inputs_embeds")
+    batch, length = inputs.shape[:2]
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        if mask.ndim != 2 or not bool(mask.all()):
+            raise ConfigError(
+                "a SinkCache streams equal-length sequences: the attention mask must be all ones (no padding); "
+                "its sink slots would otherwise hold padding"
+            )
+        # generate's mask covers every token of the stream; the cache's own length is what the model must see.
+        kwargs["attention_mask"] = None
+    start = cache.get_seq_length()
+    kwargs["position_ids"] = torch.arange(start, start + length, device=inputs.device).expand(batch, length)
+    return args, kwargs

@@ -667,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         where = getattr(args, "interrupted", None)
-        print(f"\nleanlm: interrupted" + (f"; {where(args)}" if where else ""), file=sys.stderr)
+        print("\nleanlm: interrupted" + (f"; {where(args)}" if where else ""), file=sys.stderr)
         return INTERRUPTED
     except OSError as error:  # the disk filled up, a file vanished, a path became unreadable mid-run
         print(f"leanlm: error: {error.strerror or error}" + (f": {error.filename}" if error.filename else ""),

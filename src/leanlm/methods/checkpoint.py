@@ -18,11 +18,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model as load_safetensors_into
 from safetensors.torch import save_model as save_safetensors_from
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
+from leanlm.cache.prefix import attach_cushion, attached_cushion, load_cushion, save_cushion
 from leanlm.errors import CorruptModelError, ModelNotFoundError
 from leanlm.methods.gptq import METHODS as GPTQ_METHODS
-from leanlm.methods.cushion import attach_cushion, attached_cushion, load_cushion, save_cushion
 from leanlm.methods.w8a8 import INT8_METHODS, LEVELS, share_input_gemms_
 from leanlm.models.architectures import architecture_for
 from leanlm.models.loading import LoadedModel, load_model, read_model_config, read_tokenizer

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from leanlm.cache.prefix import follow_value_smoothing_
 from leanlm.errors import ConfigError
 from leanlm.models.architectures import ArchitectureTable, architecture_for, decoder_blocks, linear_weight_out_in
 
@@ -114,7 +115,5 @@ def smooth_(model: nn.Module, input_absmax: dict[str, torch.Tensor], config: Smo
             result.input_absmax[prefix + feed.consumer] = x_absmax / s[mapping]
             result.producer_scales[prefix + feed.producer] = s
     # A CushionCache prefix attached to the model holds values v_proj produced before this smoothing.
-    from leanlm.methods.cushion import follow_value_smoothing_  # cushion builds on smoothing: a top import cycles
-
     follow_value_smoothing_(model, result.producer_scales)
     return result

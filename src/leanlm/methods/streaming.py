@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from leanlm.cache.sink_cache import SinkCache, rope_key_shift
+from leanlm.cache.sink_cache import SinkCache, cache_positions_hook, rope_key_shift
 from leanlm.errors import ConfigError, UnsupportedArchitectureError
 from leanlm.models.architectures import architecture_for
 
@@ -78,29 +77,4 @@ def _key_shift(model: nn.Module):
 
 def _install_position_hook(model: nn.Module) -> None:
     if getattr(model, _HOOK_ATTRIBUTE, None) is None:
-        setattr(model, _HOOK_ATTRIBUTE, model.register_forward_pre_hook(_cache_positions, with_kwargs=True))
-
-
-def _cache_positions(module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook: with a SinkCache, the new tokens get positions cache_length .. cache_length + n - 1."""
-    cache = kwargs.get("past_key_values")
-    if not isinstance(cache, SinkCache):
-        return None
-    inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-    if inputs is None and args:
-        inputs = args[0]
-    if inputs is None:
-        raise ConfigError("a forward with a SinkCache needs input_ids or inputs_embeds")
-    batch, length = inputs.shape[:2]
-    mask = kwargs.get("attention_mask")
-    if mask is not None:
-        if mask.ndim != 2 or not bool(mask.all()):
-            raise ConfigError(
-                "a SinkCache streams equal-length sequences: the attention mask must be all ones (no padding); "
-                "its sink slots would otherwise hold padding"
-            )
-        # generate's mask covers every token of the stream; the cache's own length is what the model must see.
-        kwargs["attention_mask"] = None
-    start = cache.get_seq_length()
-    kwargs["position_ids"] = torch.arange(start, start + length, device=inputs.device).expand(batch, length)
-    return args, kwargs
+        setattr(model, _HOOK_ATTRIBUTE, model.register_forward_pre_hook(cache_positions_hook, with_kwargs=True))
