@@ -26,10 +26,9 @@ from leanlm.bench import previous_results, results_dir, results_name, write_resu
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.evaluation.outliers import block_input_magnitudes  # noqa: E402
-from leanlm.methods import SmoothQuantConfig, W8A8Config  # noqa: E402
+from leanlm.methods import Calibration, SmoothQuantConfig, W8A8Config  # noqa: E402
 from leanlm.cache.prefix import load_cushion, save_cushion  # noqa: E402
 from leanlm.methods.cushion import CushionConfig, cushioned_copy, search_cushion, tune_cushion  # noqa: E402
-from leanlm.methods.w8a8 import CalibrationSettings  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
 from leanlm.report import format_table, plot_training_curves, save_figure  # noqa: E402
 
@@ -74,7 +73,7 @@ def main() -> None:
                             seq_len=args.seq_len)
     config = CushionConfig(candidates=args.candidates, max_length=args.max_length, min_improvement=args.min_improvement,
                            tune_steps=args.tune_steps)
-    calibration = CalibrationSettings(n_samples=args.calib_samples, seq_len=512)
+    calibration = Calibration(loaded.tokenizer, samples=args.calib_samples, seq_len=512)
     name = results_name("cushion", args.model)
     out = results_dir()
     payload: dict = {"model": args.model, "weights_note": loaded.weights_note,
@@ -116,7 +115,7 @@ def main() -> None:
     for kind, cushion in cushions.items():
         if kind in payload["last_block_input"]:
             continue
-        model, _ = cushioned_copy(loaded.model, loaded.tokenizer, cushion)
+        model, _ = cushioned_copy(loaded.model, cushion)
         payload["last_block_input"][kind] = block_input_magnitudes(model, probe)[-1]
         save()
 
@@ -127,8 +126,8 @@ def main() -> None:
             row = f"{group} / {kind}"
             if row in payload["rows"]:
                 continue
-            model, record = cushioned_copy(loaded.model, loaded.tokenizer, cushion,
-                                           None if base is None else _w8a8(base, level), config, calibration)
+            model, record = cushioned_copy(loaded.model, cushion, None if base is None else _int8(base, level),
+                                           calibration)
             result = evaluate(model, loaded.tokenizer, settings)
             payload["rows"][row] = {"wikitext2": result["results"]["wikitext2"]["perplexity"],
                                     "zero_shot_average": result["zero_shot_average"], "results": result["results"],
@@ -143,9 +142,8 @@ def main() -> None:
     print(f"wrote {results_dir() / name}.json")
 
 
-def _w8a8(base: str, level: str) -> W8A8Config:
-    return W8A8Config(level=level, quantize_bmm=False,
-                      smoothquant=SmoothQuantConfig(0.5) if base == "SmoothQuant" else None)
+def _int8(base: str, level: str) -> list:
+    return [*([SmoothQuantConfig(0.5)] if base == "SmoothQuant" else []), W8A8Config(level=level, quantize_bmm=False)]
 
 
 if __name__ == "__main__":

@@ -26,10 +26,9 @@ from leanlm.bench import previous_results, results_dir, results_name, write_resu
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import EvalSettings, evaluate  # noqa: E402
 from leanlm.evaluation.outliers import block_input_magnitudes  # noqa: E402
-from leanlm.methods import W8A8Config  # noqa: E402
+from leanlm.methods import Calibration, W8A8Config  # noqa: E402
 from leanlm.cache.prefix import Cushion, cushion_keys_values, load_cushion  # noqa: E402
 from leanlm.methods.cushion import CushionConfig, cushioned_copy, search_cushion, tune_cushion  # noqa: E402
-from leanlm.methods.w8a8 import CalibrationSettings  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
@@ -96,7 +95,7 @@ def main() -> None:
     base_config = CushionConfig(**{k: tuple(v) if isinstance(v, list) else v
                                    for k, v in searched.record["config"].items()})
     settings = EvalSettings(tasks=("wikitext2",), max_tokens=args.max_tokens, seq_len=args.seq_len)
-    calibration = CalibrationSettings(n_samples=args.calib_samples, seq_len=512)
+    calibration = Calibration(loaded.tokenizer, samples=args.calib_samples, seq_len=512)
     name = results_name("cushion_ablation", args.model)
     payload: dict = {"model": args.model, "weights_note": loaded.weights_note,
                      "settings": {**vars(settings), "max_length": args.max_length, "candidates": args.candidates,
@@ -114,8 +113,8 @@ def main() -> None:
                       else None)
 
     def wikitext(cushion: Cushion | None, level: str | None) -> float:
-        w8a8 = None if level is None else W8A8Config(level=level, quantize_bmm=False)
-        model, _ = cushioned_copy(loaded.model, loaded.tokenizer, cushion, w8a8, base_config, calibration)
+        steps = None if level is None else [W8A8Config(level=level, quantize_bmm=False)]
+        model, _ = cushioned_copy(loaded.model, cushion, steps, calibration)
         return evaluate(model, loaded.tokenizer, settings)["results"]["wikitext2"]["perplexity"]
 
     if "fp32" not in payload:
@@ -125,7 +124,7 @@ def main() -> None:
     probe = calibration_batches(loaded.tokenizer, 8, 512, seed=7)
     for kind, cushion in (("none", None), ("search", searched), ("search+tune", tuned)):
         if kind not in payload["layers"]:
-            model, _ = cushioned_copy(loaded.model, loaded.tokenizer, cushion)
+            model, _ = cushioned_copy(loaded.model, cushion)
             payload["layers"][kind] = block_input_magnitudes(model, probe)
             save()
     plot_layers(payload["layers"], results_dir() / f"{results_name('cushion_layers', args.model)}.png",

@@ -26,39 +26,38 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from leanlm.bench import previous_results, results_dir, results_name, time_modules, write_results  # noqa: E402
-from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import EvalSettings, evaluate  # noqa: E402
 from leanlm.formats.gptq import SolverSettings, solve  # noqa: E402
 from leanlm.formats.minmax import round_trip_minmax  # noqa: E402
-from leanlm.methods.gptq import GPTQConfig, gptq_config, quantize_gptq_, rtn_config, spqr_config  # noqa: E402
+from leanlm.methods import Calibration, GPTQConfig, RTNConfig, SpQRConfig, quantize_  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, architecture_for, iter_quantizable_linears, load_model  # noqa: E402
 from leanlm.models.architectures import linear_weight_out_in  # noqa: E402
 from leanlm.nn import SpQRLinear  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 
-def rows(calibration: dict) -> dict[str, GPTQConfig | None]:
+def rows(calibration: dict) -> dict[str, RTNConfig | GPTQConfig | SpQRConfig | None]:
     return {
         "FP32": None,
-        "RTN 4-bit g128": rtn_config(4, 128),
-        "GPTQ 4-bit g128": gptq_config(4, 128, **calibration),
-        "SpQR 4-bit base": spqr_config(bits=4, beta1=16, beta2=16, outlier_threshold=0.2, **calibration),
-        "RTN 3-bit g128": rtn_config(3, 128),
-        "GPTQ 3-bit g128": gptq_config(3, 128, **calibration),
-        "SpQR 3-bit base": spqr_config(bits=3, beta1=16, beta2=16, outlier_threshold=0.2, **calibration),
+        "RTN 4-bit g128": RTNConfig(4, 128),
+        "GPTQ 4-bit g128": GPTQConfig(4, 128, **calibration),
+        "SpQR 4-bit base": SpQRConfig(bits=4, beta1=16, beta2=16, outlier_threshold=0.2, **calibration),
+        "RTN 3-bit g128": RTNConfig(3, 128),
+        "GPTQ 3-bit g128": GPTQConfig(3, 128, **calibration),
+        "SpQR 3-bit base": SpQRConfig(bits=3, beta1=16, beta2=16, outlier_threshold=0.2, **calibration),
         # The same at fewer bits: fewer outliers (tau 0.3 kept about 1.1% on four probed blocks, against 2.4% at
         # tau 0.2: about 4.06 bits, below GPTQ 4-bit's 4.34), and larger groups with almost no outliers (about
         # 3.4 bits, beside GPTQ 3-bit's 3.34).
-        "SpQR 3-bit base, tau 0.3": spqr_config(bits=3, beta1=16, beta2=16, outlier_threshold=0.3, **calibration),
-        "SpQR 3-bit base, beta 32, tau 1": spqr_config(bits=3, beta1=32, beta2=32, outlier_threshold=1.0,
+        "SpQR 3-bit base, tau 0.3": SpQRConfig(bits=3, beta1=16, beta2=16, outlier_threshold=0.3, **calibration),
+        "SpQR 3-bit base, beta 32, tau 1": SpQRConfig(bits=3, beta1=32, beta2=32, outlier_threshold=1.0,
                                                        **calibration),
         # SmolLM2's weights are de-quantized Q4_1: 4-bit min-max codes in blocks of 32 consecutive inputs, so a
         # 4-bit base in groups of 32 taken in column order sits on their own grid, and 8-bit statistics keep the
         # grid almost exactly (about 4.6 bits). The act-order row beside it separates that grid from the
         # statistics' extra bits; Gemma (mostly Q5_0, plus Q4_K with searched scales and Q6_K) is the control.
-        "SpQR 4-bit base, beta 32, 8-bit statistics, tau 1": spqr_config(
+        "SpQR 4-bit base, beta 32, 8-bit statistics, tau 1": SpQRConfig(
             bits=4, beta1=32, beta2=32, outlier_threshold=1.0, statistic_bits=8, **calibration),
-        "SpQR 4-bit base, beta 32, 8-bit statistics, tau 1, column order": spqr_config(
+        "SpQR 4-bit base, beta 32, 8-bit statistics, tau 1, column order": SpQRConfig(
             bits=4, beta1=32, beta2=32, outlier_threshold=1.0, statistic_bits=8, act_order=False, **calibration),
     }
 
@@ -139,9 +138,10 @@ def main() -> None:
 
     loaded = load_model(args.model)
     settings = EvalSettings(tasks=("wikitext2", "ptb"), max_tokens=args.max_tokens, seq_len=args.seq_len)
-    calibration = dict(calibration_samples=args.calib_samples, calibration_seq_len=args.calib_seq_len)
+    calibration = dict(calibration_samples=args.calib_samples)
     payload: dict = {"model": args.model, "weights_note": loaded.weights_note,
-                     "settings": {**vars(settings), **calibration}, "table": {}}
+                     "settings": {**vars(settings), **calibration, "calibration_seq_len": args.calib_seq_len},
+                     "table": {}}
     name = results_name("gptq_spqr", args.model)
     previous = previous_results(name)
     for part, key in (("speed", "speed_4096"), ("grid", "grid_alignment")):
@@ -160,17 +160,18 @@ def main() -> None:
         write_results(name, payload, plot_results(payload, title))
 
     if "table" not in args.skip:
-        batches = calibration_batches(loaded.tokenizer, args.calib_samples, args.calib_seq_len)
+        data = Calibration(loaded.tokenizer, samples=args.calib_samples, seq_len=args.calib_seq_len)
         for row_name, config in rows(calibration).items():
             if row_name in payload["table"] or (args.only and not any(text in row_name for text in args.only)):
                 continue
             model = copy.deepcopy(loaded.model)
-            record = quantize_gptq_(model, config, batches) if config else {}
+            record = quantize_(model, config, calibration=data) if config else {}
             result = evaluate(model, loaded.tokenizer, settings)["results"]
             payload["table"][row_name] = {
                 "wikitext2": result["wikitext2"]["perplexity"], "ptb": result["ptb"]["perplexity"],
                 "avg_bits": record.get("avg_bits"), "outlier_rate": record.get("outlier_rate"),
-                "quantize_seconds": record.get("seconds"), "config": config.record() if config else None,
+                "quantize_seconds": record.get("seconds"),
+                "config": {k: v for k, v in record.items() if k not in ("avg_bits", "outlier_rate", "seconds")} or None,
                 "results": result}
             print(f"{row_name}: wikitext2 {result['wikitext2']['perplexity']:.3f}, ptb {result['ptb']['perplexity']:.3f}"
                   + (f", {record['avg_bits']:.3f} bits, {100 * record['outlier_rate']:.2f}% outliers, "

@@ -29,7 +29,7 @@ from torch import nn  # noqa: E402
 
 from leanlm.bench import time_modules, weight_bytes, write_results  # noqa: E402
 from leanlm.kernels.kbit_gemm import kernel_isas  # noqa: E402
-from leanlm.methods import KbitConfig, quantize_kbit_  # noqa: E402
+from leanlm.methods import KbitConfig, quantize_  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
 from leanlm.nn import KbitLinear  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
@@ -136,7 +136,7 @@ def bench_decode(model_name: str, new_tokens: int) -> dict:
     prompt = loaded.tokenizer("The history of the city begins", return_tensors="pt").input_ids
     loaded.model.generation_config.pad_token_id = loaded.tokenizer.eos_token_id
     nf4 = copy.deepcopy(loaded.model)
-    quantize_kbit_(nf4, KbitConfig(dtype="nf", bits=4, block_size=64, double_quant=True))
+    quantize_(nf4, KbitConfig(dtype="nf", bits=4, block_size=64, double_quant=True))
     results = {}
     for name, model in {"fp32": loaded.model, "leanlm nf4+dq": nf4}.items():
         results[name] = {"tokens_per_second": decode_tokens_per_second(model, prompt, new_tokens),

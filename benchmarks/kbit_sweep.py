@@ -1,7 +1,7 @@
 """Bit-level scaling sweep (thesis ch. 3, Figs 3.2/3.3): WikiText-2 perplexity against total model bits for every
 data type x bits 3..8 x block size {32, 64, 128, 256, per-row}, one model per run.
 
-Each configuration quantizes every block linear with `quantize_kbit_` (so the bits are the measured storage of
+Each configuration quantizes every block linear with `quantize_(model, KbitConfig(...))` (so the bits are the measured storage of
 the packed checkpoint) and is then evaluated with the de-quantized weights in plain float32 linears (the same
 numbers the k-bit kernel computes, at FP32 speed, so the sweep's cost is the evaluation alone). Total model bits
 count the quantized linears at their measured bits and everything else (embeddings, norms, lm_head) at 16 bits,
@@ -29,7 +29,7 @@ from torch import nn  # noqa: E402
 from leanlm.bench import previous_results, results_dir, results_name, write_results  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.formats.codebooks import DTYPES  # noqa: E402
-from leanlm.methods import KbitConfig, quantize_kbit_  # noqa: E402
+from leanlm.methods import KbitConfig, quantize_  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, iter_quantizable_linears, load_model  # noqa: E402
 from leanlm.nn import KbitLinear  # noqa: E402
 from leanlm.nn.lora import frozen_linear  # noqa: E402
@@ -41,7 +41,7 @@ BLOCKS = ("32", "64", "128", "256", "row")
 def dequantized_copy(model: nn.Module, config: KbitConfig) -> tuple[nn.Module, dict]:
     """`model` with every block linear quantized then de-quantized into a float32 nn.Linear."""
     quantized = copy.deepcopy(model)
-    record = quantize_kbit_(quantized, config)
+    record = quantize_(quantized, config)
     for name, module in list(iter_quantizable_linears(quantized)):
         if isinstance(module, KbitLinear):
             linear = frozen_linear(module.dequantized_weight(), module.bias)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from dataclasses import asdict
 import warnings
 
 import matplotlib
@@ -26,7 +27,7 @@ from torch import nn  # noqa: E402
 from leanlm.bench import previous_results, results_dir, time_modules, time_prefill, write_results  # noqa: E402
 from leanlm.bench.peers import bitsandbytes_int8_linear  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
-from leanlm.methods import W8A8Config, llm_int8_config, quantize_w8a8_  # noqa: E402
+from leanlm.methods import LLMInt8Config, W8A8Config, quantize_  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, iter_quantizable_linears, load_model  # noqa: E402
 from leanlm.nn import W8A8Linear  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
@@ -38,8 +39,8 @@ QUANTIZERS: dict[str, W8A8Config | None] = {
     "absmax (per-tensor)": W8A8Config(level="O2", quantize_bmm=False),
     "zeropoint (per-tensor)": W8A8Config(level="O2", quantize_bmm=False, asymmetric=True),
     "row-wise": W8A8Config(level="O1", quantize_bmm=False),
-    "vector-wise": llm_int8_config(None),
-    "vector-wise + decomposition (LLM.int8())": llm_int8_config(6.0),
+    "vector-wise": LLMInt8Config(None).w8a8(),
+    "vector-wise + decomposition (LLM.int8())": LLMInt8Config(6.0).w8a8(),
 }
 PARTS = {"table": ("table",), "sweep": ("threshold_sweep",),
          "speed": ("speed_linear_4096", "speed_model_prefill_512")}
@@ -75,7 +76,7 @@ def bench_linear(rows: list[int], repeats: int) -> dict:
 def bench_model(loaded, length: int, repeats: int) -> dict:
     variants = {"fp32": loaded.model}
     ours = copy.deepcopy(loaded.model)
-    quantize_w8a8_(ours, llm_int8_config(6.0))
+    quantize_(ours, LLMInt8Config(6.0))
     variants["leanlm llm-int8"] = ours
     theirs = copy.deepcopy(loaded.model)
     for name, module in list(iter_quantizable_linears(theirs)):
@@ -156,9 +157,9 @@ def main() -> None:
                 continue
             model = copy.deepcopy(loaded.model)
             if config is not None:
-                quantize_w8a8_(model, config)
+                quantize_(model, config)
             result = evaluate(model, loaded.tokenizer, settings)
-            payload["table"][name] = {"config": config.as_record() if config else None,
+            payload["table"][name] = {"config": asdict(config) if config else None,
                                       "float_dims_share": float_dims_share(model), **result}
             print(f"{name}: wikitext2 {result['results']['wikitext2']['perplexity']:.3f}, "
                   f"zero-shot {result['zero_shot_average']:.4f}", flush=True)
@@ -170,7 +171,7 @@ def main() -> None:
             if ("inf" if threshold is None else str(threshold)) in payload["threshold_sweep"]:
                 continue
             model = copy.deepcopy(loaded.model)
-            quantize_w8a8_(model, llm_int8_config(threshold))
+            quantize_(model, LLMInt8Config(threshold))
             ppl = evaluate(model, loaded.tokenizer, sweep)["results"]["wikitext2"]["perplexity"]
             key = "inf" if threshold is None else str(threshold)
             payload["threshold_sweep"][key] = {"perplexity": ppl, "float_dims_share": float_dims_share(model)}

@@ -24,27 +24,25 @@ import matplotlib.pyplot as plt  # noqa: E402
 from leanlm.bench import previous_results, results_name, write_results  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
-from leanlm.methods import ZEROQUANT, SmoothQuantConfig, W8A8Config, calibrate, quantize_w8a8_  # noqa: E402
+from leanlm.methods import ZEROQUANT, Calibration, SmoothQuantConfig, W8A8Config, calibrate, quantize_  # noqa: E402
 from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 
-def rows(alpha_by_level: dict[str, float]) -> dict[str, W8A8Config | None]:
-    table: dict[str, W8A8Config | None] = {
-        "FP32": None,
-        "W8A8 naive (O2)": W8A8Config(level="O2"),
-        "ZeroQuant-style": ZEROQUANT,
+def rows(alpha_by_level: dict[str, float]) -> dict[str, list]:
+    """Row name -> the method configs `quantize_` applies (none: the float model)."""
+    table: dict[str, list] = {
+        "FP32": [],
+        "W8A8 naive (O2)": [W8A8Config(level="O2")],
+        "ZeroQuant-style": [ZEROQUANT],
     }
     # Per-channel weights with and without the extension, then the paper's per-tensor weights with it (in this order
     # so that a run stopped early has the rows that decide the targets).
     for weights, extension in (("per_channel", True), ("per_channel", False), ("per_tensor", True)):
         for level in ("O1", "O2", "O3"):
             name = f"SmoothQuant-{level}{' +ext' if extension else ''} W:{weights}"
-            table[name] = W8A8Config(
-                level=level,
-                weight_granularity=weights,
-                smoothquant=SmoothQuantConfig(alpha_by_level[level], extension, extension),
-            )
+            table[name] = [SmoothQuantConfig(alpha_by_level[level], extension, extension),
+                           W8A8Config(level=level, weight_granularity=weights)]
     return table
 
 
@@ -123,14 +121,14 @@ def main() -> None:
     stats = calibrate(loaded.model, calibration_batches(loaded.tokenizer, n_samples=args.calib_samples, seq_len=512))
     payload.setdefault("calibration", {"seconds": time.perf_counter() - started})
 
-    for row, config in rows(alpha_by_level).items():
+    calibration = Calibration(loaded.tokenizer, samples=args.calib_samples, int8_stats=stats)
+    for row, steps in rows(alpha_by_level).items():
         if row in payload["rows"] or (args.only and not any(text in row for text in args.only)):
             continue
         model = copy.deepcopy(loaded.model)
-        if config is not None:
-            quantize_w8a8_(model, config, stats)
+        record = quantize_(model, steps, calibration=calibration) if steps else None
         result = evaluate(model, loaded.tokenizer, settings)
-        payload["rows"][row] = {"config": config.as_record() if config else None, **result}
+        payload["rows"][row] = {"config": record, **result}
         print(f"{row}: wikitext2 {result['results']['wikitext2']['perplexity']:.3f}, "
               f"zero-shot {result['zero_shot_average']:.4f}", flush=True)
         save()
@@ -145,8 +143,8 @@ def main() -> None:
                 if str(alpha) in payload["alpha_sweep"].get(level, {}):
                     continue
                 model = copy.deepcopy(loaded.model)
-                quantize_w8a8_(model, W8A8Config(level=level, weight_granularity="per_channel",
-                                                 smoothquant=SmoothQuantConfig(alpha)), stats)
+                quantize_(model, [SmoothQuantConfig(alpha), W8A8Config(level=level, weight_granularity="per_channel")],
+                          calibration=calibration)
                 ppl = evaluate(model, loaded.tokenizer, sweep_settings)["results"]["wikitext2"]["perplexity"]
                 payload["alpha_sweep"].setdefault(level, {})[str(alpha)] = ppl
                 print(f"sweep {level} alpha {alpha}: {ppl:.3f}", flush=True)

@@ -29,7 +29,7 @@ from torch import nn  # noqa: E402
 from leanlm.bench import time_call, time_modules, time_prefill, weight_bytes, write_results  # noqa: E402
 from leanlm.bench.peers import bitsandbytes_int8_linear, torchao_int8_dynamic_  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
-from leanlm.methods import SmoothQuantConfig, W8A8Config, calibrate, quantize_w8a8_, share_input_gemms_  # noqa: E402
+from leanlm.methods import Calibration, SmoothQuantConfig, W8A8Config, calibrate, quantize_, share_input_gemms_  # noqa: E402
 from leanlm.models import iter_quantizable_linears, load_model  # noqa: E402
 from leanlm.nn import W8A8Linear  # noqa: E402
 from leanlm.report import save_figure  # noqa: E402
@@ -80,7 +80,8 @@ def model_variants(loaded) -> dict[str, nn.Module]:
     stats = calibrate(float_model, calibration_batches(loaded.tokenizer, n_samples=4, seq_len=256))
     for level in LEVEL_ACTIVATION:
         model = copy.deepcopy(float_model)
-        quantize_w8a8_(model, W8A8Config(level=level, smoothquant=SmoothQuantConfig(0.5), quantize_bmm=False), stats)
+        quantize_(model, [SmoothQuantConfig(0.5), W8A8Config(level=level, quantize_bmm=False)],
+                  calibration=Calibration(int8_stats=stats))
         variants[f"leanlm {level}"] = model
     separate = copy.deepcopy(variants["leanlm O1"])
     share_input_gemms_(separate, share=False)

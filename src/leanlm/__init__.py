@@ -31,6 +31,20 @@ from leanlm.errors import (  # noqa: E402
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """`leanlm.quantize_`, `leanlm.Calibration` and the method configs, imported on first use: `import leanlm`
+    alone stays light (no torch)."""
+    if name in _METHOD_API:
+        import leanlm.methods
+
+        return getattr(leanlm.methods, name)
+    raise AttributeError(f"module 'leanlm' has no attribute {name!r}")
+
+
+_METHOD_API = ("quantize_", "Calibration", "QuantRecord", "KbitConfig", "RTNConfig", "GPTQConfig", "SpQRConfig",
+               "W8A8Config", "SmoothQuantConfig", "LLMInt8Config", "CushionConfig")
+
 __all__ = [
     "ConfigError",
     "CorruptModelError",
@@ -39,4 +53,5 @@ __all__ = [
     "ModelNotFoundError",
     "UnsupportedArchitectureError",
     "__version__",
+    *_METHOD_API,
 ]

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 from leanlm.bench import peak_memory
 from leanlm.cache import SinkCache
 from leanlm.errors import ConfigError, UnsupportedArchitectureError
-from leanlm.methods import W8A8Config, quantize_w8a8_
+from leanlm.methods import W8A8Config, quantize_
 from leanlm.methods.streaming import StreamingConfig, sink_cache
 
 
@@ -90,7 +90,7 @@ def test_generate_streams_past_the_cache_and_matches_a_manual_loop():
 
 def test_works_with_a_w8a8_quantized_model():
     model = tiny_model("llama")
-    quantize_w8a8_(model, W8A8Config(level="O1"))
+    quantize_(model, W8A8Config(level="O1"))
     tokens = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(4))
     dense = stream(model, tokens[:, :12], DynamicCache(config=model.config))
     streamed = stream(model, tokens, sink_cache(model, StreamingConfig(sinks=4, window=8)))

@@ -6,6 +6,8 @@ from leanlm.bench import weight_bytes
 from leanlm.cli.main import main
 from leanlm.models import load_model
 
+SMALL_CALIBRATION = ["--calib-samples", "4", "--calib-seq-len", "32"]
+
 
 def test_eval_writes_the_contract_json(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "r.json"
@@ -19,6 +21,7 @@ def test_eval_writes_the_contract_json(tiny_llama_dir, tmp_path, capsys):
     assert {"acc", "acc_norm", "n"} <= set(payload["results"]["piqa"]) and payload["results"]["piqa"]["n"] == 2
     assert {"acc", "n"} <= set(payload["results"]["winogrande"])
     assert payload["weights_bytes"] > 0 and payload["seconds"] > 0
+    assert payload["peak_rss_bytes"] > payload["weights_bytes"]  # resident memory, beside the bytes stored
     printed = capsys.readouterr().out
     assert "wikitext2" in printed and "perplexity" in printed and "zero-shot average" in printed
 
@@ -54,7 +57,7 @@ def test_quantize_then_eval_the_checkpoint(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "sq"
     assert main(["quantize", str(tiny_llama_dir), "--method", "smoothquant", "--level", "O3", "--alpha", "0.6",
                  "--calib-samples", "2", "--calib-seq-len", "32", "--out", str(out)]) == 0
-    assert "smoothquant O3" in capsys.readouterr().out
+    assert "(smoothquant, O3, weights per_tensor, alpha 0.6)" in capsys.readouterr().out
     result = tmp_path / "r.json"
     assert main(["eval", str(out), "--max-tokens", "128", "--seq-len", "64", "--json", str(result)]) == 0
     payload = json.loads(result.read_text())
@@ -69,16 +72,23 @@ def test_quantize_then_eval_the_checkpoint(tiny_llama_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--method", "w8a8", "--alpha", "0.5"], "--alpha applies to smoothquant only"),
+        (["--method", "w8a8", "--alpha", "0.5"], "--alpha is not an option of --method w8a8 (it is one of cushion, "
+                                                 "smoothquant)"),
         (["--method", "smoothquant", "--alpha", "2"], "must lie in [0, 1]"),
         (["--method", "awq"], "invalid choice"),
-        (["--method", "kbit", "--block-size", "big"], "expected a whole number"),
-        (["--method", "w8a8", "--dtype", "nf"], "apply to --method kbit"),
-        (["--method", "w8a8", "--bits", "4"], "--bits applies to weight-only methods"),
-        (["--method", "kbit", "--bits", "2"], "bits must be between 3 and 8"),
-        (["--method", "kbit", "--bits", "9"], "invalid choice"),
-        (["--method", "gptq", "--beta1", "8"], "--beta1 apply to --method spqr"),
-        (["--method", "spqr", "--group-size", "64"], "takes its group size as --beta1"),
+        (["--method", "kbit", "--block-size", "big"], "--block-size: expected a whole number or 'row', got 'big'"),
+        (["--method", "kbit", "--dtype", "nf9"], "--dtype 'nf9': choose from int, int_asym, fp, nf, dynamic"),
+        (["--method", "w8a8", "--dtype", "nf"], "--dtype is not an option of --method w8a8 (it is one of kbit)"),
+        (["--method", "w8a8", "--bits", "4"], "--bits is not an option of --method w8a8 (it is one of gptq, kbit, "
+                                              "rtn, spqr)"),
+        (["--method", "kbit", "--bits", "2"], "--bits: bits must be between 3 and 8, got 2"),
+        (["--method", "kbit", "--bits", "9"], "bits must be between 3 and 8, got 9"),
+        (["--method", "kbit", "--seed", "3"], "--seed: --method kbit as set reads no calibration text"),
+        (["--method", "gptq", "--beta1", "8"], "--beta1 is not an option of --method gptq (it is one of spqr)"),
+        (["--method", "spqr", "--group-size", "64"], "--group-size is not an option of --method spqr"),
+        (["--method", "llm-int8", "--level", "O3"], "--level is not an option of --method llm-int8"),
+        (["--method", "w8a8", "--base", "smoothquant"], "--base applies to --method cushion"),
+        (["--method", "cushion", "--alpha", "0.5"], "--alpha is not an option of --method cushion --base w8a8"),
     ],
 )
 def test_quantize_option_errors(argv, message, tmp_path, capsys):
@@ -109,9 +119,12 @@ def test_llm_int8_checkpoint_round_trip(tiny_llama_dir, tmp_path):
 def test_kbit_checkpoint_records_measured_average_bits(tiny_llama_dir, tmp_path):
     out = tmp_path / "nf4"
     assert main(["quantize", str(tiny_llama_dir), "--method", "kbit", "--dtype", "nf", "--bits", "4",
-                 "--block-size", "64", "--double-quant", "--out", str(out)]) == 0
+                 "--block-size", "64", "--double-quant", "--out", str(out), "--json", str(tmp_path / "q.json")]) == 0
     record = json.loads((out / "leanlm_quant.json").read_text())
     assert record["method"] == "kbit" and 4.12 < record["avg_bits"] < 4.2
+    summary = json.loads((tmp_path / "q.json").read_text())
+    assert summary["method"] == "kbit" and summary["avg_bits"] == record["avg_bits"]
+    assert summary["peak_rss_bytes"] > 0 and summary["seconds"] > 0
     assert main(["eval", str(out), "--max-tokens", "128", "--seq-len", "64"]) == 0
 
 
@@ -212,15 +225,14 @@ def test_merge_writes_a_float_model_with_the_adapters_folded_in(tiny_llama_dir, 
 
 
 @pytest.mark.parametrize("method, options", [
-    ("gptq", ["--bits", "4", "--group-size", "16"]),
-    ("spqr", ["--bits", "3", "--beta1", "16", "--beta2", "16", "--outlier-threshold", "0.2"]),
-    ("spqr", ["--bits", "4", "--beta1", "32", "--statistic-bits", "8", "--no-act-order"]),
-    ("rtn", ["--bits", "4", "--group-size", "0"]),
+    ("gptq", ["--bits", "4", "--group-size", "16", *SMALL_CALIBRATION]),
+    ("spqr", ["--bits", "3", "--beta1", "16", "--beta2", "16", "--outlier-threshold", "0.2", *SMALL_CALIBRATION]),
+    ("spqr", ["--bits", "4", "--beta1", "32", "--statistic-bits", "8", "--no-act-order", *SMALL_CALIBRATION]),
+    ("rtn", ["--bits", "4", "--group-size", "0"]),  # reads no calibration text
 ])
 def test_quantize_gptq_family_writes_a_reloadable_checkpoint(tiny_llama_dir, tmp_path, method, options):
     out = tmp_path / method
-    assert main(["quantize", str(tiny_llama_dir), "--method", method, *options, "--calib-samples", "4",
-                 "--calib-seq-len", "32", "--out", str(out)]) == 0
+    assert main(["quantize", str(tiny_llama_dir), "--method", method, *options, "--out", str(out)]) == 0
     record = json.loads((out / "leanlm_quant.json").read_text())
     assert record["method"] == method and record["avg_bits"] > 0 and "outlier_rate" in record
     if "--no-act-order" in options:
@@ -229,11 +241,12 @@ def test_quantize_gptq_family_writes_a_reloadable_checkpoint(tiny_llama_dir, tmp
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--method", "gptq", "--beta1", "16"], "--beta1 apply to --method spqr"),
-    (["--method", "spqr", "--group-size", "16"], "takes its group size as --beta1"),
-    (["--method", "rtn", "--no-act-order"], "--no-act-order applies to --method gptq and spqr"),
-    (["--method", "w8a8", "--bits", "4"], "--bits applies to weight-only methods"),
-    (["--method", "w8a8", "--group-size", "0", "--weight-granularity", "per_group"], "group size must be at least 1"),
+    (["--method", "gptq", "--beta1", "16"], "--beta1 is not an option of --method gptq"),
+    (["--method", "spqr", "--group-size", "16"], "--group-size is not an option of --method spqr"),
+    (["--method", "rtn", "--no-act-order"], "--no-act-order is not an option of --method rtn (it is one of gptq, "
+                                            "spqr)"),
+    (["--method", "w8a8", "--bits", "4"], "--bits is not an option of --method w8a8"),
+    (["--method", "w8a8", "--group-size", "0", "--weight-granularity", "per_group"], "group_size must be at least 1"),
 ])
 def test_gptq_family_option_mistakes_are_named(tiny_llama_dir, tmp_path, capsys, argv, message):
     assert main(["quantize", str(tiny_llama_dir), *argv, "--out", str(tmp_path / "x")]) == 2

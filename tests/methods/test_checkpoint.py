@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from leanlm.methods import (
     calibrate,
     load_any,
     load_quantized,
-    quantize_w8a8_,
+    Calibration,
+    quantize_,
     save_quantized,
 )
 from leanlm.models import load_model
@@ -21,7 +23,8 @@ from leanlm.models import load_model
 def quantized_dir(tiny_llama_dir, tmp_path):
     loaded = load_model(tiny_llama_dir)
     stats = calibrate(loaded.model, torch.randint(0, 1000, (2, 16)))
-    record = quantize_w8a8_(loaded.model, W8A8Config(level="O3", smoothquant=SmoothQuantConfig(0.5)), stats)
+    record = quantize_(loaded.model, [SmoothQuantConfig(0.5), W8A8Config(level="O3")],
+                       calibration=Calibration(int8_stats=stats))
     out = save_quantized(loaded, loaded.model, record, tmp_path / "q")
     return out, loaded.model
 
@@ -64,6 +67,7 @@ def _first_linear(record):
 @pytest.mark.parametrize("edit, message", [
     (lambda r: [r], "holds a JSON list; a checkpoint record is an object"),
     (lambda r: {**r, "method": "awq"}, "method 'awq' is not a leanlm method"),
+    (lambda r: {**r, "method": "cushion+awq"}, "method 'cushion+awq' is not a leanlm method or composition"),
     (lambda r: {**r, "level": "O4"}, "level 'O4' is not one of O1, O2, O3"),
     (lambda r: {**r, "modules": []}, "'modules' must be an object"),
     (lambda r: (_first_linear(r)["args"].update(colour="red"), r)[1], "unexpected keyword argument 'colour'"),
@@ -74,7 +78,7 @@ def _first_linear(record):
 def test_every_damaged_record_is_named_before_anything_is_allocated(quantized_dir, edit, message):
     out, _ = quantized_dir
     _edit_record(out, edit)
-    with pytest.raises(CorruptModelError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(CorruptModelError, match=re.escape(message)):
         load_any(out)
 
 

@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from leanlm.errors import LeanLMError
-from leanlm.methods import QUANT_FILE, W8A8Config, load_any, quantize_w8a8_, save_quantized
-from leanlm.methods.checkpoint import CHECKPOINT_METHODS, WEIGHTS_FILE
+from leanlm.methods import QUANT_FILE, W8A8Config, load_any, quantize_, save_quantized
+from leanlm.methods.checkpoint import WEIGHTS_FILE
+from leanlm.methods.quantize import method_names
 from leanlm.nn import QUANTIZED_MODULES
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -25,7 +26,7 @@ ARG_NAMES = ("in_features", "out_features", "bias", "activation", "static", "out
 MODULE_NAMES = ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "model.layers.0.self_attn.bmm_quantizer",
                 "lm_head", "model.layers.9.mlp.up_proj", "")
 plausible_records = st.fixed_dictionaries({
-    "method": st.sampled_from((*CHECKPOINT_METHODS, "awq")),
+    "method": st.sampled_from((*method_names(), "cushion+smoothquant", "smoothquant+gptq", "awq")),
     "modules": st.dictionaries(
         st.sampled_from(MODULE_NAMES),
         st.fixed_dictionaries({
@@ -45,7 +46,7 @@ def checkpoint(tmp_path_factory, smollm2_tokenizer):
     from leanlm.models import load_model
 
     loaded = load_model(save_tiny_llama(tmp_path_factory.mktemp("tiny"), smollm2_tokenizer))
-    record = quantize_w8a8_(loaded.model, W8A8Config(level="O2"))
+    record = quantize_(loaded.model, W8A8Config(level="O2"))
     return save_quantized(loaded, loaded.model, record, tmp_path_factory.mktemp("ckpt") / "q")
 
 

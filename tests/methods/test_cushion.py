@@ -2,17 +2,24 @@ import pytest
 import torch
 
 from leanlm.errors import ConfigError, UnsupportedArchitectureError
-from leanlm.methods import SmoothQuantConfig, W8A8Config, collect_input_absmax, load_quantized, save_quantized, smooth_
+from leanlm.methods import (
+    Calibration,
+    SmoothQuantConfig,
+    W8A8Config,
+    collect_input_absmax,
+    load_quantized,
+    quantize_,
+    save_quantized,
+    smooth_,
+)
 from leanlm.cache.prefix import CUSHION_FILE, Cushion, attach_cushion, attached_cushion, cushion_keys_values, detach_cushion
 from leanlm.methods.cushion import (
     CushionConfig,
     cushioned_copy,
     quantization_error_probe,
-    quantize_with_cushion_,
     search_cushion,
     tune_cushion,
 )
-from leanlm.methods.w8a8 import CalibrationSettings
 from leanlm.nn import W8A8Linear
 from leanlm.models import load_model
 from tiny import tiny_model
@@ -74,13 +81,12 @@ def test_smoothing_v_proj_divides_an_attached_cushions_values_alike():
 def test_a_cushioned_copy_leaves_the_float_model_alone(smollm2_tokenizer):
     model = tiny_model("llama", vocab_size=len(smollm2_tokenizer))
     cushion = _cushion(model, [5, 17])
-    float_copy, record = cushioned_copy(model, smollm2_tokenizer, cushion)
+    float_copy, record = cushioned_copy(model, cushion)
     assert attached_cushion(float_copy) is cushion and record == {} and attached_cushion(model) is None
-    calibration = CalibrationSettings(n_samples=2, seq_len=16)
-    quantized, record = cushioned_copy(model, smollm2_tokenizer, cushion, W8A8Config(level="O3"),
-                                       SMALL_SEARCH, calibration)
-    assert record["cushion"]["length"] == 2 and attached_cushion(quantized) is cushion
-    plain, record = cushioned_copy(model, smollm2_tokenizer, None, W8A8Config(level="O3"), calibration=calibration)
+    calibration = Calibration(smollm2_tokenizer, samples=2, seq_len=16)
+    quantized, record = cushioned_copy(model, cushion, [W8A8Config(level="O3")], calibration)
+    assert record["method"] == "w8a8" and attached_cushion(quantized) is cushion
+    plain, record = cushioned_copy(model, None, [W8A8Config(level="O3")], calibration)
     assert attached_cushion(plain) is None and "cushion" not in record
     assert not any(isinstance(m, W8A8Linear) for m in model.modules())  # the original stays float
     assert any(isinstance(m, W8A8Linear) for m in quantized.modules())
@@ -123,9 +129,10 @@ def test_a_negative_threshold_forces_the_search_to_its_maximum_length(smollm2_to
 
 def test_w8a8_with_a_cushion_round_trips_through_a_checkpoint(tiny_llama_dir, tmp_path):
     loaded = load_model(tiny_llama_dir)
-    record, cushion = quantize_with_cushion_(loaded.model, loaded.tokenizer, W8A8Config(level="O3"), SMALL_SEARCH,
-                                             CalibrationSettings(n_samples=2, seq_len=32), progress=False)
-    assert record["cushion"]["length"] == cushion.length >= 1
+    record = quantize_(loaded.model, [SMALL_SEARCH, W8A8Config(level="O3")],
+                       calibration=Calibration(loaded.tokenizer, samples=2, seq_len=32))
+    cushion = attached_cushion(loaded.model)
+    assert record["method"] == "cushion+w8a8" and record["cushion"]["length"] == cushion.length >= 1
     out = save_quantized(loaded, loaded.model, record, tmp_path / "q")
     assert (out / CUSHION_FILE).is_file()
     reloaded, saved = load_quantized(out)

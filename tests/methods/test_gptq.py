@@ -1,8 +1,7 @@
 import pytest
 import torch
 
-from leanlm.methods import load_quantized, save_quantized
-from leanlm.methods.gptq import gptq_config, quantize_gptq_, rtn_config, spqr_config
+from leanlm.methods import Calibration, GPTQConfig, RTNConfig, SpQRConfig, load_quantized, quantize_, save_quantized
 from leanlm.models import load_model
 from leanlm.nn import SpQRLinear
 from tiny import tiny_model
@@ -13,14 +12,15 @@ def _calibration(vocab=128, samples=16, seq_len=32):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt2", "opt"])
-@pytest.mark.parametrize("config", [rtn_config(bits=4, group_size=16), gptq_config(bits=4, group_size=16),
-                                    spqr_config(bits=3, beta1=16, beta2=16)], ids=["rtn", "gptq", "spqr"])
-def test_every_block_linear_is_replaced_and_the_model_still_agrees(family, config):
+@pytest.mark.parametrize("name, config", [("rtn", RTNConfig(bits=4, group_size=16)),
+                                          ("gptq", GPTQConfig(bits=4, group_size=16)),
+                                          ("spqr", SpQRConfig(bits=3, beta1=16, beta2=16))], ids=["rtn", "gptq", "spqr"])
+def test_every_block_linear_is_replaced_and_the_model_still_agrees(family, name, config):
     model = tiny_model(family)
     ids = _calibration()[:2]
     with torch.inference_mode():
         reference = model(input_ids=ids).logits
-    record = quantize_gptq_(model, config, _calibration())
+    record = quantize_(model, config, calibration=Calibration(token_ids=_calibration()))
     layers = [m for m in model.modules() if isinstance(m, SpQRLinear)]
     assert layers and record["avg_bits"] == pytest.approx(
         sum(m.bits_per_weight() * m.in_features * m.out_features for m in layers)
@@ -29,17 +29,17 @@ def test_every_block_linear_is_replaced_and_the_model_still_agrees(family, confi
         quantized = model(input_ids=ids).logits
     relative = ((quantized - reference).norm() / reference.norm()).item()
     assert relative < 0.25, relative
-    assert record["method"] == config.method and record["seconds"] > 0
+    assert record["method"] == name and record["seconds"] > 0
 
 
 def test_gptq_beats_rtn_on_the_calibration_text():
     ids = _calibration(samples=8)
     errors = {}
-    for name, config in {"rtn": rtn_config(bits=3, group_size=16), "gptq": gptq_config(bits=3, group_size=16)}.items():
+    for name, config in {"rtn": RTNConfig(bits=3, group_size=16), "gptq": GPTQConfig(bits=3, group_size=16)}.items():
         model = tiny_model("llama", layers=3)
         with torch.inference_mode():
             reference = model(input_ids=ids).logits
-        quantize_gptq_(model, config, _calibration(samples=32))
+        quantize_(model, config, calibration=Calibration(token_ids=_calibration(samples=32)))
         with torch.inference_mode():
             errors[name] = (model(input_ids=ids).logits - reference).square().mean().item()
     assert errors["gptq"] < errors["rtn"]
@@ -48,7 +48,7 @@ def test_gptq_beats_rtn_on_the_calibration_text():
 def test_spqr_checkpoint_round_trips(tiny_llama_dir, tmp_path):
     loaded = load_model(tiny_llama_dir)
     batches = torch.randint(0, 1000, (8, 32), generator=torch.Generator().manual_seed(0))
-    record = quantize_gptq_(loaded.model, spqr_config(), batches)
+    record = quantize_(loaded.model, SpQRConfig(), calibration=Calibration(token_ids=batches))
     assert record["outlier_rate"] > 0
     out = save_quantized(loaded, loaded.model, record, tmp_path / "q")
     reloaded, saved = load_quantized(out)

@@ -3,7 +3,7 @@ import torch
 from tiny import tiny_model
 
 from leanlm.formats.blockwise import bits_per_parameter
-from leanlm.methods import KbitConfig, load_quantized, quantize_kbit_, save_quantized
+from leanlm.methods import KbitConfig, load_quantized, quantize_, save_quantized
 from leanlm.methods.kbit import proxy_columns
 from leanlm.models.architectures import proxy_source_weights
 from leanlm.nn import KbitLinear
@@ -32,7 +32,7 @@ def test_proxy_sources_follow_the_residual_stream_and_the_value_path():
 def test_proxy_quantization_keeps_those_columns_in_fp16_and_counts_them(tmp_path):
     model = tiny_model("llama")
     config = KbitConfig(dtype="int", bits=3, block_size=32, proxy_fraction=0.05)
-    record = quantize_kbit_(model, config)
+    record = quantize_(model, config)
     down = model.model.layers[0].mlp.down_proj
     assert isinstance(down, KbitLinear) and down.proxy_columns.numel() == round(0.05 * 128)
     q_proj = model.model.layers[0].self_attn.q_proj
@@ -46,7 +46,7 @@ def test_proxy_columns_survive_a_checkpoint_and_shape_the_output(tiny_llama_dir,
     from leanlm.models import load_model
 
     loaded = load_model(str(tiny_llama_dir))
-    record = quantize_kbit_(loaded.model, KbitConfig(bits=4, block_size=64, proxy_fraction=0.1))
+    record = quantize_(loaded.model, KbitConfig(bits=4, block_size=64, proxy_fraction=0.1))
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.inference_mode():
         before = loaded.model(input_ids=ids).logits

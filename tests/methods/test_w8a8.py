@@ -7,11 +7,12 @@ from leanlm.errors import ConfigError
 from leanlm.methods import (
     LEVELS,
     ZEROQUANT,
+    Calibration,
+    LLMInt8Config,
     SmoothQuantConfig,
     W8A8Config,
     calibrate,
-    quantize_w8a8_,
-    search_alpha,
+    quantize_,
     share_input_gemms_,
 )
 from leanlm.nn import ATTENTION_NAME, BmmQuantizer, W8A8Linear
@@ -36,7 +37,7 @@ def test_every_linear_becomes_int8_and_outputs_stay_close(model_type, level):
     model = tiny_model(model_type)
     stats = calibrate(model, _batches())
     quantized = copy.deepcopy(model)
-    record = quantize_w8a8_(quantized, W8A8Config(level=level, smoothquant=SmoothQuantConfig()), stats)
+    record = quantize_(quantized, [SmoothQuantConfig(), W8A8Config(level=level)], calibration=Calibration(int8_stats=stats))
     activation, static = LEVELS[level]
     linears = [m for m in quantized.modules() if isinstance(m, W8A8Linear)]
     assert len(linears) == 2 * (4 if model_type in ("gpt2", "gpt_neox") else 7 if model_type != "opt" else 6)
@@ -61,7 +62,7 @@ def test_every_linear_becomes_int8_and_outputs_stay_close(model_type, level):
 def test_static_scales_are_the_calibrated_maxima():
     model = tiny_model("llama")
     stats = calibrate(model, _batches())
-    quantize_w8a8_(model, W8A8Config(level="O3", quantize_bmm=False), stats)
+    quantize_(model, W8A8Config(level="O3", quantize_bmm=False), calibration=Calibration(int8_stats=stats))
     q_proj = model.model.layers[1].self_attn.q_proj
     assert torch.isclose(q_proj.input_scale, stats.input_absmax["model.layers.1.self_attn.q_proj"].max() / 127)
     assert model.config._attn_implementation == "sdpa"
@@ -69,39 +70,47 @@ def test_static_scales_are_the_calibrated_maxima():
 
 def test_zeroquant_is_per_token_with_grouped_weights():
     model = tiny_model("llama")
-    quantize_w8a8_(model, ZEROQUANT)  # dynamic and unsmoothed: needs no calibration
+    quantize_(model, ZEROQUANT)  # dynamic and unsmoothed: needs no calibration
     down = model.model.layers[0].mlp.down_proj
     assert down.activation == "per_token" and not down.static
     assert down.weight_scale.unique().numel() == 1  # 64 outputs: one group of 128
 
 
 def test_levels_that_need_calibration_say_so():
-    with pytest.raises(ConfigError, match="needs calibration"):
-        quantize_w8a8_(tiny_model("llama"), W8A8Config(level="O3"))
+    with pytest.raises(ConfigError, match="W8A8Config needs calibration text"):
+        quantize_(tiny_model("llama"), W8A8Config(level="O3"))
+    with pytest.raises(ConfigError, match="SmoothQuantConfig needs calibration text"):
+        quantize_(tiny_model("llama"), [SmoothQuantConfig(), W8A8Config(level="O1")])
     with pytest.raises(ConfigError, match="level must be one of"):
         W8A8Config(level="O4")
 
 
-def test_alpha_search_returns_the_grid_minimum():
-    model = tiny_model("llama")
-    stats = calibrate(model, _batches())
-    best, perplexities = search_alpha(
-        model, W8A8Config(level="O3", smoothquant=SmoothQuantConfig()), stats, _batches(2, 16), grid=(0.3, 0.6, 0.9)
-    )
-    assert set(perplexities) == {0.3, 0.6, 0.9} and perplexities[best] == min(perplexities.values())
-    assert not any(isinstance(m, W8A8Linear) for m in model.modules()), "the float model must stay untouched"
+def test_alpha_search_keeps_the_grid_minimum_on_held_out_windows(smollm2_tokenizer):
+    model = tiny_model("llama", vocab_size=len(smollm2_tokenizer))
+    calibration = Calibration(smollm2_tokenizer, samples=3, seq_len=24)
+    grid = (0.3, 0.6, 0.9)
+    record = quantize_(model, [SmoothQuantConfig("auto", alpha_grid=grid, search_windows=2), W8A8Config(level="O3")],
+                       calibration=calibration)
+    searched = {float(alpha): ppl for alpha, ppl in record["alpha_search"].items()}
+    assert set(searched) == set(grid) and searched[record["smoothquant"]["alpha"]] == min(searched.values())
+    # The candidates were copies: the model itself was smoothed and quantized once, with the chosen alpha.
+    assert sum(isinstance(m, W8A8Linear) for m in model.modules()) == 14
+    again = tiny_model("llama", vocab_size=len(smollm2_tokenizer))
+    quantize_(again, [SmoothQuantConfig(record["smoothquant"]["alpha"]), W8A8Config(level="O3")],
+              calibration=calibration)
+    ids = torch.randint(0, 1000, (1, 12))
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, again(ids).logits)
 
 
 def test_llm_int8_and_zeropoint_configs_reach_every_linear():
-    from leanlm.methods import llm_int8_config
-
     model = tiny_model("llama")
-    record = quantize_w8a8_(model, llm_int8_config(6.0))
+    record = quantize_(model, LLMInt8Config(6.0))
     linears = [m for m in model.modules() if isinstance(m, W8A8Linear)]
     assert record["method"] == "llm-int8" and all(m.outlier_threshold == 6.0 for m in linears)
     assert model.config._attn_implementation == "sdpa"  # the paper keeps attention's matmuls in 16-bit
     zeropoint = tiny_model("llama")
-    quantize_w8a8_(zeropoint, W8A8Config(level="O2", asymmetric=True, quantize_bmm=False))
+    quantize_(zeropoint, W8A8Config(level="O2", asymmetric=True, quantize_bmm=False))
     assert all(m.asymmetric for m in zeropoint.modules() if isinstance(m, W8A8Linear))
     with pytest.raises(ConfigError, match="dynamic activation scales"):
         W8A8Config(level="O3", outlier_threshold=6.0)

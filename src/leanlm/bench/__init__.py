@@ -6,6 +6,7 @@ from leanlm.bench.harness import (
     environment,
     peak_memory,
     previous_results,
+    process_peak_rss_bytes,
     results_dir,
     results_name,
     time_call,
@@ -16,4 +17,4 @@ from leanlm.bench.harness import (
     write_results,
 )
 
-__all__ = ["PeakMemory", "Timing", "environment", "peak_memory", "previous_results", "results_dir", "results_name", "time_call", "time_interleaved", "time_modules", "time_prefill", "weight_bytes", "write_results"]
+__all__ = ["PeakMemory", "Timing", "environment", "peak_memory", "previous_results", "process_peak_rss_bytes", "results_dir", "results_name", "time_call", "time_interleaved", "time_modules", "time_prefill", "weight_bytes", "write_results"]

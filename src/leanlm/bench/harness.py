@@ -117,8 +117,18 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+_peak_before_resets = 0  # the high-water mark as it was before `peak_memory` last reset it
+
+
+def process_peak_rss_bytes() -> int:
+    """The process's peak resident memory since it started, whatever `peak_memory` blocks reset in between."""
+    return max(_peak_before_resets, _status_kib("VmHWM") * 1024)
+
+
 def _reset_peak_rss() -> bool:
     """Reset the kernel's high-water mark of this process' resident memory (Linux >= 4.0)."""
+    global _peak_before_resets
+    _peak_before_resets = process_peak_rss_bytes()
     try:
         with open("/proc/self/clear_refs", "w") as handle:
             handle.write("5")

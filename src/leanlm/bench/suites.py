@@ -42,14 +42,14 @@ def linear_suite(size: int = 4096, rows: tuple[int, ...] = LINEAR_ROWS, repeats:
 
 def model_suite(loaded, prompt_tokens: int = 256, decode_tokens: int = 16, repeats: int = 3) -> dict:
     """Prefill tokens/s and decode ms/token of the model in FP32, NF4 + double quantization and W8A8 O1."""
-    from leanlm.methods import KbitConfig, W8A8Config, quantize_kbit_, quantize_w8a8_
+    from leanlm.methods import KbitConfig, W8A8Config, quantize_
 
     variants = {"fp32": loaded.model}
     nf4 = copy.deepcopy(loaded.model)
-    quantize_kbit_(nf4, KbitConfig("nf", 4, 64, double_quant=True))
+    quantize_(nf4, KbitConfig("nf", 4, 64, double_quant=True))
     variants["nf4 + double quant"] = nf4
     int8 = copy.deepcopy(loaded.model)
-    quantize_w8a8_(int8, W8A8Config(level="O1", weight_granularity="per_channel", quantize_bmm=False))
+    quantize_(int8, W8A8Config(level="O1", weight_granularity="per_channel", quantize_bmm=False))
     variants["w8a8 O1"] = int8
     ids = torch.randint(0, loaded.tokenizer.vocab_size, (1, prompt_tokens),
                         generator=torch.Generator().manual_seed(0))

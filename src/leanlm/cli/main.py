@@ -11,8 +11,9 @@ from pathlib import Path
 
 from leanlm.errors import ConfigError, LeanLMError
 from leanlm.evaluation import ALL_TASKS, EvalSettings
-from leanlm.formats.codebooks import DTYPES
 from leanlm.models import DEFAULT_MODEL
+from leanlm.bench.harness import process_peak_rss_bytes
+from leanlm.cli.options import add_method_options
 from leanlm.report import format_table
 from leanlm.storage import check_output_directory, staged_directory
 
@@ -61,6 +62,18 @@ def _settings(args) -> EvalSettings:
     return EvalSettings(tasks=args.tasks, limit=args.limit, max_tokens=args.max_tokens, seq_len=args.seq_len)
 
 
+def _check_json_path(path: Path | None) -> None:
+    """Refuse an unwritable --json before the work whose result it would hold."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"cannot write --json {path}: {error.strerror or error}") from None
+    if path.is_dir():
+        raise ConfigError(f"--json {path} is a directory; give a file path")
+
+
 def _write_json(path: Path | None, payload: dict) -> None:
     if path is None:
         return
@@ -88,13 +101,16 @@ def command_eval(args) -> None:
     from leanlm.methods import load_any
 
     settings = _settings(args)
+    _check_json_path(args.json)
     loaded = load_any(args.model)
     payload = {"model": args.model, "weights_note": loaded.weights_note, **evaluate(loaded.model, loaded.tokenizer, settings)}
+    payload["peak_rss_bytes"] = process_peak_rss_bytes()
     print(f"\nmodel: {args.model}" + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
     print(format_table(["task", "metric", "value", "on", "speed"], _task_rows(payload["results"])))
     if payload["zero_shot_average"] is not None:
         print(f"zero-shot average acc: {payload['zero_shot_average']:.4f}")
-    print(f"weights: {payload['weights_bytes'] / 2**20:.1f} MiB   time: {payload['seconds']:.1f} s")
+    print(f"weights: {payload['weights_bytes'] / 2**20:.1f} MiB stored, peak resident memory "
+          f"{payload['peak_rss_bytes'] / 2**20:.0f} MiB   time: {payload['seconds']:.1f} s")
     _write_json(args.json, payload)
 
 
@@ -125,140 +141,35 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _block_size(text: str) -> int | str:
-    return text if text == "row" else _positive_int(text)
-
-
-def _alpha(text: str) -> float | str:
-    if text == "auto":
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"alpha (migration strength) must lie in [0, 1], got {value}")
-    return value
-
-
-def _int8_config(args, method: str, default_level: str | None = None):
-    """The W8A8 config of `method` (w8a8, smoothquant, llm-int8); `--method cushion` passes its --base."""
-    from leanlm.methods import SmoothQuantConfig, W8A8Config, llm_int8_config
-
-    if args.threshold is not None and method != "llm-int8":
-        raise ConfigError("--threshold applies to --method llm-int8 only")
-    if args.alpha is not None and method != "smoothquant":
-        raise ConfigError("--alpha applies to smoothquant only (--method smoothquant, or --method cushion --base "
-                          "smoothquant)")
-    if method == "llm-int8":
-        if args.level not in (None, "O1") or args.weight_granularity != "per_tensor" or args.no_bmm:
-            raise ConfigError("llm-int8 fixes its own granularities (vector-wise, per-token); only --threshold applies")
-        return llm_int8_config(None if args.threshold == float("inf") else (args.threshold or 6.0))
-    smoothing = None
-    if method == "smoothquant":
-        alpha = 0.5 if args.alpha in (None, "auto") else args.alpha
-        smoothing = SmoothQuantConfig(alpha, args.smooth_extension, args.smooth_extension)
-    return W8A8Config(
-        level=args.level or default_level or ("O3" if method == "smoothquant" else "O2"),
-        weight_granularity=args.weight_granularity,
-        group_size=128 if args.group_size is None else args.group_size,
-        smoothquant=smoothing,
-        quantize_bmm=not args.no_bmm,
-        quantize_probs=args.quantize_probs,
-    )
-
-
-GPTQ_FAMILY = ("rtn", "gptq", "spqr")
-
-
-def _gptq_config(args):
-    from leanlm.methods.gptq import gptq_config, rtn_config, spqr_config
-
-    calibration = dict(calibration_samples=args.calib_samples or 128, calibration_seq_len=args.calib_seq_len)
-    spqr_only = {"--beta1": args.beta1, "--beta2": args.beta2, "--outlier-threshold": args.outlier_threshold,
-                 "--statistic-bits": args.statistic_bits}
-    if args.method != "spqr" and any(v is not None for v in spqr_only.values()):
-        raise ConfigError(f"{', '.join(k for k, v in spqr_only.items() if v is not None)} apply to --method spqr")
-    if args.method == "spqr":
-        if args.group_size is not None:
-            raise ConfigError("--method spqr takes its group size as --beta1")
-        return spqr_config(bits=args.bits or 3, beta1=args.beta1 or 16, beta2=args.beta2 or 16,
-                           outlier_threshold=args.outlier_threshold if args.outlier_threshold is not None else 0.2,
-                           statistic_bits=args.statistic_bits or 3, act_order=args.act_order,
-                           damping=args.damping if args.damping is not None else 1.0, **calibration)
-    group_size = None if args.group_size == 0 else (args.group_size or 128)
-    if args.method == "rtn":
-        return rtn_config(bits=args.bits or 4, group_size=group_size)
-    return gptq_config(bits=args.bits or 4, group_size=group_size, act_order=args.act_order,
-                       damping=args.damping if args.damping is not None else 0.01, **calibration)
+def _describe(record: dict) -> str:
+    """One line of what `quantize_` did, from its record."""
+    parts = [record["method"]]
+    if "level" in record:
+        parts.append(f"{record['level']}, weights {record['weight_granularity']}")
+    if record.get("smoothquant"):
+        parts.append(f"alpha {record['smoothquant']['alpha']}")
+    if record.get("avg_bits") is not None:
+        parts.append(f"average {record['avg_bits']:.3f} bits per weight")
+    if record.get("outlier_rate"):
+        parts.append(f"{100 * record['outlier_rate']:.2f}% outliers")
+    if record.get("cushion"):
+        parts.append(f"cushion {record['cushion']['text']!r} ({record['cushion']['length']} tokens)")
+    return ", ".join(parts)
 
 
 def command_quantize(args) -> None:
-    import time
+    from dataclasses import replace
 
-    from leanlm.methods import CalibrationSettings, KbitConfig, quantize_kbit_, quantize_loaded_w8a8_, save_quantized
+    from leanlm.cli.options import method_configs
+    from leanlm.methods import quantize_, save_quantized
     from leanlm.models import load_model
 
-    if not args.act_order and args.method not in ("gptq", "spqr"):
-        raise ConfigError("--no-act-order applies to --method gptq and spqr (the others have no column order)")
-    kbit_options = [args.dtype, args.block_size, args.exponent_bits, args.proxy_fraction]
-    if args.method == "kbit":
-        block_size = None if args.block_size == "row" else (args.block_size or 64)
-        config = KbitConfig(args.dtype or "nf", args.bits or 4, block_size, args.double_quant, args.exponent_bits,
-                            args.proxy_fraction or 0.0)
-    elif any(option is not None for option in kbit_options) or args.double_quant:
-        raise ConfigError("--dtype, --block-size, --double-quant, --exponent-bits and --proxy-fraction "
-                          "apply to --method kbit")
-    elif args.method in GPTQ_FAMILY:
-        config = _gptq_config(args)
-    elif args.bits is not None:
-        raise ConfigError("--bits applies to weight-only methods (kbit, rtn, gptq, spqr)")
-    elif args.method == "cushion":
-        config = _int8_config(args, args.base or "w8a8", default_level="O3")
-    else:
-        if args.base is not None:
-            raise ConfigError("--base applies to --method cushion")
-        config = _int8_config(args, args.method)
+    configs, calibration = method_configs(args)  # every option checked before the model loads
     check_output_directory(args.out)
+    _check_json_path(args.json)
     loaded = load_model(args.model)
-    started = time.perf_counter()
-    if args.method == "kbit":
-        record = quantize_kbit_(loaded.model, config)
-        summary = f"kbit {config.dtype}{config.bits}, average {record['avg_bits']:.3f} bits per weight"
-    elif args.method in GPTQ_FAMILY:
-        from leanlm.data import calibration_batches
-        from leanlm.methods.gptq import quantize_gptq_
-
-        batches = (calibration_batches(loaded.tokenizer, config.calibration_samples, config.calibration_seq_len,
-                                       seed=args.seed) if config.solver.error_feedback else None)
-        record = quantize_gptq_(loaded.model, config, batches)
-        summary = (f"{args.method} {config.solver.bits}-bit, average {record['avg_bits']:.3f} bits per weight, "
-                   f"{100 * record['outlier_rate']:.2f}% outliers")
-    elif args.method == "cushion":
-        from leanlm.methods.cushion import CushionConfig, quantize_with_cushion_
-
-        initial = tuple(loaded.tokenizer(args.cushion_init, add_special_tokens=False)["input_ids"]) \
-            if args.cushion_init else ()
-        cushion_config = CushionConfig(candidates=args.cushion_candidates, max_length=args.cushion_max_length,
-                                       min_improvement=args.cushion_min_improvement, initial=initial,
-                                       tune_steps=args.cushion_tune_steps, tune_lambda=args.cushion_lambda,
-                                       seed=args.seed)
-        calibration = CalibrationSettings(n_samples=args.calib_samples or 512, seq_len=args.calib_seq_len,
-                                          seed=args.seed)
-        record, cushion = quantize_with_cushion_(loaded.model, loaded.tokenizer, config, cushion_config, calibration,
-                                                 search_alpha=args.alpha == "auto")
-        record["method"] = f"cushion+{record['method']}"
-        summary = (f"cushion {cushion.record['text']!r} ({cushion.length} tokens, search "
-                   f"{cushion.record['search_seconds']:.0f} s) + {record['method']} {record['level']}")
-    else:
-        calibration = CalibrationSettings(n_samples=args.calib_samples or 512, seq_len=args.calib_seq_len,
-                                          seed=args.seed)
-        record = quantize_loaded_w8a8_(loaded.model, loaded.tokenizer, config, calibration,
-                                       search=args.alpha == "auto")
-        alpha = record["smoothquant"]["alpha"] if record.get("smoothquant") else None
-        summary = (f"{record['method']} {record['level']}, weights {record['weight_granularity']}"
-                   + (f", alpha {alpha}" if alpha is not None else ""))
-    record["quantize_seconds"] = time.perf_counter() - started
+    record = quantize_(loaded.model, configs, calibration=replace(calibration, tokenizer=loaded.tokenizer))
+    record["quantize_seconds"] = record["seconds"]
     out = save_quantized(loaded, loaded.model, record, args.out)
     curve = record.get("cushion", {}).get("tuning", {}).get("curve")
     if curve:  # an illustration beside the finished checkpoint, which does not need it
@@ -266,7 +177,10 @@ def command_quantize(args) -> None:
 
         plot_training_curves({name: [point[name] for point in curve] for name in curve[0]},
                              out / "cushion_tuning.png", f"{args.model}: CushionCache prefix tuning")
-    print(f"wrote {out} ({summary}) in {record['quantize_seconds']:.0f} s")
+    print(f"wrote {out} ({_describe(record)}) in {record['seconds']:.0f} s")
+    _write_json(args.json, {"method": record["method"], "avg_bits": record.get("avg_bits"),
+                            "peak_rss_bytes": process_peak_rss_bytes(), "seconds": record["seconds"],
+                            "record": record})
 
 
 def command_analyze(args) -> None:
@@ -463,70 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     quantize = commands.add_parser("quantize", help="quantize a model and write a reloadable checkpoint")
     quantize.add_argument("model", help="registry name, model directory or .gguf file")
-    quantize.add_argument("--method", required=True,
-                          choices=["w8a8", "smoothquant", "llm-int8", "kbit", "rtn", "gptq", "spqr", "cushion"],
-                          help="w8a8: naive int8 weights and activations; smoothquant: smoothing first; "
-                               "llm-int8: vector-wise int8 with outlier dimensions in float; "
-                               "kbit: weight-only k-bit (NF4, FP4, int, dynamic); rtn / gptq / spqr: weight-only "
-                               "min-max groups, rounded / with Hessian error feedback / plus 3-bit statistics "
-                               "and fp16 outliers; cushion: a searched (and tuned) prefix KV cache, then "
-                               "--base w8a8|smoothquant at --level (default O3)")
-    quantize.add_argument("--base", choices=["w8a8", "smoothquant"], help="cushion: the W8A8 recipe (default w8a8)")
-    quantize.add_argument("--cushion-candidates", type=_positive_int, default=512,
-                          help="cushion: candidate tokens per search step (the most frequent of the search text "
-                               "plus special tokens; the paper searches the whole vocabulary)")
-    quantize.add_argument("--cushion-max-length", type=_positive_int, default=4, help="cushion: prefix tokens at most")
-    quantize.add_argument("--cushion-min-improvement", type=float, default=0.1,
-                          help="cushion: tau, the error cut a token must bring to be appended (default 0.1; "
-                               "below 0 appends up to --cushion-max-length tokens whatever they do)")
-    quantize.add_argument("--cushion-init", help="cushion: text the search starts from (e.g. a newline)")
-    quantize.add_argument("--cushion-tune-steps", type=_non_negative_int, default=0,
-                          help="cushion: quantization-aware prefix-tuning steps after the search (default 0)")
-    quantize.add_argument("--cushion-lambda", type=float, default=1e-3,
-                          help="cushion: weight of the quantization error in the tuning loss")
-    quantize.add_argument("--dtype", choices=DTYPES,
-                          help="kbit: data type (default nf; int is symmetric, int_asym two's complement)")
-    quantize.add_argument("--bits", type=int, choices=range(2, 9),
-                          help="kbit (3-8), rtn, gptq (default 4), spqr (default 3): bits per weight code")
-    quantize.add_argument("--block-size", type=_block_size, help="kbit: values per absmax constant, or 'row' (default 64)")
-    quantize.add_argument("--double-quant", action="store_true", help="kbit: 8-bit block constants (QLoRA)")
-    quantize.add_argument("--exponent-bits", type=int, help="kbit --dtype fp: exponent bits (default ~half)")
-    quantize.add_argument("--proxy-fraction", type=float,
-                          help="kbit: share of input dimensions kept in 16-bit, chosen by the previous layer's "
-                               "weight std (proxy quantization; the thesis uses 0.02)")
-    quantize.add_argument("--threshold", type=_positive_float,
-                          help="llm-int8: outlier magnitude (default 6.0; inf: no decomposition)")
-    quantize.add_argument("--level", choices=["O1", "O2", "O3"],
-                          help="O1 per-token dynamic, O2 per-tensor dynamic, O3 per-tensor static activations "
-                               "(default: O2 for w8a8, O3 for smoothquant)")
-    quantize.add_argument("--alpha", type=_alpha, help="migration strength in [0, 1], or 'auto' for a grid "
-                          "search on held-out calibration text (default 0.5)")
-    quantize.add_argument("--weight-granularity", choices=["per_tensor", "per_channel", "per_group"],
-                          default="per_tensor", help="per_group with --level O1 is ZeroQuant-style")
-    quantize.add_argument("--group-size", type=_non_negative_int,
-                          help="w8a8 per_group: output channels per weight scale (default 128); rtn/gptq: input "
-                               "columns per scale and zero (default 128; 0 = whole row)")
-    quantize.add_argument("--beta1", type=_positive_int, help="spqr: columns per first-level group (default 16)")
-    quantize.add_argument("--beta2", type=_positive_int,
-                          help="spqr: rows per second-level group of the 3-bit statistics (default 16)")
-    quantize.add_argument("--outlier-threshold", type=_positive_float,
-                          help="spqr: tau, relative to the layer's mean sensitivity (default 0.2)")
-    quantize.add_argument("--statistic-bits", type=int, choices=range(2, 9),
-                          help="spqr: bits of the group scales and zeros (default 3)")
-    quantize.add_argument("--damping", type=float,
-                          help="gptq/spqr: Hessian damping as a fraction of its mean diagonal (default 0.01 / 1.0)")
-    quantize.add_argument("--no-act-order", dest="act_order", action="store_false",
-                          help="gptq/spqr: quantize columns in their natural order, not by decreasing Hessian diagonal")
-    quantize.add_argument("--no-bmm", action="store_true", help="keep attention's two matmuls in float32")
-    quantize.add_argument("--quantize-probs", action="store_true",
-                          help="also round softmax probabilities to the int8 grid 1/127 (the int8 OPT kernel does)")
-    quantize.add_argument("--no-smooth-extension", dest="smooth_extension", action="store_false",
-                          help="smooth only norm -> linear (the paper), not also v->o and up->down")
-    quantize.add_argument("--calib-samples", type=_positive_int,
-                          help="calibration windows (default 512 for w8a8/smoothquant, 128 for gptq/spqr)")
-    quantize.add_argument("--calib-seq-len", type=_positive_int, default=512)
-    quantize.add_argument("--seed", type=int, default=0)
+    add_method_options(quantize)
     quantize.add_argument("--out", type=Path, required=True, help="directory for the checkpoint")
+    quantize.add_argument("--json", type=Path, help="write method, avg_bits, peak_rss_bytes and seconds as JSON")
     quantize.set_defaults(handler=command_quantize, interrupted=_nothing_written)
 
     analyze = commands.add_parser("analyze", help="activation outlier features (LLM.int8() section 2.3)")

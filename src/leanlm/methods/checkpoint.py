@@ -20,18 +20,15 @@ from safetensors.torch import save_model as save_safetensors_from
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from leanlm.cache.prefix import attach_cushion, attached_cushion, load_cushion, save_cushion
+from leanlm.cache.prefix import attached_cushion, save_cushion
 from leanlm.errors import CorruptModelError, ModelNotFoundError
-from leanlm.methods.gptq import METHODS as GPTQ_METHODS
-from leanlm.methods.w8a8 import INT8_METHODS, LEVELS, share_input_gemms_
+from leanlm.methods.quantize import after_load, method_names
 from leanlm.models.architectures import architecture_for
 from leanlm.models.loading import LoadedModel, load_model, read_model_config, read_tokenizer
-from leanlm.nn import ATTENTION_NAME, QUANTIZED_MODULES
+from leanlm.nn import QUANTIZED_MODULES
 from leanlm.storage import QUANT_FILE, QUANTIZED_MARKER, staged_directory
 
 WEIGHTS_FILE = "model.safetensors"
-# Every method a checkpoint's record may name; CushionCache runs on top of one of the int8 recipes.
-CHECKPOINT_METHODS = (*INT8_METHODS, "kbit", *GPTQ_METHODS, *(f"cushion+{method}" for method in INT8_METHODS))
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
                        torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
@@ -76,11 +73,10 @@ def read_record(directory: str | os.PathLike) -> dict:
         raise CorruptModelError(f"{path} cannot be read: {error}") from None
     if not isinstance(record, dict):
         raise CorruptModelError(f"{path} holds a JSON {type(record).__name__}; a checkpoint record is an object")
-    if record.get("method") not in CHECKPOINT_METHODS:
-        raise CorruptModelError(f"{path}: method {record.get('method')!r} is not a leanlm method "
-                                f"({', '.join(CHECKPOINT_METHODS)})")
-    if "level" in record and record["level"] not in LEVELS:
-        raise CorruptModelError(f"{path}: level {record['level']!r} is not one of {', '.join(LEVELS)}")
+    method = record.get("method")
+    if not isinstance(method, str) or not set(method.split("+")) <= set(method_names()):
+        raise CorruptModelError(f"{path}: method {method!r} is not a leanlm method or composition of them "
+                                f"({', '.join(method_names())}, joined by +)")
     modules = record.get("modules")
     if not isinstance(modules, dict):
         raise CorruptModelError(f"{path}: 'modules' must be an object mapping module names to their class and args")
@@ -165,11 +161,7 @@ def load_quantized(directory: str | os.PathLike) -> tuple[LoadedModel, dict]:
         load_safetensors_into(model, str(weights), strict=True)
     except Exception as error:  # safetensors raises its own error types for damaged files
         raise CorruptModelError(f"the weights in {weights} cannot be loaded: {error}") from None
-    share_input_gemms_(model)  # derived, like fbgemm's packed weights: rebuilt, not saved
-    if record.get("cushion"):
-        attach_cushion(model, load_cushion(directory))
-    if record.get("attn_implementation") == ATTENTION_NAME:
-        model.config._attn_implementation = ATTENTION_NAME
+    after_load(model, record, directory)  # what the methods derive rather than store
     model.eval()
     tokenizer = read_tokenizer(directory)
     name = str(directory)

@@ -27,16 +27,24 @@ import copy
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanlm.cache.prefix import Cushion, attach_cushion, check_cushion_support, cushion_keys_values, prefix_cache
+from leanlm.cache.prefix import (
+    Cushion,
+    attach_cushion,
+    check_cushion_support,
+    cushion_keys_values,
+    load_cushion,
+    prefix_cache,
+)
 from leanlm.data import calibration_batches, plain_text
 from leanlm.errors import ConfigError
-from leanlm.methods.w8a8 import CalibrationSettings, W8A8Config, quantize_loaded_w8a8_
+from leanlm.methods.quantize import Calibration, QuantRun, option, quantize_, register_after_load, register_method
+from leanlm.methods.w8a8 import W8A8Config
 from leanlm.models.architectures import iter_quantizable_linears
 from leanlm.optim import AdamW
 
@@ -44,22 +52,27 @@ from leanlm.optim import AdamW
 
 @dataclass(frozen=True)
 class CushionConfig:
-    candidates: int = 512  # candidate pool for the greedy search (the paper: the whole vocabulary)
-    max_length: int = 4  # prefix tokens at most
-    # tau: append a token only if it cuts the error by this fraction (paper's value lost); below 0 appends tokens
-    # even when they hurt, up to max_length (the prefix-length ablation)
-    min_improvement: float = 0.1
-    sample_tokens: int = 64  # tokens of each search sample
-    search_samples: int = 2  # samples scored per step (the paper draws one; more resists a lucky sample)
-    batch_size: int = 32  # candidates per forward
-    initial: tuple[int, ...] = ()  # token ids the search starts from (e.g. the model's BOS)
-    tune_steps: int = 0  # prefix-tuning steps after the search; 0 = search only
-    tune_lr: float = 1e-3
-    tune_lambda: float = 1e-3  # lambda: weight of the quantization error in the tuning loss (paper's value lost)
-    tune_batch_size: int = 4
-    tune_seq_len: int = 256
-    source: str = "lambada-dev"  # search and tuning text (not an evaluation set)
-    seed: int = 0
+    candidates: int = option(512, "candidate tokens per search step: the most frequent of the search text plus "
+                                  "special tokens (the paper searches the whole vocabulary)", flag="--cushion-candidates")
+    max_length: int = option(4, "prefix tokens at most", flag="--cushion-max-length")
+    min_improvement: float = option(0.1, "tau: the error cut a token must bring to be appended (the paper's value "
+                                         "was lost; below 0 appends up to max_length tokens whatever they do)",
+                                    flag="--cushion-min-improvement")
+    sample_tokens: int = option(64, "tokens of each search sample", cli=False)
+    search_samples: int = option(2, "samples scored per step (the paper draws one; more resists a lucky sample)",
+                                 cli=False)
+    batch_size: int = option(32, "candidates per forward", cli=False)
+    initial: tuple[int, ...] = option((), "token ids the search starts from (e.g. the model's BOS)", cli=False)
+    initial_text: str = option("", "text the search starts from (e.g. a newline), tokenized by the model's tokenizer",
+                               flag="--cushion-init")
+    tune_steps: int = option(0, "quantization-aware prefix-tuning steps after the search", flag="--cushion-tune-steps")
+    tune_lr: float = option(1e-3, "prefix-tuning learning rate", cli=False)
+    tune_lambda: float = option(1e-3, "lambda: weight of the quantization error in the tuning loss (the paper's "
+                                      "value was lost)", flag="--cushion-lambda")
+    tune_batch_size: int = option(4, "prefix-tuning batch", cli=False)
+    tune_seq_len: int = option(256, "prefix-tuning sequence length", cli=False)
+    source: str = option("lambada-dev", "search and tuning text (never an evaluation set)", cli=False)
+    seed: int = option(0, "seed of the search samples and tuning batches")
 
     def __post_init__(self):
         for name in ("candidates", "max_length", "sample_tokens", "search_samples", "batch_size", "tune_batch_size",
@@ -197,32 +210,32 @@ def tune_cushion(model: nn.Module, tokenizer, cushion: Cushion, config: CushionC
     return Cushion(cushion.tokens, [k.detach() for k in keys], [v.detach() for v in values], record)
 
 
-def quantize_with_cushion_(model: nn.Module, tokenizer, w8a8: W8A8Config, config: CushionConfig,
-                           calibration: CalibrationSettings = CalibrationSettings(), cushion: Cushion | None = None,
-                           search_alpha: bool = False, progress: bool = True) -> tuple[dict, Cushion]:
-    """Search (and tune) a cushion on the float model unless one is given, attach it, then run the W8A8 recipe
-    with it in place: SmoothQuant's channel statistics and the static ranges see only the tokens after it.
-    Returns (the W8A8 record with a "cushion" entry, the cushion)."""
-    if cushion is None:
-        cushion = tune_cushion(model, tokenizer, search_cushion(model, tokenizer, config, progress), config, progress)
+@register_method(CushionConfig, "cushion", "transform", before=(W8A8Config,))
+def _cushion(model: nn.Module, config: CushionConfig, run: QuantRun) -> dict:
+    """Search (and tune) a cushion on the float model and attach it, so that the steps after it (SmoothQuant's
+    statistics, static ranges) see only the tokens that follow it."""
+    tokenizer = run.data(config).tokenizer
+    if config.initial_text and not config.initial:
+        config = replace(config, initial=tuple(tokenizer(config.initial_text, add_special_tokens=False)["input_ids"]))
+    cushion = tune_cushion(model, tokenizer, search_cushion(model, tokenizer, config), config)
     attach_cushion(model, cushion)
-    record = quantize_loaded_w8a8_(model, tokenizer, w8a8, calibration, search=search_alpha)
-    record["cushion"] = {"length": cushion.length, **{k: v for k, v in cushion.record.items() if k != "config"},
-                         "config": asdict(config)}
-    return record, cushion
+    run.stats = None  # statistics observed without the cushion no longer describe the model
+    return {"cushion": {"length": cushion.length, **{k: v for k, v in cushion.record.items() if k != "config"},
+                        "config": asdict(config)}}
 
 
-def cushioned_copy(model: nn.Module, tokenizer, cushion: Cushion | None, w8a8: W8A8Config | None = None,
-                   config: CushionConfig = CushionConfig(), calibration: CalibrationSettings = CalibrationSettings()
-                   ) -> tuple[nn.Module, dict]:
+@register_after_load
+def _reattach_cushion(model: nn.Module, record: dict, directory) -> None:
+    if record.get("cushion"):
+        attach_cushion(model, load_cushion(directory))
+
+
+def cushioned_copy(model: nn.Module, cushion: Cushion | None, steps: list | None = None,
+                   calibration: Calibration | None = None) -> tuple[nn.Module, dict]:
     """One row of a with/without-cushion comparison: a copy of the float `model` with `cushion` attached (None:
-    none) and, given `w8a8`, quantized with it in place. Returns (the copy, the W8A8 record, {} in float)."""
+    none) and, given `steps` (e.g. [SmoothQuantConfig(), W8A8Config("O3")]), quantized with it in place.
+    Returns (the copy, the record; {} in float)."""
     model = copy.deepcopy(model)
-    if w8a8 is None:
-        if cushion is not None:
-            attach_cushion(model, cushion)
-        return model, {}
-    if cushion is None:
-        return model, quantize_loaded_w8a8_(model, tokenizer, w8a8, calibration)
-    record, _ = quantize_with_cushion_(model, tokenizer, w8a8, config, calibration, cushion=cushion)
-    return model, record
+    if cushion is not None:
+        attach_cushion(model, cushion)
+    return model, (quantize_(model, steps, calibration=calibration) if steps else {})

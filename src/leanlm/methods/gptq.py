@@ -1,4 +1,4 @@
-"""RTN, GPTQ and SpQR on a whole model (thesis ch. 4): one verb, `quantize_gptq_(model, GPTQConfig(...), batches)`.
+"""RTN, GPTQ and SpQR on a whole model (thesis ch. 4): `quantize_(model, GPTQConfig(...), calibration=...)`.
 
 Sequential, one decoder block at a time, so memory stays bounded: the calibration samples' inputs to block i
 are the outputs of blocks 0..i-1 *already quantized*; hooks accumulate each linear's input Hessian while block i
@@ -9,7 +9,7 @@ quantized block is run again to produce block i+1's inputs. Within a block every
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -17,48 +17,73 @@ from tqdm.auto import tqdm
 
 from leanlm.errors import ConfigError
 from leanlm.formats.gptq import SolverSettings, solve
+from leanlm.methods.quantize import QuantRun, method_spec, option, register_method
 from leanlm.models.architectures import architecture_for, decoder_blocks, linear_weight_out_in
 from leanlm.nn.spqr_linear import SpQRLinear
 
-METHODS = ("rtn", "gptq", "spqr")
+@dataclass(frozen=True)
+class RTNConfig:
+    """Round to nearest: min-max groups, no calibration (the baseline of GPTQ and SpQR)."""
+
+    bits: int = option(4, "bits per weight code (2-8)")
+    group_size: int | None = option(128, "input columns per scale and zero, or the whole row", none_word="0")
+
+    def __post_init__(self):
+        self.solver()  # checks every setting now, before any model is loaded
+
+    def solver(self) -> SolverSettings:
+        return SolverSettings(bits=self.bits, group_size=self.group_size, act_order=False, error_feedback=False)
 
 
 @dataclass(frozen=True)
 class GPTQConfig:
-    method: str = "gptq"  # rtn | gptq | spqr
-    solver: SolverSettings = field(default_factory=SolverSettings)
-    calibration_samples: int = 128
-    calibration_seq_len: int = 512
+    """GPTQ (Frantar et al. 2022; thesis ch. 4): min-max groups with Hessian error feedback, one block at a time."""
+
+    bits: int = option(4, "bits per weight code (2-8)")
+    group_size: int | None = option(128, "input columns per scale and zero, or the whole row", none_word="0")
+    act_order: bool = option(True, "quantize columns by decreasing Hessian diagonal (else in their natural order)")
+    damping: float = option(0.01, "lambda: Hessian damping as a fraction of its mean diagonal")
+    calibration_samples: int = option(128, "calibration windows (GPTQ: 128 random segments)",
+                                      flag="--calib-samples")
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
-        if (self.method == "rtn") == self.solver.error_feedback:
-            raise ConfigError("rtn means no error feedback and gptq/spqr need it: use rtn_config / gptq_config / "
-                              "spqr_config")
+        self.solver()  # checks every setting now, before any model is loaded
+        if self.calibration_samples < 1:
+            raise ConfigError(f"calibration_samples must be at least 1, got {self.calibration_samples}")
 
-    def record(self) -> dict:
-        return {"method": self.method, **asdict(self.solver), "calibration_samples": self.calibration_samples,
-                "calibration_seq_len": self.calibration_seq_len}
+    def solver(self) -> SolverSettings:
+        return SolverSettings(bits=self.bits, group_size=self.group_size, act_order=self.act_order,
+                              damping=self.damping)
 
 
-def rtn_config(bits: int = 4, group_size: int | None = 128) -> GPTQConfig:
-    return GPTQConfig("rtn", SolverSettings(bits=bits, group_size=group_size, act_order=False, error_feedback=False))
+@dataclass(frozen=True)
+class SpQRConfig:
+    """SpQR (Dettmers et al. 2023; thesis ch. 4): GPTQ with small groups whose statistics are themselves quantized,
+    and unstructured outliers kept in 16 bits. Defaults: the chapter's ~4-bit recipe shape (3-bit base and
+    statistics, beta1 = beta2 = 16, tau = 0.2, damping 1.0 as the reference near-lossless recipe)."""
+
+    bits: int = option(3, "bits per weight code (2-8)")
+    beta1: int = option(16, "input columns per first-level group")
+    beta2: int = option(16, "rows per second-level group of the quantized statistics")
+    outlier_threshold: float | None = option(0.2, "tau, relative to the layer's mean sensitivity (none: no outliers)",
+                                             none_word="none")
+    statistic_bits: int = option(3, "bits of the group scales and zeros")
+    damping: float = option(1.0, "lambda: Hessian damping as a fraction of its mean diagonal")
+    act_order: bool = option(True, "quantize columns by decreasing Hessian diagonal (else in their natural order)")
+    calibration_samples: int = option(128, "calibration windows", flag="--calib-samples")
+
+    def __post_init__(self):
+        self.solver()  # checks every setting now, before any model is loaded
+        if self.calibration_samples < 1:
+            raise ConfigError(f"calibration_samples must be at least 1, got {self.calibration_samples}")
+
+    def solver(self) -> SolverSettings:
+        return SolverSettings(bits=self.bits, group_size=self.beta1, statistic_bits=self.statistic_bits,
+                              statistic_group_size=self.beta2, outlier_threshold=self.outlier_threshold,
+                              act_order=self.act_order, damping=self.damping)
 
 
-def gptq_config(bits: int = 4, group_size: int | None = 128, act_order: bool = True, damping: float = 0.01,
-                **calibration) -> GPTQConfig:
-    return GPTQConfig("gptq", SolverSettings(bits=bits, group_size=group_size, act_order=act_order, damping=damping),
-                      **calibration)
-
-
-def spqr_config(bits: int = 3, beta1: int = 16, beta2: int = 16, outlier_threshold: float | None = 0.2,
-                statistic_bits: int = 3, damping: float = 1.0, act_order: bool = True, **calibration) -> GPTQConfig:
-    """Defaults: the chapter's ~4-bit recipe shape (3-bit base and statistics, beta1 = beta2 = 16, tau = 0.2,
-    damping 1.0 as the reference near-lossless recipe)."""
-    return GPTQConfig("spqr", SolverSettings(bits=bits, group_size=beta1, statistic_bits=statistic_bits,
-                                             statistic_group_size=beta2, outlier_threshold=outlier_threshold,
-                                             act_order=act_order, damping=damping), **calibration)
+SolverConfig = RTNConfig | GPTQConfig | SpQRConfig
 
 
 class _StopForward(Exception):
@@ -100,38 +125,42 @@ def _capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches: torc
     return first, [[(args, kwargs) for _, args, kwargs in block_calls] for block_calls in calls]
 
 
-def quantize_gptq_(model: nn.Module, config: GPTQConfig, batches: torch.Tensor | None) -> dict:
-    """Quantize the block linears of `model` in place; returns the record with the measured average bits per
-    weight ("avg_bits"), the outlier rate and the wall time. `batches`: (samples, seq_len) calibration ids
-    (unused by RTN)."""
+@register_method(RTNConfig, "rtn", "quantizer", needs_calibration=lambda config: False)
+@register_method(GPTQConfig, "gptq", "quantizer")
+@register_method(SpQRConfig, "spqr", "quantizer")
+def _quantize_with_solver(model: nn.Module, config: SolverConfig, run: QuantRun) -> dict:
+    """Replace the block linears by SpQRLinear, block by block; the record has the measured average bits per
+    weight ("avg_bits"), the outlier rate and the wall time."""
+    settings = config.solver()
+    samples = getattr(config, "calibration_samples", None)
+    batches = run.data(config).batches(samples) if settings.error_feedback else None
+    seq_len = run.calibration.seq_len if run.calibration is not None else None
     table = architecture_for(model)
     blocks = decoder_blocks(model, table)
     started = time.perf_counter()
-    needs_data = config.solver.error_feedback
-    if needs_data and (batches is None or len(batches) == 0):
-        raise ConfigError(f"{config.method} needs calibration samples")
-    if needs_data:
+    if batches is not None:
         hidden, block_arguments = _capture_block_inputs(model, blocks, batches)
     weights = stored_bits = outliers = 0
-    for index, block in enumerate(tqdm(blocks, desc=config.method, unit="block")):
+    for index, block in enumerate(tqdm(blocks, desc=method_spec(config).name, unit="block")):
         linears = {path: block.get_submodule(path) for path in table.quantizable_linears}
         hessians: dict[str, torch.Tensor] = {}
-        if needs_data:
+        if batches is not None:
             hessians = _block_hessians(block, linears, table, hidden, block_arguments[index])
         for path, linear in linears.items():
             weight = linear_weight_out_in(linear, table)
-            solved = solve(weight, hessians.get(path), config.solver)
-            quantized = SpQRLinear.from_solved(solved, config.solver, getattr(linear, "bias", None))
+            solved = solve(weight, hessians.get(path), settings)
+            quantized = SpQRLinear.from_solved(solved, settings, getattr(linear, "bias", None))
             block.set_submodule(path, quantized)
             count = weight.numel()
             weights += count
             stored_bits += quantized.bits_per_weight() * count
             outliers += quantized.outlier_count
-        if needs_data and index + 1 < len(blocks):
+        if batches is not None and index + 1 < len(blocks):
             with torch.inference_mode():
                 hidden = [_block_output(block(h, *args, **kwargs)) for h, (args, kwargs)
                           in zip(hidden, block_arguments[index])]
-    return {**config.record(), "avg_bits": stored_bits / weights, "outlier_rate": outliers / weights,
+    return {**asdict(settings), "calibration_samples": len(batches) if batches is not None else samples,
+            "calibration_seq_len": seq_len, "avg_bits": stored_bits / weights, "outlier_rate": outliers / weights,
             "seconds": time.perf_counter() - started}
 
 

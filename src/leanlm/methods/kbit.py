@@ -1,5 +1,5 @@
 """Weight-only k-bit quantization (thesis ch. 3; NF4 + double quantization of QLoRA): every linear of the
-decoder blocks becomes a KbitLinear. One verb: `quantize_kbit_(model, KbitConfig(...))`."""
+decoder blocks becomes a KbitLinear. `quantize_(model, KbitConfig(...))`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from leanlm.errors import ConfigError
 from leanlm.formats.blockwise import bits_per_parameter
 from leanlm.formats.codebooks import DTYPES
+from leanlm.methods.quantize import QuantRun, option, register_method
 from leanlm.models.architectures import (
     architecture_for,
     iter_quantizable_linears,
@@ -26,12 +27,14 @@ BLOCK_SIZES = tuple(2**power for power in range(4, 13))  # 16 .. 4096, bitsandby
 
 @dataclass(frozen=True)
 class KbitConfig:
-    dtype: str = "nf"  # int, int_asym, fp, nf, dynamic
-    bits: int = 4  # k, 3..8
-    block_size: int | None = 64  # None: one block per output row
-    double_quant: bool = False  # 8-bit constants in second-level blocks of 256 (QLoRA)
-    exponent_bits: int | None = None  # float types: the e of e/m
-    proxy_fraction: float = 0.0  # p of proxy quantization: input dims kept in 16-bit (thesis uses 0.02)
+    dtype: str = option("nf", "data type of the codes (int is symmetric, int_asym two's complement)", choices=DTYPES)
+    bits: int = option(4, "k, bits per weight code (3-8)")
+    block_size: int | None = option(64, "values per absmax constant (a power of two, 16-4096), or one block per "
+                                        "output row", none_word="row")
+    double_quant: bool = option(False, "8-bit block constants in second-level blocks of 256 (QLoRA)")
+    exponent_bits: int | None = option(None, "fp: exponent bits e of e/m (default about half)")
+    proxy_fraction: float = option(0.0, "p of proxy quantization: share of input dimensions kept in 16-bit, chosen "
+                                        "by the previous layer's weight std (the thesis uses 0.02)")
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -52,9 +55,10 @@ class KbitConfig:
         return bits_per_parameter(self.bits, self.block_size, self.double_quant, self.proxy_fraction)
 
 
-def quantize_kbit_(model: nn.Module, config: KbitConfig) -> dict:
-    """Quantize the block linears of `model` in place; returns the record, with the measured average bits per
-    weight of the quantized linears ("avg_bits")."""
+@register_method(KbitConfig, "kbit", "quantizer", needs_calibration=lambda config: False)
+def _quantize_kbit(model: nn.Module, config: KbitConfig, run: QuantRun) -> dict:
+    """Every block linear becomes a KbitLinear; the record has the measured average bits per weight of the
+    quantized linears ("avg_bits")."""
     table = architecture_for(model)
     # Chosen from the float weights before any layer is replaced.
     proxy = {name: proxy_columns(source, config.proxy_fraction)
@@ -68,8 +72,7 @@ def quantize_kbit_(model: nn.Module, config: KbitConfig) -> dict:
         count = quantized.in_features * quantized.out_features
         weights += count
         stored_bits += quantized.bits_per_weight() * count
-    return {"method": "kbit", **asdict(config), "avg_bits": stored_bits / weights,
-            "nominal_bits": config.nominal_bits()}
+    return {**asdict(config), "avg_bits": stored_bits / weights, "nominal_bits": config.nominal_bits()}
 
 
 def proxy_columns(source_weight: torch.Tensor, fraction: float) -> torch.Tensor | None:

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from leanlm.errors import ConfigError, CorruptModelError
-from leanlm.methods.kbit import KbitConfig, quantize_kbit_
+from leanlm.methods.kbit import KbitConfig
+from leanlm.methods.quantize import quantize_
 from leanlm.models.architectures import architecture_for, iter_quantizable_linears, linear_weight_out_in
 from leanlm.nn import KbitLinear
 from leanlm.nn.lora import LoRALinear, frozen_linear
@@ -65,7 +66,7 @@ def add_lora_(model: nn.Module, config: LoRAConfig) -> dict:
         raise ConfigError("the model already has LoRA adapters")
     model.requires_grad_(False)
     quantization = LORA_BASES[config.base]
-    base_record = quantize_kbit_(model, quantization) if quantization else None
+    base_record = quantize_(model, quantization) if quantization else None
     for name, module in list(iter_quantizable_linears(model, table)):
         if not isinstance(module, (nn.Linear, KbitLinear)):  # GPT-2's Conv1D stores (in, out)
             module = frozen_linear(linear_weight_out_in(module, table), getattr(module, "bias", None))

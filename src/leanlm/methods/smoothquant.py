@@ -11,27 +11,49 @@ X is divided by s (folded into whatever produces X) and the linears' input colum
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from leanlm.cache.prefix import follow_value_smoothing_
 from leanlm.errors import ConfigError
+from leanlm.methods.quantize import QuantRun, option, quantize_, register_method
+from leanlm.methods.w8a8 import CalibrationStats, int8_statistics
 from leanlm.models.architectures import ArchitectureTable, architecture_for, decoder_blocks, linear_weight_out_in
+from leanlm.models.scoring import next_token_nll
 
 _MIN = 1e-5  # floor for maxima and scales, as in the reference implementation
 
 
+ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+AUTO = "auto"
+
+
 @dataclass(frozen=True)
 class SmoothQuantConfig:
-    alpha: float = 0.5  # migration strength, eq. 3.4
-    smooth_value_output: bool = True  # v_proj -> o_proj, beyond the paper
-    smooth_mlp_output: bool = True  # up_proj -> down_proj (or fc1 -> fc2 through ReLU), beyond the paper
+    """SmoothQuant's smoothing, a transform before an int8 quantizer (`[SmoothQuantConfig(), W8A8Config("O3")]`
+    is SmoothQuant as the paper runs it)."""
+
+    alpha: float | Literal["auto"] = option(0.5, "migration strength in [0, 1] (eq. 3.4), or 'auto': a grid search on held-out "
+                                     "calibration windows")
+    smooth_value_output: bool = option(True, "also smooth v_proj -> o_proj (beyond the paper)",
+                                       flag="--no-smooth-extension")
+    smooth_mlp_output: bool = option(True, "also smooth up_proj -> down_proj, fc1 -> fc2 (beyond the paper)",
+                                     flag="--no-smooth-extension")
+    alpha_grid: tuple[float, ...] = option(ALPHA_GRID, "the alphas 'auto' tries", cli=False)
+    search_windows: int = option(8, "held-out calibration windows 'auto' scores per alpha", cli=False)
+    calibration_samples: int = option(512, "calibration windows (SmoothQuant: 512 sentences)", flag="--calib-samples")
 
     def __post_init__(self):
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ConfigError(f"alpha (migration strength) must lie in [0, 1], got {self.alpha}")
+        if self.alpha != AUTO and not (isinstance(self.alpha, (int, float)) and 0.0 <= self.alpha <= 1.0):
+            raise ConfigError(f"alpha (migration strength) must lie in [0, 1] or be 'auto', got {self.alpha!r}")
+        if self.calibration_samples < 1 or self.search_windows < 1:
+            raise ConfigError("calibration_samples and search_windows must be at least 1")
 
 
 def smoothing_factors(activation_absmax: torch.Tensor, weight_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -117,3 +139,45 @@ def smooth_(model: nn.Module, input_absmax: dict[str, torch.Tensor], config: Smo
     # A CushionCache prefix attached to the model holds values v_proj produced before this smoothing.
     follow_value_smoothing_(model, result.producer_scales)
     return result
+
+
+def smoothed_statistics(model: nn.Module, stats: CalibrationStats, result: SmoothingResult) -> CalibrationStats:
+    """The int8 statistics as they are after smoothing, exactly, with no second calibration pass: each linear's
+    input ranges divided by s, and the value ranges of attention divided where v_proj's outputs were."""
+    table = architecture_for(model)
+    attention = {name: dict(ranges) for name, ranges in stats.attention.items()}
+    for name, ranges in attention.items():
+        value_proj = f"{name.rsplit('.', 1)[0]}.{table.attention_inputs[-1]}"
+        if value_proj in result.producer_scales:  # v itself was divided by s
+            ranges["v_channel_absmax"] = ranges["v_channel_absmax"] / result.producer_scales[value_proj]
+    return CalibrationStats(result.input_absmax, attention)
+
+
+@register_method(SmoothQuantConfig, "smoothquant", "transform")
+def _smoothquant(model: nn.Module, config: SmoothQuantConfig, run: QuantRun) -> dict:
+    stats = int8_statistics(model, config, run)
+    record = {}
+    alpha = config.alpha
+    if alpha == AUTO:
+        alpha, searched = _search_alpha(model, config, stats, run)
+        record["alpha_search"] = {str(value): ppl for value, ppl in searched.items()}
+    config = replace(config, alpha=alpha)
+    run.stats = smoothed_statistics(model, stats, smooth_(model, stats.input_absmax, config))
+    record["smoothquant"] = {"alpha": alpha, "smooth_value_output": config.smooth_value_output,
+                             "smooth_mlp_output": config.smooth_mlp_output}
+    return record
+
+
+def _search_alpha(model: nn.Module, config: SmoothQuantConfig, stats: CalibrationStats, run: QuantRun
+                  ) -> tuple[float, dict[float, float]]:
+    """SmoothQuant's grid search: a copy of the model smoothed with each alpha and quantized by the steps that
+    follow, scored on held-out calibration windows (never evaluation data). Returns (best, {alpha: ppl})."""
+    held_out = run.data(config).held_out(config.search_windows)
+    calibration = replace(run.calibration, int8_stats=stats)
+    perplexities = {}
+    for alpha in tqdm(config.alpha_grid, desc="alpha search", unit="alpha"):
+        candidate = copy.deepcopy(model)
+        quantize_(candidate, [replace(config, alpha=alpha), *run.later], calibration=calibration)
+        nll = sum(next_token_nll(candidate, window[None]) for window in held_out)
+        perplexities[alpha] = math.exp(nll / (held_out.numel() - held_out.shape[0]))
+    return min(perplexities, key=perplexities.get), perplexities

@@ -1,5 +1,6 @@
 """W8A8: int8 weights and int8 activations for every linear in the decoder blocks (and, switchably, the
-attention matmuls), with or without SmoothQuant's smoothing first. One verb: `quantize_w8a8_(model, config)`.
+attention matmuls): `quantize_(model, W8A8Config(...))`, after `SmoothQuantConfig` for SmoothQuant, and
+`LLMInt8Config` for LLM.int8()'s vector-wise int8 with outlier decomposition.
 
 Levels (thesis Table 3.2), weights per-tensor unless `weight_granularity` says otherwise:
     O1: per-token dynamic activations    O2: per-tensor dynamic    O3: per-tensor static (calibrated)
@@ -8,25 +9,20 @@ Naive W8A8 is O2 without smoothing; ZeroQuant-style is O1 with group-wise weight
 
 from __future__ import annotations
 
-import copy
-import math
-
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanlm.data.calibration import calibration_batches
-from leanlm.errors import ConfigError
+from leanlm.errors import ConfigError, CorruptModelError
 from leanlm.formats.int8 import QMAX, WeightGranularity
 from leanlm.kernels.int8_gemm import Backend
 from leanlm.methods.calibration import collect_input_absmax
-from leanlm.methods.smoothquant import SmoothQuantConfig, smooth_
+from leanlm.methods.quantize import QuantRun, option, register_after_load, register_method
 from leanlm.models.architectures import architecture_for, decoder_blocks, iter_quantizable_linears, linear_weight_out_in
-from leanlm.models.scoring import next_token_nll
-from leanlm.nn import BmmQuantizer, SharedInputGemm, W8A8Linear, use_int8_bmm_attention
+from leanlm.nn import ATTENTION_NAME, BmmQuantizer, SharedInputGemm, W8A8Linear, use_int8_bmm_attention
 
 Level = Literal["O1", "O2", "O3"]
 LEVELS: dict[str, tuple[str, bool]] = {  # level -> (activation granularity, static)
@@ -34,22 +30,25 @@ LEVELS: dict[str, tuple[str, bool]] = {  # level -> (activation granularity, sta
     "O2": ("per_tensor", False),
     "O3": ("per_tensor", True),
 }
-INT8_METHODS = ("w8a8", "smoothquant", "llm-int8")  # the names `W8A8Config.method` gives
-ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 @dataclass(frozen=True)
 class W8A8Config:
-    level: Level = "O2"
-    weight_granularity: WeightGranularity = "per_tensor"
-    group_size: int = 128  # output channels per weight scale, for per_group (ZeroQuant)
-    smoothquant: SmoothQuantConfig | None = None  # None: naive (no smoothing)
-    quantize_bmm: bool = True  # also quantize attention's Q.K^T and P.V inputs q, k, v (thesis Fig. 3.3)
-    quantize_probs: bool = False  # and the softmax probabilities P on the grid 1/127 (int8 OPT kernel)
+    level: Level = option("O2", "O1 per-token dynamic, O2 per-tensor dynamic, O3 per-tensor static activations")
+    weight_granularity: WeightGranularity = option("per_tensor", "weight scales per tensor, per output channel, or "
+                                                                 "per group of output channels (with O1: ZeroQuant)")
+    group_size: int = option(128, "per_group: output channels per weight scale")
+    quantize_bmm: bool = option(True, "also quantize attention's Q.K^T and P.V inputs q, k, v (thesis Fig. 3.3)",
+                                flag="--no-bmm")
+    quantize_probs: bool = option(False, "also round softmax probabilities to the int8 grid 1/127 (the int8 OPT "
+                                         "kernel does)")
     # LLM.int8()'s mixed-precision decomposition: input dimensions with any |x| >= this go through float
-    outlier_threshold: float | None = None
-    asymmetric: bool = False  # per-tensor zero points on both operands (LLM.int8()'s "zeropoint" baseline)
-    backend: Backend | None = None  # None: fbgemm where available
+    outlier_threshold: float | None = option(None, "outlier magnitude (LLM.int8(); use LLMInt8Config)", cli=False)
+    asymmetric: bool = option(False, "per-tensor zero points on both operands (LLM.int8()'s zeropoint baseline)",
+                              cli=False)
+    backend: Backend | None = option(None, "int8 GEMM: reference or fbgemm (None: fbgemm where available)", cli=False)
+    calibration_samples: int = option(512, "calibration windows for static ranges (SmoothQuant: 512 sentences)",
+                                      flag="--calib-samples")
 
     def __post_init__(self):
         if self.level not in LEVELS:
@@ -57,27 +56,33 @@ class W8A8Config:
         if self.outlier_threshold is not None and LEVELS[self.level][1]:
             raise ConfigError("outlier decomposition needs dynamic activation scales (level O1 or O2)")
         if self.group_size < 1:
-            raise ConfigError(f"group size must be at least 1 output channel, got {self.group_size}")
+            raise ConfigError(f"group_size must be at least 1 output channel, got {self.group_size}")
+        if self.calibration_samples < 1:
+            raise ConfigError(f"calibration_samples must be at least 1, got {self.calibration_samples}")
 
     @property
     def method(self) -> str:
-        naive, smoothed, decomposed = INT8_METHODS
-        if self.outlier_threshold is not None:
-            return decomposed
-        return naive if self.smoothquant is None else smoothed
-
-    def as_record(self) -> dict:
-        return asdict(self)
+        return "w8a8" if self.outlier_threshold is None else "llm-int8"
 
 
 ZEROQUANT = W8A8Config(level="O1", weight_granularity="per_group")
 
 
-def llm_int8_config(threshold: float | None = 6.0) -> W8A8Config:
-    """LLM.int8() (thesis ch. 2): vector-wise int8 (per-token activations x per-output-channel weights) with
-    the outlier dimensions (any |x| >= threshold, alpha = 6.0 in the paper) in float; threshold None is plain
-    vector-wise int8. Attention's matmuls stay in float, as in the paper."""
-    return W8A8Config(level="O1", weight_granularity="per_channel", quantize_bmm=False, outlier_threshold=threshold)
+@dataclass(frozen=True)
+class LLMInt8Config:
+    """LLM.int8() (thesis ch. 2): vector-wise int8 (per-token activations x per-output-channel weights) with the
+    outlier dimensions in float. Attention's matmuls stay in float, as in the paper."""
+
+    threshold: float | None = option(6.0, "alpha: input dimensions with any |x| >= it run in float (inf: none, "
+                                          "plain vector-wise int8)", none_word="inf")
+
+    def __post_init__(self):
+        if self.threshold is not None and not self.threshold > 0:
+            raise ConfigError(f"threshold must be positive (or None), got {self.threshold}")
+
+    def w8a8(self) -> W8A8Config:
+        return W8A8Config(level="O1", weight_granularity="per_channel", quantize_bmm=False,
+                          outlier_threshold=self.threshold)
 
 
 def _attention_modules(model: nn.Module):
@@ -111,22 +116,22 @@ def calibrate(model: nn.Module, batches: torch.Tensor) -> CalibrationStats:
     return CalibrationStats(input_absmax, observed)
 
 
-def quantize_w8a8_(model: nn.Module, config: W8A8Config, stats: CalibrationStats | None = None) -> dict:
-    """Quantize `model` in place, from calibration statistics collected on it beforehand (`calibrate`); they
-    may be omitted only for dynamic levels without smoothing. Returns a record of what was done."""
+def int8_statistics(model: nn.Module, config, run: QuantRun) -> CalibrationStats:
+    """The run's int8 statistics of `model`, observed on first need from `config.calibration_samples` windows."""
+    if run.stats is None:
+        run.stats = calibrate(model, run.data(config).batches(config.calibration_samples))
+    return run.stats
+
+
+@register_method(W8A8Config, "w8a8", "quantizer", needs_calibration=lambda config: LEVELS[config.level][1])
+def _quantize_w8a8(model: nn.Module, config: W8A8Config, run: QuantRun) -> dict:
+    """Replace the block linears (and attention's matmul inputs) by int8 ones; static levels take their ranges
+    from the run's statistics (observed here, or kept current by a transform before, such as smoothing)."""
     activation, static = LEVELS[config.level]
-    if stats is None and (static or config.smoothquant is not None):
-        raise ConfigError(f"{config.method} at level {config.level} needs calibration statistics")
+    stats = int8_statistics(model, config, run) if static else run.stats
     table = architecture_for(model)
     input_absmax = stats.input_absmax if stats else {}
-    attention_ranges = {name: dict(ranges) for name, ranges in stats.attention.items()} if stats else {}
-    if config.smoothquant is not None:
-        smoothing = smooth_(model, input_absmax, config.smoothquant)
-        input_absmax = smoothing.input_absmax
-        for name, ranges in attention_ranges.items():
-            value_proj = f"{name.rsplit('.', 1)[0]}.{table.attention_inputs[-1]}"
-            if value_proj in smoothing.producer_scales:  # v itself was divided by s
-                ranges["v_channel_absmax"] = ranges["v_channel_absmax"] / smoothing.producer_scales[value_proj]
+    attention_ranges = stats.attention if stats else {}
     for name, module in tqdm(list(iter_quantizable_linears(model, table)), desc="quantizing", unit="linear", leave=False):
         input_scale = (input_absmax[name].max() / QMAX).clamp(min=1e-8) if static else None
         quantized = W8A8Linear.from_float(
@@ -145,7 +150,24 @@ def quantize_w8a8_(model: nn.Module, config: W8A8Config, stats: CalibrationStats
                 quantizer.load_state_dict(ranges)
             attention.bmm_quantizer = quantizer
         use_int8_bmm_attention(model)
-    return {"method": config.method, **config.as_record()}
+    calibration = run.calibration.record(config.calibration_samples) if stats is not None and run.calibration else None
+    return {"method": config.method, **asdict(config), "calibration": calibration}
+
+
+@register_method(LLMInt8Config, "llm-int8", "quantizer", needs_calibration=lambda config: False)
+def _quantize_llm_int8(model: nn.Module, config: LLMInt8Config, run: QuantRun) -> dict:
+    return {**_quantize_w8a8(model, config.w8a8(), run), "method": "llm-int8"}
+
+
+@register_after_load
+def _restore_int8_runtime(model: nn.Module, record: dict, directory) -> None:
+    """What W8A8 derives rather than stores: the shared GEMMs (like fbgemm's packed weights) and the int8
+    attention function."""
+    if "level" in record and record["level"] not in LEVELS:
+        raise CorruptModelError(f"{directory}: level {record['level']!r} is not one of {', '.join(LEVELS)}")
+    share_input_gemms_(model)
+    if record.get("attn_implementation") == ATTENTION_NAME:
+        model.config._attn_implementation = ATTENTION_NAME
 
 
 def share_input_gemms_(model: nn.Module, share: bool = True) -> int:
@@ -165,53 +187,3 @@ def share_input_gemms_(model: nn.Module, share: bool = True) -> int:
                 SharedInputGemm(members)
                 groups += 1
     return groups
-
-
-def search_alpha(
-    float_model: nn.Module, config: W8A8Config, stats: CalibrationStats, held_out: torch.Tensor, grid=ALPHA_GRID
-) -> tuple[float, dict[float, float]]:
-    """SmoothQuant's grid search for alpha: quantize a copy of the float model per alpha and keep the one with
-    the lowest perplexity on held-out calibration windows (never evaluation data). Returns (best, {alpha: ppl})."""
-    if config.smoothquant is None:
-        raise ConfigError("alpha search needs a SmoothQuant config")
-    perplexities = {}
-    for alpha in tqdm(grid, desc="alpha search", unit="alpha"):
-        model = copy.deepcopy(float_model)
-        quantize_w8a8_(model, replace(config, smoothquant=replace(config.smoothquant, alpha=alpha)), stats)
-        nll = sum(next_token_nll(model, window[None]) for window in held_out)
-        perplexities[alpha] = math.exp(nll / (held_out.numel() - held_out.shape[0]))
-    return min(perplexities, key=perplexities.get), perplexities
-
-
-@dataclass(frozen=True)
-class CalibrationSettings:
-    n_samples: int = 512  # SmoothQuant: 512 sentences of up to 512 tokens
-    seq_len: int = 512
-    seed: int = 0
-    source: str = "lambada-dev"  # not an evaluation set
-    alpha_search_windows: int = 8  # held-out windows scored per alpha by `--alpha auto`
-
-
-def quantize_loaded_w8a8_(
-    model: nn.Module, tokenizer, config: W8A8Config, calibration: CalibrationSettings = CalibrationSettings(),
-    search: bool = False,
-) -> dict:
-    """The whole recipe on a loaded model: calibrate (if the config needs it), pick alpha on held-out
-    calibration windows (if `search`), quantize. Returns the record for the checkpoint."""
-    _, static = LEVELS[config.level]
-    stats = None
-    if static or config.smoothquant is not None:
-        batches = calibration_batches(tokenizer, calibration.n_samples, calibration.seq_len, calibration.seed,
-                                      calibration.source)
-        stats = calibrate(model, batches)
-    searched = None
-    if search:
-        held_out = calibration_batches(tokenizer, calibration.alpha_search_windows, calibration.seq_len,
-                                       calibration.seed + 1, calibration.source)
-        best, searched = search_alpha(model, config, stats, held_out)
-        config = replace(config, smoothquant=replace(config.smoothquant, alpha=best))
-    record = quantize_w8a8_(model, config, stats)
-    record["calibration"] = asdict(calibration) if stats is not None else None
-    if searched is not None:
-        record["alpha_search"] = {str(alpha): ppl for alpha, ppl in searched.items()}
-    return record

@@ -1,0 +1,220 @@
+"""The one verb: `quantize_(model, config, *, calibration=None)` applies any leanlm method, or several in order.
+
+    quantize_(model, KbitConfig(dtype="nf", bits=4, double_quant=True))
+    quantize_(model, [SmoothQuantConfig(alpha=0.5), W8A8Config(level="O3")], calibration=Calibration(tokenizer))
+
+A method is one config dataclass (its paper's defaults, and its help text on each field) registered with
+`register_method`: a name, a role and the function that applies it. A list composes: transforms first (a
+CushionCache prefix, SmoothQuant's smoothing), then exactly one quantizer; `check_composition` says why any other
+list makes no sense. Calibration text is read once (`Calibration`) and shared by every step; the int8 input
+statistics are observed once and kept current by the transforms that change them (`QuantRun.int8_stats`).
+
+Quantized modules rebuild what they derive from their stored tensors; what a method adds on top of the modules
+(SmoothQuant's shared GEMMs, a CushionCache prefix) is put back after a checkpoint loads by the hooks methods
+register with `register_after_load`, so the checkpoint loader knows no method.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import torch
+from torch import nn
+
+from leanlm.data.calibration import calibration_batches
+from leanlm.errors import ConfigError
+
+Role = Literal["transform", "quantizer"]
+
+def option(default, help: str, *, flag: str | None = None, none_word: str | None = None, choices: tuple = (),
+           cli: bool = True):
+    """A config field with its meaning: the one place a method's default and its help text live. `flag` is the
+    command line's spelling where it is not `--field-name`; `none_word` is how the command line says None
+    (`row` for one block per row); `choices` the values a string field takes; `cli=False` keeps a field off the
+    command line."""
+    return field(default=default, metadata={"help": help, "flag": flag, "none_word": none_word, "choices": choices,
+                                            "cli": cli})
+
+
+@dataclass
+class Calibration:
+    """Calibration text for the methods that need it: windows of a text that is never an evaluation set, read
+    once per size and shared by every step of a `quantize_` call."""
+
+    tokenizer: Any = option(None, "reads the calibration text", cli=False)
+    # The command line sets this through each method's `calibration_samples`, which holds the method's default.
+    samples: int | None = option(None, "windows; None: each method's own default", cli=False)
+    seq_len: int = option(512, "tokens per calibration window", flag="--calib-seq-len")
+    seed: int = option(0, "which windows of the calibration text are drawn")
+    source: str = option("lambada-dev", "calibration text (never an evaluation set)", cli=False)
+    token_ids: torch.Tensor | None = option(None, "(samples, seq_len) windows given directly instead of read from "
+                                                  "text", cli=False)
+    int8_stats: Any = option(None, "int8 statistics already observed on this very model (`calibrate`), to reuse",
+                             cli=False)
+    _read: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def batches(self, samples: int | None = None) -> torch.Tensor:
+        """(samples, seq_len) token ids; `samples` is a method's own default, overridden by `self.samples`."""
+        if self.token_ids is not None:
+            return self.token_ids
+        count = self.samples or samples
+        if count is None:
+            raise ConfigError("calibration samples: give Calibration(samples=N) or a method that has a default")
+        if ("windows", count) not in self._read:
+            self._read["windows", count] = calibration_batches(self._text_tokenizer(), count, self.seq_len,
+                                                               self.seed, self.source)
+        return self._read["windows", count]
+
+    def held_out(self, windows: int) -> torch.Tensor:
+        """Windows from the same text under another seed, for choices made on calibration data (SmoothQuant's
+        alpha search): never the windows the statistics came from, never evaluation data."""
+        return calibration_batches(self._text_tokenizer(), windows, self.seq_len, self.seed + 1, self.source)
+
+    def _text_tokenizer(self):
+        if self.tokenizer is None:
+            raise ConfigError("this calibration has no tokenizer to read calibration text with: give "
+                              "Calibration(tokenizer)")
+        return self.tokenizer
+
+    def record(self, samples: int | None) -> dict:
+        return {"n_samples": self.samples or samples, "seq_len": self.seq_len, "seed": self.seed,
+                "source": self.source}
+
+
+class QuantRecord(dict):
+    """What a `quantize_` call did, as a checkpoint's `leanlm_quant.json` records it: "method" (the steps' names
+    joined by "+"), each step's settings, "avg_bits" for weight-only methods, "seconds"."""
+
+    @property
+    def method(self) -> str:
+        return self["method"]
+
+    @property
+    def avg_bits(self) -> float | None:
+        return self.get("avg_bits")
+
+
+@dataclass
+class QuantRun:
+    """What the steps of one `quantize_` call share."""
+
+    calibration: Calibration | None
+    later: tuple = ()  # the configs after the step being applied
+    stats: Any = None  # int8 input statistics (w8a8.CalibrationStats), observed once, updated by transforms
+
+    def __post_init__(self):
+        if self.calibration is not None and self.stats is None:
+            self.stats = self.calibration.int8_stats
+
+    def data(self, config) -> Calibration:
+        if self.calibration is None:
+            raise ConfigError(f"{type(config).__name__} needs calibration text: pass "
+                              "calibration=Calibration(tokenizer) to quantize_")
+        return self.calibration
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str  # as records and `--method` name it
+    role: Role
+    apply: Callable[[nn.Module, Any, QuantRun], dict]  # transforms the model in place; returns its record
+    needs_calibration: Callable[[Any], bool]
+    # Methods that must follow this one in a list (a transform for activation quantization needs an int8
+    # quantizer after it); empty: any quantizer.
+    before: tuple[type, ...] = ()
+
+
+_METHODS: dict[type, MethodSpec] = {}
+_AFTER_LOAD: list[Callable[[nn.Module, dict, Path], None]] = []
+# A name a composition takes in the papers: SmoothQuant is smoothing followed by W8A8.
+_FOLDED_NAMES = {("smoothquant", "w8a8"): "smoothquant"}
+
+
+def register_method(config_type: type, name: str, role: Role, needs_calibration: Callable[[Any], bool] = lambda c: True,
+                    before: tuple[type, ...] = ()):
+    """Decorator: `apply(model, config, run) -> record` is how `config_type` quantizes (or transforms) a model."""
+    def decorator(apply):
+        _METHODS[config_type] = MethodSpec(name, role, apply, needs_calibration, before)
+        return apply
+
+    return decorator
+
+
+def register_after_load(hook: Callable[[nn.Module, dict, Path], None]):
+    """Decorator: `hook(model, record, directory)` runs on every loaded quantized checkpoint."""
+    _AFTER_LOAD.append(hook)
+    return hook
+
+
+def after_load(model: nn.Module, record: dict, directory: Path) -> None:
+    for hook in _AFTER_LOAD:
+        hook(model, record, directory)
+
+
+def method_spec(config) -> MethodSpec:
+    spec = _METHODS.get(type(config))
+    if spec is None:
+        known = ", ".join(sorted(t.__name__ for t in _METHODS))
+        raise ConfigError(f"{type(config).__name__} is not a leanlm method config; use one of {known}")
+    return spec
+
+
+def method_names() -> tuple[str, ...]:
+    """Every name a record's method may be made of."""
+    return tuple(spec.name for spec in _METHODS.values())
+
+
+def check_composition(configs: tuple) -> list[MethodSpec]:
+    """The specs of `configs`, after checking the list makes sense: transforms, then exactly one quantizer."""
+    if not configs:
+        raise ConfigError("quantize_ needs at least one method config")
+    specs = [method_spec(config) for config in configs]
+    quantizers = [spec.name for spec in specs if spec.role == "quantizer"]
+    if len(quantizers) != 1:
+        raise ConfigError("a list of methods quantizes once: transforms (cushion, smoothquant) then one quantizer; "
+                          f"this one has {len(quantizers)} quantizers ({', '.join(quantizers) or 'none'})")
+    if specs[-1].role != "quantizer":
+        raise ConfigError(f"{specs[-1].name} must come before the quantizer ({quantizers[0]}): it changes the float "
+                          "model that is then quantized")
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{' + '.join(names)}: a method appears twice")
+    for index, spec in enumerate(specs):
+        after = configs[index + 1:]
+        if spec.before and not any(isinstance(config, spec.before) for config in after):
+            needed = " or ".join(t.__name__ for t in spec.before)
+            raise ConfigError(f"{spec.name} prepares activations for int8 quantization: follow it with {needed}, "
+                              f"not {' + '.join(names[index + 1:])}")
+    return specs
+
+
+def composed_name(names: list[str]) -> str:
+    for (first, second), folded in _FOLDED_NAMES.items():
+        if first in names and second in names and names.index(second) == names.index(first) + 1:
+            names = [*names[:names.index(first)], folded, *names[names.index(second) + 1:]]
+    return "+".join(names)
+
+
+def quantize_(model: nn.Module, config, *, calibration: Calibration | None = None) -> QuantRecord:
+    """Apply `config` (a method config, or a list of them: transforms then one quantizer) to `model` in place."""
+    configs = tuple(config) if isinstance(config, (list, tuple)) else (config,)
+    specs = check_composition(configs)
+    for config_, spec in zip(configs, specs):
+        if calibration is None and spec.needs_calibration(config_):
+            QuantRun(None).data(config_)  # raises, naming the config
+    started = time.perf_counter()
+    run = QuantRun(calibration)
+    record = QuantRecord()
+    names = []
+    for index, (config_, spec) in enumerate(zip(configs, specs)):
+        run.later = configs[index + 1:]
+        step = spec.apply(model, config_, run)
+        names.append(step.pop("method", spec.name))
+        record.update(step)
+    record["method"] = composed_name(names)
+    record["seconds"] = time.perf_counter() - started
+    return record
+
