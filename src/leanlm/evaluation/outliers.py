@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from leanlm.methods.blocks import observe_inputs
 from leanlm.models.architectures import architecture_for, decoder_blocks, linear_weight_out_in
 from leanlm.report import save_figure
 
@@ -67,15 +68,12 @@ def _analysed_inputs(model: nn.Module) -> list[tuple[int, nn.Module]]:
 
 def _run_with_hooks(model: nn.Module, batches: torch.Tensor, hooked: list[tuple[int, nn.Module]], hook_for,
                     desc: str) -> None:
-    """Run `batches` through `model` with `hook_for(i, layer)` as forward pre-hook of the i-th (layer, module)."""
-    handles = [module.register_forward_pre_hook(hook_for(i, layer)) for i, (layer, module) in enumerate(hooked)]
-    try:
-        with torch.inference_mode():
-            for sample in tqdm(batches, desc=desc, unit="sample", leave=False):
-                model(input_ids=sample[None], use_cache=False, logits_to_keep=1)
-    finally:
-        for handle in handles:
-            handle.remove()
+    """Run `batches` through `model` with `hook_for(i, layer)(x)` seeing the input of the i-th (layer, module)."""
+    observers = {i: hook_for(i, layer) for i, (layer, _) in enumerate(hooked)}
+    with observe_inputs(((i, module) for i, (_, module) in enumerate(hooked)),
+                        lambda i, x: observers[i](x)), torch.inference_mode():
+        for sample in tqdm(batches, desc=desc, unit="sample", leave=False):
+            model(input_ids=sample[None], use_cache=False, logits_to_keep=1)
 
 
 def analyze_outliers(model: nn.Module, batches: torch.Tensor, criteria: OutlierCriteria = OutlierCriteria()) -> OutlierReport:
@@ -88,8 +86,8 @@ def analyze_outliers(model: nn.Module, batches: torch.Tensor, criteria: OutlierC
     positions = [0]
 
     def statistics(state: int, layer: int):
-        def hook(module, args):
-            x = args[0].detach().reshape(-1, width).float().abs()
+        def hook(inputs):
+            x = inputs.detach().reshape(-1, width).float().abs()
             channel_absmax[layer] = torch.maximum(channel_absmax[layer], x.amax(dim=0))
             hits[state] += (x >= criteria.magnitude).sum(dim=0)
             if state == 0:
@@ -106,8 +104,8 @@ def analyze_outliers(model: nn.Module, batches: torch.Tensor, criteria: OutlierC
     covered = torch.zeros(len(inputs))
 
     def coverage(state: int, layer: int):
-        def hook(module, args):
-            x = args[0].detach().reshape(-1, width)[:, outlier_dims].abs()
+        def hook(inputs):
+            x = inputs.detach().reshape(-1, width)[:, outlier_dims].abs()
             covered[state] += (x >= criteria.magnitude).any(dim=1).sum()
 
         return hook
@@ -134,8 +132,8 @@ def block_input_magnitudes(model: nn.Module, batches: torch.Tensor, top: int = 3
     per_sample: list[list[torch.Tensor]] = [[] for _ in blocks]  # per block: (top..., top 10%, median) rows
 
     def hook_for(index: int, layer: int):
-        def hook(module, args):
-            values = args[0].detach().abs().float().reshape(-1)
+        def hook(inputs):
+            values = inputs.detach().abs().float().reshape(-1)
             per_sample[layer].append(torch.cat([values.topk(top).values,
                                                 values.kthvalue(int(0.9 * values.numel())).values[None],
                                                 values.median()[None]]))

@@ -43,6 +43,7 @@ from leanlm.cache.prefix import (
 )
 from leanlm.data import calibration_batches, plain_text
 from leanlm.errors import ConfigError
+from leanlm.methods.blocks import observe_inputs
 from leanlm.methods.quantize import Calibration, QuantRun, option, quantize_, register_after_load, register_method
 from leanlm.methods.w8a8 import W8A8Config
 from leanlm.models.architectures import iter_quantizable_linears
@@ -91,8 +92,8 @@ def quantization_error_probe(model: nn.Module, skip: int = 0, detach: bool = Tru
     mean squared error of per-tensor asymmetric 8-bit quantization of its input, over positions >= `skip`."""
     errors: list[torch.Tensor] = []
 
-    def hook(module, args):
-        x = args[0][:, skip:].float()
+    def record(name: str, inputs: torch.Tensor) -> None:
+        x = inputs[:, skip:].float()
         flat = x.reshape(x.shape[0], -1)
         low, high = flat.amin(dim=1, keepdim=True), flat.amax(dim=1, keepdim=True)
         scale = ((high - low) / 255).clamp(min=1e-8)
@@ -102,12 +103,8 @@ def quantization_error_probe(model: nn.Module, skip: int = 0, detach: bool = Tru
         quantized = (torch.clamp(torch.round(flat / scale) + zero, 0, 255) - zero) * scale
         errors.append((flat - quantized).square().mean(dim=1))
 
-    handles = [module.register_forward_pre_hook(hook) for _, module in iter_quantizable_linears(model)]
-    try:
+    with observe_inputs(iter_quantizable_linears(model), record):
         yield errors
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _errors_after(model: nn.Module, prefix: Cushion | None, inputs: torch.Tensor, skip: int) -> torch.Tensor:

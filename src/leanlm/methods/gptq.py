@@ -1,9 +1,9 @@
 """RTN, GPTQ and SpQR on a whole model (thesis ch. 4): `quantize_(model, GPTQConfig(...), calibration=...)`.
 
-Sequential, one decoder block at a time, so memory stays bounded: the calibration samples' inputs to block i
-are the outputs of blocks 0..i-1 *already quantized*; hooks accumulate each linear's input Hessian while block i
+Sequential through the block pipeline (`leanlm.methods.blocks`): the calibration samples' inputs to block i
+are the outputs of blocks 0..i-1 *already quantized*; each linear's input Hessian accumulates while block i
 runs in float, its linears are solved (`leanlm.formats.gptq.solve`) and replaced by SpQRLinear, and the
-quantized block is run again to produce block i+1's inputs. Within a block every linear sees float inputs.
+quantized block produces block i+1's inputs. Within a block every linear sees float inputs.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from leanlm.errors import ConfigError
 from leanlm.formats.gptq import SolverSettings, solve
+from leanlm.methods.blocks import observe_inputs, walk_blocks
 from leanlm.methods.quantize import QuantRun, method_spec, option, register_method
 from leanlm.models.architectures import architecture_for, decoder_blocks, linear_weight_out_in
 from leanlm.nn.spqr_linear import SpQRLinear
@@ -86,108 +87,62 @@ class SpQRConfig:
 SolverConfig = RTNConfig | GPTQConfig | SpQRConfig
 
 
-class _StopForward(Exception):
-    pass
-
-
-class _InputRecorder(nn.Module):
-    """Stands in for a decoder block during the capture pass: records the block's keyword arguments (masks and
-    position embeddings, which depend only on positions) and passes the hidden state through untouched."""
-
-    def __init__(self, calls: list, stop: bool):
-        super().__init__()
-        self.calls, self.stop = calls, stop
-
-    def forward(self, hidden_states, *args, **kwargs):
-        self.calls.append((hidden_states, args, kwargs))
-        if self.stop:
-            raise _StopForward
-        return hidden_states
-
-
-def _capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches: torch.Tensor):
-    """(hidden states entering block 0 per sample, [per block: [per sample: (args, kwargs)]])."""
-    originals = list(blocks)
-    calls: list[list] = [[] for _ in originals]
-    for index in range(len(originals)):
-        blocks[index] = _InputRecorder(calls[index], stop=index == len(originals) - 1)
-    try:
-        with torch.inference_mode():
-            for sample in batches:
-                try:
-                    model(input_ids=sample[None], use_cache=False)
-                except _StopForward:
-                    pass
-    finally:
-        for index, block in enumerate(originals):
-            blocks[index] = block
-    first = [hidden.clone() for hidden, _, _ in calls[0]]
-    return first, [[(args, kwargs) for _, args, kwargs in block_calls] for block_calls in calls]
-
-
 @register_method(RTNConfig, "rtn", "quantizer", needs_calibration=lambda config: False)
 @register_method(GPTQConfig, "gptq", "quantizer")
 @register_method(SpQRConfig, "spqr", "quantizer")
 def _quantize_with_solver(model: nn.Module, config: SolverConfig, run: QuantRun) -> dict:
-    """Replace the block linears by SpQRLinear, block by block; the record has the measured average bits per
+    """Replace the block linears by SpQRLinear, block by block (`walk_blocks`: each block's Hessians come from
+    the outputs of the blocks before it, already quantized); the record has the measured average bits per
     weight ("avg_bits"), the outlier rate and the wall time."""
     settings = config.solver()
     samples = getattr(config, "calibration_samples", None)
-    batches = run.data(config).batches(samples) if settings.error_feedback else None
-    seq_len = run.calibration.seq_len if run.calibration is not None else None
     table = architecture_for(model)
-    blocks = decoder_blocks(model, table)
     started = time.perf_counter()
-    if batches is not None:
-        hidden, block_arguments = _capture_block_inputs(model, blocks, batches)
-    weights = stored_bits = outliers = 0
-    for index, block in enumerate(tqdm(blocks, desc=method_spec(config).name, unit="block")):
-        linears = {path: block.get_submodule(path) for path in table.quantizable_linears}
-        hessians: dict[str, torch.Tensor] = {}
-        if batches is not None:
-            hessians = _block_hessians(block, linears, table, hidden, block_arguments[index])
-        for path, linear in linears.items():
+    totals = {"weights": 0, "stored_bits": 0.0, "outliers": 0}
+    hessians = _HessianObserver(table)
+
+    def quantize_block(index: int, block: nn.Module) -> None:
+        for path in table.quantizable_linears:
+            linear = block.get_submodule(path)
             weight = linear_weight_out_in(linear, table)
-            solved = solve(weight, hessians.get(path), settings)
+            solved = solve(weight, hessians.of(path), settings)
             quantized = SpQRLinear.from_solved(solved, settings, getattr(linear, "bias", None))
             block.set_submodule(path, quantized)
-            count = weight.numel()
-            weights += count
-            stored_bits += quantized.bits_per_weight() * count
-            outliers += quantized.outlier_count
-        if batches is not None and index + 1 < len(blocks):
-            with torch.inference_mode():
-                hidden = [_block_output(block(h, *args, **kwargs)) for h, (args, kwargs)
-                          in zip(hidden, block_arguments[index])]
-    return {**asdict(settings), "calibration_samples": len(batches) if batches is not None else samples,
-            "calibration_seq_len": seq_len, "avg_bits": stored_bits / weights, "outlier_rate": outliers / weights,
+            totals["weights"] += weight.numel()
+            totals["stored_bits"] += quantized.bits_per_weight() * weight.numel()
+            totals["outliers"] += quantized.outlier_count
+
+    name = method_spec(config).name
+    if settings.error_feedback:
+        batches = run.data(config).batches(samples)
+        walk_blocks(model, batches, observe=hessians.observe, quantize_block=quantize_block, desc=name)
+        samples = len(batches)
+    else:  # RTN needs no data: each block on its own
+        for index, block in enumerate(tqdm(decoder_blocks(model, table), desc=name, unit="block", leave=False)):
+            quantize_block(index, block)
+    return {**asdict(settings), "calibration_samples": samples,
+            "calibration_seq_len": run.calibration.seq_len if run.calibration is not None else None,
+            "avg_bits": totals["stored_bits"] / totals["weights"], "outlier_rate": totals["outliers"] / totals["weights"],
             "seconds": time.perf_counter() - started}
 
 
-def _block_output(output) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output
+class _HessianObserver:
+    """H = 2/N sum_x x x^T over every calibration token entering each linear of the current (float) block."""
 
+    def __init__(self, table):
+        self.table = table
+        self.sums: dict[str, torch.Tensor] = {}
+        self.tokens: dict[str, int] = {}
 
-def _block_hessians(block: nn.Module, linears: dict[str, nn.Module], table, hidden: list[torch.Tensor],
-                    arguments: list) -> dict[str, torch.Tensor]:
-    """H = 2/N sum_x x x^T over every calibration token entering each linear (float block)."""
-    sums: dict[str, torch.Tensor] = {}
-    tokens: dict[str, int] = {}
+    def observe(self, index: int, block: nn.Module):
+        self.sums, self.tokens = {}, {}
+        return observe_inputs(((path, block.get_submodule(path)) for path in self.table.quantizable_linears),
+                              self._add)
 
-    def observer(path: str):
-        def hook(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            sums[path] = sums[path].addmm_(x.T, x) if path in sums else x.T @ x
-            tokens[path] = tokens.get(path, 0) + x.shape[0]
+    def _add(self, path: str, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        self.sums[path] = self.sums[path].addmm_(x.T, x) if path in self.sums else x.T @ x
+        self.tokens[path] = self.tokens.get(path, 0) + x.shape[0]
 
-        return hook
-
-    handles = [linear.register_forward_pre_hook(observer(path)) for path, linear in linears.items()]
-    try:
-        with torch.inference_mode():
-            for h, (args, kwargs) in zip(hidden, arguments):
-                block(h, *args, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {path: 2.0 * sums[path] / tokens[path] for path in sums}
+    def of(self, path: str) -> torch.Tensor | None:
+        return 2.0 * self.sums[path] / self.tokens[path] if path in self.sums else None

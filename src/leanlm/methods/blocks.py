@@ -1,0 +1,113 @@
+"""The block pipeline every calibrated method runs through, and the one place that observes module inputs.
+
+`walk_blocks(model, batches, observe=..., quantize_block=...)`: the calibration windows enter the model once,
+up to the first decoder block (`capture_block_inputs`: the hidden states entering block 0, and the keyword
+arguments - masks, position embeddings, a prefix cache - the model passes each block). Then, block by block:
+the float block runs on every window with the method's observers active (input maxima for SmoothQuant and
+static W8A8 ranges, Hessians for GPTQ / SpQR), the method may quantize the block in place, and the block as it
+now is produces the next block's inputs (so GPTQ's later blocks see the quantized earlier ones, and observers
+alone see the float model, exactly as a whole-model pass would).
+
+Peak memory of a pass, beyond the model: one copy of the hidden states of every window, samples x seq_len x
+hidden_size x 4 bytes (each window's output replaces its input), plus what the observers keep (a maximum per
+input channel; GPTQ: in_features^2 floats per linear of the current block). SmolLM2 with SmoothQuant's 512 x 512
+tokens: 604 MB; GPTQ's 128 x 512: 151 MB. The same pass over a model read block by block from disk holds one
+block in float at a time.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Iterable, Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from leanlm.models.architectures import architecture_for, decoder_blocks
+
+BlockVisitor = Callable[[int, nn.Module], Any]
+
+
+@contextmanager
+def observe_inputs(modules: Iterable[tuple[Any, nn.Module]], observer: Callable[[Any, torch.Tensor], None]
+                   ) -> Iterator[None]:
+    """While active, `observer(key, x)` sees the first positional input of each (key, module) on every forward
+    (not detached: prefix tuning needs its gradient)."""
+    handles = [module.register_forward_pre_hook(lambda module, args, key=key: observer(key, args[0]))
+               for key, module in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _StopForward(Exception):
+    pass
+
+
+class _InputRecorder(nn.Module):
+    """Stands in for a decoder block during the capture pass: records the block's arguments and passes the hidden
+    state through untouched; the last one stops the forward (nothing after the blocks is needed)."""
+
+    def __init__(self, calls: list, stop: bool):
+        super().__init__()
+        self.calls, self.stop = calls, stop
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.calls.append((hidden_states, args, kwargs))
+        if self.stop:
+            raise _StopForward
+        return hidden_states
+
+
+def capture_block_inputs(model: nn.Module, batches: torch.Tensor) -> tuple[list[torch.Tensor], list[list[tuple]]]:
+    """(the hidden states entering block 0, one per window; per block, per window: (args, kwargs) as the model
+    passes them, which depend on positions only, or on a prefix cache's state)."""
+    blocks = decoder_blocks(model)
+    originals = list(blocks)
+    calls: list[list] = [[] for _ in originals]
+    for index in range(len(originals)):
+        blocks[index] = _InputRecorder(calls[index], stop=index == len(originals) - 1)
+    try:
+        with torch.inference_mode():
+            for sample in batches:
+                try:
+                    model(input_ids=sample[None], use_cache=False)
+                except _StopForward:
+                    pass
+    finally:
+        for index, block in enumerate(originals):
+            blocks[index] = block
+    first = [hidden.clone() for hidden, _, _ in calls[0]]
+    return first, [[(args, kwargs) for _, args, kwargs in block_calls] for block_calls in calls]
+
+
+def _block_output(output) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def walk_blocks(model: nn.Module, batches: torch.Tensor, *,
+                observe: Callable[[int, nn.Module], ContextManager] | None = None,
+                quantize_block: BlockVisitor | None = None, desc: str = "blocks") -> None:
+    """Run `batches` (windows, seq_len) through `model` block by block: `observe(index, block)` is active while
+    the float block runs on every window; `quantize_block(index, block)` may then change the block, and the
+    block as it is then feeds the next one."""
+    table = architecture_for(model)
+    blocks = decoder_blocks(model, table)
+    hidden, arguments = capture_block_inputs(model, batches)
+    with torch.inference_mode():
+        for index, block in enumerate(tqdm(blocks, desc=desc, unit="block", leave=False)):
+            last = index + 1 == len(blocks)
+            keep_outputs = quantize_block is None and not last
+            with observe(index, block) if observe is not None else nullcontext():
+                for window, (args, kwargs) in enumerate(arguments[index]):
+                    output = block(hidden[window], *args, **kwargs)
+                    if keep_outputs:
+                        hidden[window] = _block_output(output)
+            if quantize_block is not None:
+                quantize_block(index, block)
+                if not last:
+                    for window, (args, kwargs) in enumerate(arguments[index]):
+                        hidden[window] = _block_output(block(hidden[window], *args, **kwargs))
