@@ -22,22 +22,28 @@ from leanlm.methods.quantize import QuantRun, method_spec, option, register_meth
 from leanlm.models.architectures import architecture_for, decoder_blocks, linear_weight_out_in
 from leanlm.nn.spqr_linear import SpQRLinear
 
+class _SolverChecks:
+    """Every setting of a solver config is checked when the config is made, before any model is loaded."""
+
+    def __post_init__(self):
+        self.solver()
+        if getattr(self, "calibration_samples", 1) < 1:
+            raise ConfigError(f"calibration_samples must be at least 1, got {self.calibration_samples}")
+
+
 @dataclass(frozen=True)
-class RTNConfig:
+class RTNConfig(_SolverChecks):
     """Round to nearest: min-max groups, no calibration (the baseline of GPTQ and SpQR)."""
 
     bits: int = option(4, "bits per weight code (2-8)")
     group_size: int | None = option(128, "input columns per scale and zero, or the whole row", none_word="0")
-
-    def __post_init__(self):
-        self.solver()  # checks every setting now, before any model is loaded
 
     def solver(self) -> SolverSettings:
         return SolverSettings(bits=self.bits, group_size=self.group_size, act_order=False, error_feedback=False)
 
 
 @dataclass(frozen=True)
-class GPTQConfig:
+class GPTQConfig(_SolverChecks):
     """GPTQ (Frantar et al. 2022; thesis ch. 4): min-max groups with Hessian error feedback, one block at a time."""
 
     bits: int = option(4, "bits per weight code (2-8)")
@@ -47,18 +53,13 @@ class GPTQConfig:
     calibration_samples: int = option(128, "calibration windows (GPTQ: 128 random segments)",
                                       flag="--calib-samples")
 
-    def __post_init__(self):
-        self.solver()  # checks every setting now, before any model is loaded
-        if self.calibration_samples < 1:
-            raise ConfigError(f"calibration_samples must be at least 1, got {self.calibration_samples}")
-
     def solver(self) -> SolverSettings:
         return SolverSettings(bits=self.bits, group_size=self.group_size, act_order=self.act_order,
                               damping=self.damping)
 
 
 @dataclass(frozen=True)
-class SpQRConfig:
+class SpQRConfig(_SolverChecks):
     """SpQR (Dettmers et al. 2023; thesis ch. 4): GPTQ with small groups whose statistics are themselves quantized,
     and unstructured outliers kept in 16 bits. Defaults: the chapter's ~4-bit recipe shape (3-bit base and
     statistics, beta1 = beta2 = 16, tau = 0.2, damping 1.0 as the reference near-lossless recipe)."""
@@ -72,11 +73,6 @@ class SpQRConfig:
     damping: float = option(1.0, "lambda: Hessian damping as a fraction of its mean diagonal")
     act_order: bool = option(True, "quantize columns by decreasing Hessian diagonal (else in their natural order)")
     calibration_samples: int = option(128, "calibration windows", flag="--calib-samples")
-
-    def __post_init__(self):
-        self.solver()  # checks every setting now, before any model is loaded
-        if self.calibration_samples < 1:
-            raise ConfigError(f"calibration_samples must be at least 1, got {self.calibration_samples}")
 
     def solver(self) -> SolverSettings:
         return SolverSettings(bits=self.bits, group_size=self.beta1, statistic_bits=self.statistic_bits,
