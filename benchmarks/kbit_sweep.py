@@ -1,11 +1,12 @@
 """Bit-level scaling sweep (thesis ch. 3, Figs 3.2/3.3): WikiText-2 perplexity against total model bits for every
 data type x bits 3..8 x block size {32, 64, 128, 256, per-row}, one model per run.
 
-Each configuration quantizes every block linear with `quantize_(model, KbitConfig(...))` (so the bits are the measured storage of
-the packed checkpoint) and is then evaluated with the de-quantized weights in plain float32 linears (the same
-numbers the k-bit kernel computes, at FP32 speed, so the sweep's cost is the evaluation alone). Total model bits
-count the quantized linears at their measured bits and everything else (embeddings, norms, lm_head) at 16 bits,
-as the thesis does. Results are written after every configuration; `--resume` skips finished ones.
+Each configuration quantizes every block linear with `quantize_(model, KbitConfig(...))` (so the bits are the
+measured storage of the packed checkpoint) and is then evaluated with the de-quantized weights in plain float32
+linears (the same numbers the k-bit kernel computes, at FP32 speed, so the sweep's cost is the evaluation alone).
+Total model bits count the quantized linears at their measured bits and everything else (embeddings, norms,
+lm_head) at 16 bits, as the thesis does. Results are written after every configuration; `--resume` skips finished
+ones.
 
     python benchmarks/kbit_sweep.py --resume                     # first 16384 WikiText-2 tokens per point
     python benchmarks/kbit_sweep.py --zero-shot-limit 10 --resume   # then zero-shot at block 64, keeping the rest

@@ -96,7 +96,8 @@ def _metavar(config_type: type, item: Field) -> str:
     kinds = typing.get_args(hinted) or (hinted,)
     word = "N" if int in kinds else "X" if float in kinds else "TEXT"
     extra = [item.metadata["none_word"]] if item.metadata.get("none_word") else []
-    extra += [word for kind in kinds if typing.get_origin(kind) is typing.Literal for word in typing.get_args(kind)]
+    extra += [literal for kind in kinds if typing.get_origin(kind) is typing.Literal
+              for literal in typing.get_args(kind)]
     return "|".join([word, *extra])
 
 

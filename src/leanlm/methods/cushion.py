@@ -207,7 +207,7 @@ def tune_cushion(model: nn.Module, tokenizer, cushion: Cushion, config: CushionC
     return Cushion(cushion.tokens, [k.detach() for k in keys], [v.detach() for v in values], record)
 
 
-@register_method(CushionConfig, "cushion", "transform", before=(W8A8Config,))
+@register_method(CushionConfig, "cushion", "transform", followed_by=(W8A8Config,))
 def _cushion(model: nn.Module, config: CushionConfig, run: QuantRun) -> dict:
     """Search (and tune) a cushion on the float model and attach it, so that the steps after it (SmoothQuant's
     statistics, static ranges) see only the tokens that follow it."""

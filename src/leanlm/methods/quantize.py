@@ -7,7 +7,7 @@ A method is one config dataclass (its paper's defaults, and its help text on eac
 `register_method`: a name, a role and the function that applies it. A list composes: transforms first (a
 CushionCache prefix, SmoothQuant's smoothing), then exactly one quantizer; `check_composition` says why any other
 list makes no sense. Calibration text is read once (`Calibration`) and shared by every step; the int8 input
-statistics are observed once and kept current by the transforms that change them (`QuantRun.int8_stats`).
+statistics are observed once and kept current by the transforms that change them (`QuantRun.stats`).
 
 Quantized modules rebuild what they derive from their stored tensors; what a method adds on top of the modules
 (SmoothQuant's shared GEMMs, a CushionCache prefix) is put back after a checkpoint loads by the hooks methods
@@ -28,6 +28,7 @@ from leanlm.data.calibration import calibration_batches
 from leanlm.errors import ConfigError
 
 Role = Literal["transform", "quantizer"]
+
 
 def option(default, help: str, *, flag: str | None = None, none_word: str | None = None, choices: tuple = (),
            cli: bool = True):
@@ -111,9 +112,13 @@ class QuantRun:
 
     def data(self, config) -> Calibration:
         if self.calibration is None:
-            raise ConfigError(f"{type(config).__name__} needs calibration text: pass "
-                              "calibration=Calibration(tokenizer) to quantize_")
+            raise _needs_text(config)
         return self.calibration
+
+
+def _needs_text(config) -> ConfigError:
+    return ConfigError(f"{type(config).__name__} needs calibration text: pass calibration=Calibration(tokenizer) "
+                       "to quantize_")
 
 
 @dataclass(frozen=True)
@@ -122,9 +127,9 @@ class MethodSpec:
     role: Role
     apply: Callable[[nn.Module, Any, QuantRun], dict]  # transforms the model in place; returns its record
     needs_calibration: Callable[[Any], bool]
-    # Methods that must follow this one in a list (a transform for activation quantization needs an int8
-    # quantizer after it); empty: any quantizer.
-    before: tuple[type, ...] = ()
+    # Config types one of which must come after this one in a list (a transform that prepares activations for
+    # int8 needs an int8 quantizer after it); empty: any quantizer.
+    followed_by: tuple[type, ...] = ()
 
 
 _METHODS: dict[type, MethodSpec] = {}
@@ -134,10 +139,10 @@ _FOLDED_NAMES = {("smoothquant", "w8a8"): "smoothquant"}
 
 
 def register_method(config_type: type, name: str, role: Role, needs_calibration: Callable[[Any], bool] = lambda c: True,
-                    before: tuple[type, ...] = ()):
+                    followed_by: tuple[type, ...] = ()):
     """Decorator: `apply(model, config, run) -> record` is how `config_type` quantizes (or transforms) a model."""
     def decorator(apply):
-        _METHODS[config_type] = MethodSpec(name, role, apply, needs_calibration, before)
+        _METHODS[config_type] = MethodSpec(name, role, apply, needs_calibration, followed_by)
         return apply
 
     return decorator
@@ -184,8 +189,8 @@ def check_composition(configs: tuple) -> list[MethodSpec]:
         raise ConfigError(f"{' + '.join(names)}: a method appears twice")
     for index, spec in enumerate(specs):
         after = configs[index + 1:]
-        if spec.before and not any(isinstance(config, spec.before) for config in after):
-            needed = " or ".join(t.__name__ for t in spec.before)
+        if spec.followed_by and not any(isinstance(config, spec.followed_by) for config in after):
+            needed = " or ".join(t.__name__ for t in spec.followed_by)
             raise ConfigError(f"{spec.name} prepares activations for int8 quantization: follow it with {needed}, "
                               f"not {' + '.join(names[index + 1:])}")
     return specs
@@ -202,9 +207,9 @@ def quantize_(model: nn.Module, config, *, calibration: Calibration | None = Non
     """Apply `config` (a method config, or a list of them: transforms then one quantizer) to `model` in place."""
     configs = tuple(config) if isinstance(config, (list, tuple)) else (config,)
     specs = check_composition(configs)
-    for config_, spec in zip(configs, specs):
-        if calibration is None and spec.needs_calibration(config_):
-            QuantRun(None).data(config_)  # raises, naming the config
+    needing_text = [config_ for config_, spec in zip(configs, specs) if spec.needs_calibration(config_)]
+    if calibration is None and needing_text:
+        raise _needs_text(needing_text[0])
     started = time.perf_counter()
     run = QuantRun(calibration)
     record = QuantRecord()
