@@ -39,6 +39,7 @@ from leanlm.methods import (
 )
 from leanlm.methods.quantize import method_spec
 from leanlm.models import LoadedModel, load_model
+from leanlm.report import format_table
 
 SHOWCASE_CALIBRATION_SAMPLES = 8  # x 512 tokens: the methods' own defaults are 128 (GPTQ) to 512 (SmoothQuant)
 QLORA_STEPS = 16  # batch 2 x 256 tokens of LAMBADA development text
@@ -114,6 +115,20 @@ def _release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: the peaks then include what the allocator kept
         pass
+
+
+def showcase_table(payload: dict) -> str:
+    """The markdown table `leanlm showcase` prints (and the README quotes) from `run_showcase`'s payload."""
+    rows = []
+    for name, row in payload["rows"].items():
+        wikitext = row["results"]["wikitext2"]
+        zero_shot = row["zero_shot_average"]
+        what = row["description"] + (f"; {row['note']}" if row.get("note") else "")
+        rows.append([name, f"{wikitext['perplexity']:.2f}", "-" if zero_shot is None else f"{zero_shot:.2f}",
+                     f"{row['weights_bytes'] / 2**20:.0f}", f"{row['peak_rss_bytes'] / 2**20:,.0f}",
+                     f"{wikitext['tokens_per_second']:.0f}", what.replace("|", "\\|")])
+    return format_table(["method", "WikiText-2 ppl", "zero-shot avg", "weights MiB (stored)", "peak RSS MiB", "tok/s",
+                         "what"], rows, markdown=True)
 
 
 def run_showcase(source: str, settings: EvalSettings = QUICK_SETTINGS, rows=ROWS) -> dict:

@@ -115,7 +115,7 @@ def command_eval(args) -> None:
 
 
 def command_showcase(args) -> None:
-    from leanlm.showcase import run_showcase
+    from leanlm.showcase import run_showcase, showcase_table
 
     _check_json_path(args.json)
     payload = run_showcase(args.model, _settings(args))
@@ -124,14 +124,7 @@ def command_showcase(args) -> None:
     print(f"WikiText-2: first {settings['max_tokens']} tokens in windows of {settings['seq_len']}; zero-shot "
           f"({', '.join(t for t in settings['tasks'] if t != 'wikitext2')}): first {settings['limit']} items of each; "
           f"calibration: {payload['calibration_samples']} windows of 512 tokens")
-    rows = []
-    for name, row in payload["rows"].items():
-        ppl = row["results"].get("wikitext2", {})
-        rows.append([name, ppl.get("perplexity"), row["zero_shot_average"], row["weights_bytes"] / 2**20,
-                     row["peak_rss_bytes"] / 2**20, ppl.get("tokens_per_second"),
-                     row["description"] + (f"; {row['note']}" if row.get("note") else "")])
-    print(format_table(["method", "wikitext2 ppl", "zero-shot avg", "weights MiB", "peak RSS MiB", "tok/s", "what"],
-                       rows))
+    print(showcase_table(payload))
     _write_json(args.json, payload)
 
 
