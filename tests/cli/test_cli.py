@@ -299,6 +299,7 @@ def no_model_loading(monkeypatch):
     (["--method", "kbit"], "FILE", "is an existing file"),
     (["--method", "kbit", "--block-size", "7"], "x", "block_size must be a power of two from 16 to 4096"),
     (["--method", "kbit", "--bits", "2"], "x", "bits must be between 3 and 8"),
+    (["--method", "kbit", "--json", "/proc/x/r.json"], "x", "cannot write --json /proc/x/r.json"),
 ])
 def test_quantize_refuses_bad_input_before_loading_the_model(tmp_path, capsys, no_model_loading, options, out, message):
     if out == "FILE":
