@@ -197,3 +197,23 @@ def test_a_quantize_killed_at_any_write_never_leaves_a_loadable_half_checkpoint(
     assert last == whole
     # The finished run removed the staging directories of the killed ones.
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_checkpoint_loads_straight_into_quantized_modules(quantized_dir, monkeypatch):
+    """No float model is built first: every float linear made while loading starts on the meta device (the
+    output projection then takes the stored tensor), so resident memory follows the stored bytes."""
+    from torch import nn
+
+    made = []
+    original = nn.Linear.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self.weight.is_meta)
+
+    monkeypatch.setattr(nn.Linear, "__init__", recording)
+    out, model = quantized_dir
+    loaded, _ = load_quantized(out)
+    assert made and all(made)
+    assert not any(t.is_meta for t in loaded.model.state_dict().values())
+    assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight  # tied again

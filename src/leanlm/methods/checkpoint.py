@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_model as load_safetensors_into
+from accelerate import init_empty_weights
+from safetensors.torch import load_file
 from safetensors.torch import save_model as save_safetensors_from
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -154,18 +155,39 @@ def load_quantized(directory: str | os.PathLike) -> tuple[LoadedModel, dict]:
         skeleton.set_submodule(name, module, strict=False)
     _check_weights_file(weights, skeleton)
     del skeleton, rebuilt
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # No float model first: parameters start on the meta device (buffers, such as RoPE's frequencies and the
+    # quantized modules' codes, are real) and take the file's tensors, so resident memory is the stored bytes.
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for name, entry in record["modules"].items():
         model.set_submodule(name, QUANTIZED_MODULES[entry["class"]](**entry["args"]), strict=False)
     try:
-        load_safetensors_into(model, str(weights), strict=True)
+        _, unexpected = model.load_state_dict(load_file(str(weights)), strict=False, assign=True)
     except Exception as error:  # safetensors raises its own error types for damaged files
         raise CorruptModelError(f"the weights in {weights} cannot be loaded: {error}") from None
+    _retie_embeddings(model)
+    left = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
+    if unexpected or left:
+        raise CorruptModelError(f"the weights in {weights} do not fill the model: {(unexpected or left)[:3]}")
     after_load(model, record, directory)  # what the methods derive rather than store
     model.eval()
     tokenizer = read_tokenizer(directory)
     name = str(directory)
     return LoadedModel(model, tokenizer, name, directory, table, record.get("weights_note")), record
+
+
+def _retie_embeddings(model: nn.Module) -> None:
+    """A tied output projection is stored once, under either name (safetensors keeps one of two shared
+    tensors): both modules get the one that was loaded."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if outputs is None:
+        return
+    if inputs.weight.is_meta:
+        inputs.weight = outputs.weight
+    else:
+        outputs.weight = inputs.weight
 
 
 def load_any(source: str | os.PathLike) -> LoadedModel:
