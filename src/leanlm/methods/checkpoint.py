@@ -119,13 +119,17 @@ def _check_weights_file(path: Path, model: nn.Module) -> None:
     """The file must hold exactly the tensors of `model` (a meta-device skeleton), with their shapes and types;
     checked on the header, before anything is read into memory."""
     expected = model.state_dict()
+    problems = []
     try:
         with safe_open(str(path), "pt") as handle:
             found = {name: handle.get_slice(name) for name in handle.keys()}
-            problems = [f"{name}: {s.get_dtype()} {s.get_shape()}, expected {_SAFETENSORS_DTYPES.get(t.dtype)} "
-                        f"{list(t.shape)}" for name, s in found.items() if name in expected
-                        for t in [expected[name]]
-                        if s.get_shape() != list(t.shape) or s.get_dtype() != _SAFETENSORS_DTYPES.get(t.dtype)]
+            for name, stored in found.items():
+                if name not in expected:
+                    continue
+                want = (list(expected[name].shape), _SAFETENSORS_DTYPES.get(expected[name].dtype))
+                have = (stored.get_shape(), stored.get_dtype())
+                if have != want:
+                    problems.append(f"{name}: {have[1]} {have[0]}, expected {want[1]} {want[0]}")
     except (SafetensorError, OSError, ValueError) as error:
         raise CorruptModelError(f"{path} is not a readable safetensors file: {error}") from None
     unexpected = sorted(set(found) - set(expected))

@@ -39,8 +39,8 @@ class SmoothQuantConfig:
     """SmoothQuant's smoothing, a transform before an int8 quantizer (`[SmoothQuantConfig(), W8A8Config("O3")]`
     is SmoothQuant as the paper runs it)."""
 
-    alpha: float | Literal["auto"] = option(0.5, "migration strength in [0, 1] (eq. 3.4), or 'auto': a grid search on held-out "
-                                     "calibration windows")
+    alpha: float | Literal["auto"] = option(0.5, "migration strength in [0, 1] (eq. 3.4), or 'auto': a grid "
+                                                 "search on held-out calibration windows")
     smooth_value_output: bool = option(True, "also smooth v_proj -> o_proj (beyond the paper)",
                                        flag="--no-smooth-extension")
     smooth_mlp_output: bool = option(True, "also smooth up_proj -> down_proj, fc1 -> fc2 (beyond the paper)",
