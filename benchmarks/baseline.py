@@ -2,7 +2,8 @@
 accuracy on the six tasks, and evaluation throughput. Writes benchmarks/results/baseline_<model>.json + .png.
 
     python benchmarks/baseline.py [--model smollm2-135m] [--limit 500] [--seq-len 2048]
-    python benchmarks/baseline.py --throughput-only   # re-measure only the forward speed, on a quiet machine
+    python benchmarks/baseline.py --only throughput   # re-measure only the forward speed, on a quiet machine
+    python benchmarks/baseline.py --report            # the saved table
 
 The evaluation's own tokens/s depends on whatever else the machine runs; `throughput` is measured apart:
 warm-up, then the median of repeated forward passes of one window, and merged into the same JSON.
@@ -11,7 +12,6 @@ warm-up, then the median of repeated forward passes of one window, and merged in
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -20,38 +20,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from leanlm.bench import results_dir, results_name, time_call, write_results  # noqa: E402
+from leanlm.bench import Study, print_report, results_name, study_arguments, time_call, titled  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
-from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
-from leanlm.report import save_figure  # noqa: E402
+from leanlm.report import format_table, save_figure  # noqa: E402
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--limit", type=int, default=500, help="items per zero-shot task (None: full sets)")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--max-tokens", type=int, default=None)
-    parser.add_argument("--throughput-only", action="store_true")
-    args = parser.parse_args()
-
-    loaded = load_model(args.model)
-    name = results_name("baseline", args.model)
-    if args.throughput_only:
-        payload = json.loads((results_dir() / f"{name}.json").read_text())
-        payload.pop("environment", None)
-        payload["throughput"] = measure_throughput(loaded.model, args.seq_len)
-        print(f"forward throughput at {args.seq_len} tokens: {payload['throughput']['tokens_per_second']:.0f} tok/s")
-        print(f"wrote {write_results(name, payload, plot_baseline(payload, args, loaded))}")
-        return
-    settings = EvalSettings(
-        tasks=("wikitext2", "ptb", *ZERO_SHOT_TASKS), limit=args.limit, max_tokens=args.max_tokens, seq_len=args.seq_len
-    )
-    payload = {"model": args.model, "weights_note": loaded.weights_note, "settings": vars(settings)}
-    payload |= evaluate(loaded.model, loaded.tokenizer, settings)
-    payload["throughput"] = measure_throughput(loaded.model, args.seq_len)
-    path = write_results(name, payload, plot_baseline(payload, args, loaded))
-    print(f"wrote {path}")
+TASK_NAMES = {"lambada": "LAMBADA (OpenAI)", "piqa": "PIQA", "hellaswag": "HellaSwag", "arc_easy": "ARC-easy",
+              "arc_challenge": "ARC-challenge", "winogrande": "WinoGrande"}
 
 
 def measure_throughput(model, seq_len: int) -> dict:
@@ -60,24 +34,71 @@ def measure_throughput(model, seq_len: int) -> dict:
     return {"seq_len": seq_len, "tokens_per_second": seq_len / timing.median, **timing.as_dict()}
 
 
-def plot_baseline(payload: dict, args, loaded):
-    def plot(path):
-        results = payload["results"]
-        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1, 3]})
-        left.bar(["WikiText-2", "PTB"], [results["wikitext2"]["perplexity"], results["ptb"]["perplexity"]])
-        settings = payload["settings"]
-        left.set_title(f"perplexity (seq-len {settings['seq_len']}, full test sets)")
-        names = list(ZERO_SHOT_TASKS)
-        left_pos = range(len(names))
-        right.bar([p - 0.2 for p in left_pos], [results[t]["acc"] for t in names], width=0.4, label="acc")
-        right.bar([p + 0.2 for p in left_pos], [results[t].get("acc_norm", 0) for t in names], width=0.4,
-                  label="acc_norm")
-        right.set_xticks(list(left_pos), names)
-        right.set_title(f"zero-shot, first {settings['limit']} items per task")
-        right.legend()
-        save_figure(fig, path, f"{args.model} FP32" + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
+def report(payload: dict) -> str:
+    results, rows = payload.get("results", {}), []
+    for task, label in (("wikitext2", "WikiText-2 (test)"), ("ptb", "PTB (test)")):
+        if task in results:
+            r = results[task]
+            rows.append([label, "perplexity", f"{r['perplexity']:.2f}",
+                         f"{r['tokens']:,} tokens, {r['windows']} x {r['seq_len']}"])
+    for task, label in TASK_NAMES.items():
+        if task in results:
+            r = results[task]
+            second = ("perplexity", f"{r['perplexity']:.1f}") if task == "lambada" else (
+                ("acc_norm", f"{r['acc_norm']:.3f}") if "acc_norm" in r else None)
+            rows.append([label, "acc" + (f" / {second[0]}" if second else ""),
+                         f"{r['acc']:.3f}" + (f" / {second[1]}" if second else ""), f"{r['n']} items"])
+    if payload.get("zero_shot_average") is not None:
+        rows.append(["zero-shot average", "acc", f"{payload['zero_shot_average']:.3f}", "six tasks"])
+    if "throughput" in payload:
+        t = payload["throughput"]
+        rows.append(["forward throughput", "tokens/s", f"{t['tokens_per_second']:.0f}",
+                     f"one {t['seq_len']}-token window, median of {t['repeats']}, 2 threads"])
+    return format_table(["task", "metric", "value", "on"], rows, markdown=True)
 
-    return plot
+
+def plot_baseline(payload: dict, path) -> None:
+    if "results" not in payload:
+        return
+    results = payload["results"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1, 3]})
+    left.bar(["WikiText-2", "PTB"], [results["wikitext2"]["perplexity"], results["ptb"]["perplexity"]])
+    settings = payload["settings"]
+    left.set_title(f"perplexity (seq-len {settings['seq_len']}, full test sets)")
+    names = list(ZERO_SHOT_TASKS)
+    left_pos = range(len(names))
+    right.bar([p - 0.2 for p in left_pos], [results[t]["acc"] for t in names], width=0.4, label="acc")
+    right.bar([p + 0.2 for p in left_pos], [results[t].get("acc_norm", 0) for t in names], width=0.4,
+              label="acc_norm")
+    right.set_xticks(list(left_pos), names)
+    right.set_title(f"zero-shot, first {settings['limit']} items per task")
+    right.legend()
+    save_figure(fig, path, titled(payload, "FP32"))
+
+
+def main() -> None:
+    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser.add_argument("--limit", type=int, default=500, help="items per zero-shot task (None: full sets)")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--max-tokens", type=int, default=None)
+    args = parser.parse_args()
+    name = results_name("baseline", args.model)
+    if args.report:
+        return print_report(name, report)
+
+    settings = EvalSettings(
+        tasks=("wikitext2", "ptb", *ZERO_SHOT_TASKS), limit=args.limit, max_tokens=args.max_tokens, seq_len=args.seq_len
+    )
+    study = Study(name, vars(settings), args, plot=plot_baseline)
+    loaded = study.load_model(args.model)
+    if study.pending("results", "evaluation"):
+        study.payload.update(evaluate(loaded.model, loaded.tokenizer, settings))
+        study.save()
+    if study.pending("throughput"):
+        study.set("throughput", measure_throughput(loaded.model, args.seq_len))
+        print(f"forward throughput at {args.seq_len} tokens: {study.payload['throughput']['tokens_per_second']:.0f} tok/s")
+    print(report(study.payload))
+    print(f"wrote {study.path}")
 
 
 if __name__ == "__main__":

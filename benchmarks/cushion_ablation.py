@@ -10,6 +10,7 @@ as they finish and `--resume` skips finished ones.
 
     python benchmarks/cushion_ablation.py
     python benchmarks/cushion_ablation.py --lambdas 0 10 --tune-steps 10 --max-tokens 4096   # a quick look
+    python benchmarks/cushion_ablation.py --report                  # the saved tables
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from leanlm.bench import previous_results, results_dir, results_name, write_results  # noqa: E402
+from leanlm.bench import Study, print_report, results_dir, results_name, study_arguments, titled  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import EvalSettings, evaluate  # noqa: E402
 from leanlm.evaluation.outliers import block_input_magnitudes  # noqa: E402
 from leanlm.methods import Calibration, W8A8Config  # noqa: E402
 from leanlm.cache.prefix import Cushion, cushion_keys_values, load_cushion  # noqa: E402
 from leanlm.methods.cushion import CushionConfig, cushioned_copy, search_cushion, tune_cushion  # noqa: E402
-from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 
@@ -49,30 +49,45 @@ def plot_layers(layers: dict, path, title: str) -> None:
     save_figure(fig, path, title)
 
 
-def plot_ablations(payload: dict, title: str):
-    def draw(path):
-        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-        lengths = sorted(payload["length"], key=int)
-        left.plot([int(n) for n in lengths], [payload["length"][n]["O3"] for n in lengths], marker="o")
-        left.set_xlabel("cushion length (tokens, greedy order)")
-        left.set_ylabel("WikiText-2 ppl, naive per-tensor static W8A8")
-        lambdas = list(payload["lambda"])
-        for level in ("O3", "O2"):
-            right.plot(range(len(lambdas)), [payload["lambda"][x][level] for x in lambdas], marker="o", label=level)
-        right.set_xticks(range(len(lambdas)), lambdas)
-        right.set_xlabel("lambda (tuning loss = CE + lambda x quantization error)")
-        right.set_ylabel("WikiText-2 ppl, naive W8A8")
-        for axis in (left, right):
-            axis.axhline(payload["fp32"], color="black", linestyle="--", linewidth=0.8, label="FP32")
-            axis.legend(fontsize=8)
-        save_figure(fig, path, title)
+def plot_ablations(payload: dict, path) -> None:
+    if not (payload.get("length") and payload.get("lambda") and "fp32" in payload):
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    lengths = sorted(payload["length"], key=int)
+    left.plot([int(n) for n in lengths], [payload["length"][n]["O3"] for n in lengths], marker="o")
+    left.set_xlabel("cushion length (tokens, greedy order)")
+    left.set_ylabel("WikiText-2 ppl, naive per-tensor static W8A8")
+    lambdas = list(payload["lambda"])
+    for level in ("O3", "O2"):
+        right.plot(range(len(lambdas)), [payload["lambda"][x][level] for x in lambdas], marker="o", label=level)
+    right.set_xticks(range(len(lambdas)), lambdas)
+    right.set_xlabel("lambda (tuning loss = CE + lambda x quantization error)")
+    right.set_ylabel("WikiText-2 ppl, naive W8A8")
+    for axis in (left, right):
+        axis.axhline(payload["fp32"], color="black", linestyle="--", linewidth=0.8, label="FP32")
+        axis.legend(fontsize=8)
+    save_figure(fig, path, titled(payload, "CushionCache ablations"))
 
-    return draw
+
+def report(payload: dict) -> str:
+    """The prefix-length and lambda ablations, as the README shows them."""
+    out = []
+    if payload.get("length"):
+        out.append(format_table(["cushion length", "text", "O3 wikitext2"],
+                                [[n, repr(r["text"]), r["O3"]] for n, r in payload["length"].items()], markdown=True))
+    if payload.get("lambda"):
+        out.append(format_table(
+            ["tuning", "O3 ppl", "O2 ppl", "quantization error", "cross-entropy"],
+            [[f"lambda = {key}", r["O3"], r["O2"], "{:.4f} -> {:.4f}".format(*r["quantization_error_first_last10"]),
+              "{:.3f} -> {:.3f}".format(*r["cross_entropy_first_last10"])] for key, r in payload["lambda"].items()],
+            markdown=True))
+    if "fp32" in payload:
+        out.append(f"FP32 {payload['fp32']:.3f}")
+    return "\n\n".join(out)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--max-tokens", type=int, default=32768, help="first N WikiText-2 tokens")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--max-length", type=int, default=3, help="longest cushion of the length ablation")
@@ -82,10 +97,11 @@ def main() -> None:
     parser.add_argument("--lambdas", type=float, nargs="+", default=[0.0, 10.0, 100.0])
     parser.add_argument("--tune-steps", type=int, default=50)
     parser.add_argument("--calib-samples", type=int, default=64)
-    parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
+    name = results_name("cushion_ablation", args.model)
+    if args.report:
+        return print_report(name, report)
 
-    loaded = load_model(args.model)
     main_name = results_name("cushion", args.model)
     saved = {kind: results_dir() / f"{main_name}_{kind}" for kind in ("search", "search_tune")}
     missing = [str(path) for path in saved.values() if not (path / "cushion.safetensors").is_file()]
@@ -95,82 +111,58 @@ def main() -> None:
     base_config = CushionConfig(**{k: tuple(v) if isinstance(v, list) else v
                                    for k, v in searched.record["config"].items()})
     settings = EvalSettings(tasks=("wikitext2",), max_tokens=args.max_tokens, seq_len=args.seq_len)
+    study = Study(name, {**vars(settings), "max_length": args.max_length, "candidates": args.candidates,
+                         "tune_steps": args.tune_steps, "calibration_samples": args.calib_samples,
+                         "searched_tokens": searched.tokens}, args, plot=plot_ablations)
+    loaded = study.load_model(args.model)
     calibration = Calibration(loaded.tokenizer, samples=args.calib_samples, seq_len=512)
-    name = results_name("cushion_ablation", args.model)
-    payload: dict = {"model": args.model, "weights_note": loaded.weights_note,
-                     "settings": {**vars(settings), "max_length": args.max_length, "candidates": args.candidates,
-                                  "tune_steps": args.tune_steps, "calibration_samples": args.calib_samples,
-                                  "searched_tokens": searched.tokens},
-                     "layers": {}, "length": {}, "lambda": {}}
-    if args.resume:
-        previous = previous_results(name, payload["settings"])
-        payload.update({k: previous[k] for k in ("layers", "length", "lambda", "fp32", "longer_search")
-                        if k in previous})
-    title = f"{args.model} CushionCache ablations" + (f" ({loaded.weights_note})" if loaded.weights_note else "")
-
-    def save() -> None:
-        write_results(name, payload, plot_ablations(payload, title) if payload["length"] and payload["lambda"]
-                      else None)
 
     def wikitext(cushion: Cushion | None, level: str | None) -> float:
         steps = None if level is None else [W8A8Config(level=level, quantize_bmm=False)]
         model, _ = cushioned_copy(loaded.model, cushion, steps, calibration)
         return evaluate(model, loaded.tokenizer, settings)["results"]["wikitext2"]["perplexity"]
 
-    if "fp32" not in payload:
-        payload["fp32"] = wikitext(None, None)
-        save()
+    if study.pending("fp32"):
+        study.set("fp32", wikitext(None, None))
 
     probe = calibration_batches(loaded.tokenizer, 8, 512, seed=7)
-    for kind, cushion in (("none", None), ("search", searched), ("search+tune", tuned)):
-        if kind not in payload["layers"]:
-            model, _ = cushioned_copy(loaded.model, cushion)
-            payload["layers"][kind] = block_input_magnitudes(model, probe)
-            save()
-    plot_layers(payload["layers"], results_dir() / f"{results_name('cushion_layers', args.model)}.png",
-                f"{title}: |x| entering each block")
+    kinds = {"none": None, "search": searched, "search+tune": tuned}
+    for kind in study.todo("layers", kinds):
+        model, _ = cushioned_copy(loaded.model, kinds[kind])
+        study.record("layers", kind, block_input_magnitudes(model, probe))
+    if len(study.rows("layers")) == len(kinds):
+        plot_layers(study.payload["layers"], results_dir() / f"{results_name('cushion_layers', args.model)}.png",
+                    titled(study.payload, "CushionCache ablations: |x| entering each block"))
 
-    if "longer_search" not in payload:
+    if "longer_search" not in study.payload or study.pending("longer_search"):
         config = replace(base_config, initial=tuple(searched.tokens), max_length=args.max_length,
                          candidates=args.candidates, min_improvement=float("-inf"))  # lengths forced
         longer = search_cushion(loaded.model, loaded.tokenizer, config)
-        payload["longer_search"] = {"tokens": longer.tokens, "text": longer.record["text"],
-                                    "seconds": longer.record["search_seconds"], "history": longer.record["history"]}
-        save()
-    longer_tokens = payload["longer_search"]["tokens"]
-    for length in range(len(longer_tokens) + 1):
-        if str(length) in payload["length"]:
-            continue
-        prefix = longer_tokens[:length]
+        study.set("longer_search", {"tokens": longer.tokens, "text": longer.record["text"],
+                                    "seconds": longer.record["search_seconds"], "history": longer.record["history"]})
+    longer_tokens = study.payload.get("longer_search", {}).get("tokens", [])
+    for length in study.todo("length", [str(n) for n in range(len(longer_tokens) + 1)]):
+        prefix = longer_tokens[:int(length)]
         cushion = Cushion(prefix, *cushion_keys_values(loaded.model, prefix)) if prefix else None
-        payload["length"][str(length)] = {"O3": wikitext(cushion, "O3"), "text": loaded.tokenizer.decode(prefix)}
-        print(f"length {length}: O3 {payload['length'][str(length)]['O3']:.3f}", flush=True)
-        save()
+        study.record("length", length, {"O3": wikitext(cushion, "O3"), "text": loaded.tokenizer.decode(prefix)},
+                     summary=lambda r: f"O3 {r['O3']:.3f}")
 
-    for weight in args.lambdas:
-        key = f"{weight:g}"
-        if key in payload["lambda"]:
-            continue
+    for key in study.todo("lambda", [f"{weight:g}" for weight in args.lambdas]):
         cushion = tune_cushion(loaded.model, loaded.tokenizer, searched,
-                               replace(base_config, tune_steps=args.tune_steps, tune_lambda=weight))
+                               replace(base_config, tune_steps=args.tune_steps, tune_lambda=float(key)))
         curve = cushion.record["tuning"]["curve"]
         tail = curve[-10:]
-        payload["lambda"][key] = {
+        study.record("lambda", key, {
             "O3": wikitext(cushion, "O3"), "O2": wikitext(cushion, "O2"),
             "tuning_seconds": cushion.record["tuning"]["seconds"],
             "cross_entropy_first_last10": [curve[0]["cross_entropy"], sum(p["cross_entropy"] for p in tail) / len(tail)],
             "quantization_error_first_last10": [curve[0]["quantization_error"],
-                                                sum(p["quantization_error"] for p in tail) / len(tail)]}
-        print(f"lambda {key}: O3 {payload['lambda'][key]['O3']:.3f}, O2 {payload['lambda'][key]['O2']:.3f}", flush=True)
-        save()
+                                                sum(p["quantization_error"] for p in tail) / len(tail)]},
+            summary=lambda r: f"O3 {r['O3']:.3f}, O2 {r['O2']:.3f}")
 
-    save()  # again, so that a --resume with nothing left to run still redraws the plots
-    print(format_table(["cushion length", "text", "O3 wikitext2"],
-                       [[n, repr(r["text"]), r["O3"]] for n, r in payload["length"].items()], markdown=True))
-    print(format_table(["lambda", "O3 wikitext2", "O2 wikitext2", "quant. error first -> last 10"],
-                       [[k, r["O3"], r["O2"], "{:.4f} -> {:.4f}".format(*r["quantization_error_first_last10"])]
-                        for k, r in payload["lambda"].items()], markdown=True))
-    print(f"FP32 {payload['fp32']:.3f}; wrote {results_dir() / name}.json")
+    study.save()  # again, so that a --resume with nothing left to run still redraws the plots
+    print(report(study.payload))
+    print(f"wrote {study.path}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ and the quantization wall time; then the SpQRLinear inference path against FP32 
 `--resume` skips finished ones.
 
     python benchmarks/gptq_spqr.py                                   # full test sets (about 25 min a row)
-    python benchmarks/gptq_spqr.py --max-tokens 16384 --skip speed   # a quick look
+    python benchmarks/gptq_spqr.py --max-tokens 16384 --skip speed_4096   # a quick look
+    python benchmarks/gptq_spqr.py --report                            # the saved table
 
 Note for SmolLM2: its weights are de-quantized Q4_1 (4-bit, groups of 32 input columns, a scale and a minimum
 each), so 4-bit min-max groups aligned to 32 columns reproduce them exactly; the rows use groups of 128
@@ -16,7 +17,6 @@ measures it: the relative weight error of plain 4-bit min-max rounding at groups
 from __future__ import annotations
 
 import argparse
-import copy
 
 import matplotlib
 
@@ -25,12 +25,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from leanlm.bench import previous_results, results_dir, results_name, time_modules, write_results  # noqa: E402
+from leanlm.bench import Study, print_report, results_name, study_arguments, time_modules, titled  # noqa: E402
 from leanlm.evaluation import EvalSettings, evaluate  # noqa: E402
 from leanlm.formats.gptq import SolverSettings, solve  # noqa: E402
 from leanlm.formats.minmax import round_trip_minmax  # noqa: E402
-from leanlm.methods import Calibration, GPTQConfig, RTNConfig, SpQRConfig, quantize_  # noqa: E402
-from leanlm.models import DEFAULT_MODEL, architecture_for, iter_quantizable_linears, load_model  # noqa: E402
+from leanlm.methods import Calibration, GPTQConfig, RTNConfig, SpQRConfig  # noqa: E402
+from leanlm.models import architecture_for, iter_quantizable_linears  # noqa: E402
 from leanlm.models.architectures import linear_weight_out_in  # noqa: E402
 from leanlm.nn import SpQRLinear  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
@@ -103,94 +103,77 @@ def bench_speed(repeats: int) -> dict:
     return results
 
 
-def plot_results(payload: dict, title: str):
-    def draw(path):
-        fig, axis = plt.subplots(figsize=(7, 4.2))
-        for name, row in payload["table"].items():
-            if row.get("avg_bits") is None:
-                axis.axhline(row["wikitext2"], color="black", linestyle="--", linewidth=0.8, label=name)
-                continue
-            marker = {"RTN": "s", "GPTQ": "o", "SpQR": "*"}[name.split()[0]]
-            axis.scatter(row["avg_bits"], row["wikitext2"], marker=marker, s=60, label=name)
-        axis.set_xlabel("average bits per weight (measured storage)")
-        axis.set_ylabel("WikiText-2 perplexity")
-        axis.set_yscale("log")
-        if payload["table"]:
-            axis.legend(fontsize=7)
-        save_figure(fig, path, title)
+def plot_results(payload: dict, path) -> None:
+    fig, axis = plt.subplots(figsize=(7, 4.2))
+    for name, row in payload.get("table", {}).items():
+        if row.get("avg_bits") is None:
+            axis.axhline(row["wikitext2"], color="black", linestyle="--", linewidth=0.8, label=name)
+            continue
+        marker = {"RTN": "s", "GPTQ": "o", "SpQR": "*"}[name.split()[0]]
+        axis.scatter(row["avg_bits"], row["wikitext2"], marker=marker, s=60, label=name)
+    axis.set_xlabel("average bits per weight (measured storage)")
+    axis.set_ylabel("WikiText-2 perplexity")
+    axis.set_yscale("log")
+    if payload.get("table"):
+        axis.legend(fontsize=7)
+    save_figure(fig, path, titled(payload, "RTN / GPTQ / SpQR"))
 
-    return draw
+
+def report(payload: dict) -> str:
+    rows = payload.get("table", {})
+    fp32 = rows.get("FP32", {}).get("wikitext2")
+    table = [[n, r["avg_bits"] or 32.0, None if r["outlier_rate"] is None else f"{100 * r['outlier_rate']:.2f}%",
+              r["wikitext2"], f"{100 * (r['wikitext2'] / fp32 - 1):+.1f}%" if fp32 and r["avg_bits"] else None, r["ptb"],
+              None if r["quantize_seconds"] is None else f"{r['quantize_seconds']:.0f} s"] for n, r in rows.items()]
+    return format_table(["method", "avg bits (measured)", "outlier rate", "WikiText-2 ppl", "vs FP32", "PTB ppl",
+                         "quantization wall time"], table, markdown=True)
+
+
+def table_row(result: dict, record) -> dict:
+    record = record or {}
+    return {"wikitext2": result["wikitext2"]["perplexity"], "ptb": result["ptb"]["perplexity"],
+            "avg_bits": record.get("avg_bits"), "outlier_rate": record.get("outlier_rate"),
+            "quantize_seconds": record.get("seconds"),
+            "config": {k: v for k, v in record.items() if k not in ("avg_bits", "outlier_rate", "seconds")} or None,
+            "results": result}
+
+
+def summary(row: dict) -> str:
+    return (f"wikitext2 {row['wikitext2']:.3f}, ptb {row['ptb']:.3f}"
+            + (f", {row['avg_bits']:.3f} bits, {100 * row['outlier_rate']:.2f}% outliers, "
+               f"{row['quantize_seconds']:.0f} s" if row["avg_bits"] is not None else ""))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--max-tokens", type=int, default=None, help="first N tokens of each test set (default all)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["table", "speed", "grid"])
-    parser.add_argument("--resume", action="store_true", help="keep rows a previous run with the same settings finished")
-    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
-                        help="run only the rows whose name contains one of these (e.g. 'SpQR 3-bit')")
     args = parser.parse_args()
+    name = results_name("gptq_spqr", args.model)
+    if args.report:
+        return print_report(name, report)
 
-    loaded = load_model(args.model)
     settings = EvalSettings(tasks=("wikitext2", "ptb"), max_tokens=args.max_tokens, seq_len=args.seq_len)
     calibration = dict(calibration_samples=args.calib_samples)
-    payload: dict = {"model": args.model, "weights_note": loaded.weights_note,
-                     "settings": {**vars(settings), **calibration, "calibration_seq_len": args.calib_seq_len},
-                     "table": {}}
-    name = results_name("gptq_spqr", args.model)
-    previous = previous_results(name)
-    for part, key in (("speed", "speed_4096"), ("grid", "grid_alignment")):
-        if part in args.skip and key in previous:
-            payload[key] = previous[key]
-    if args.resume:
-        payload["table"] = previous_results(name, payload["settings"]).get("table", {})
-    title = f"{args.model} RTN / GPTQ / SpQR" + (f" ({loaded.weights_note})" if loaded.weights_note else "")
+    # The kernel's speed and the grid alignment do not depend on the evaluation settings.
+    study = Study(name, {**vars(settings), **calibration, "calibration_seq_len": args.calib_seq_len}, args,
+                  plot=plot_results, independent=("speed_4096", "grid_alignment"))
+    loaded = study.load_model(args.model)
 
-    order = list(rows(calibration))
-
-    def save() -> None:
-        """The table in the order of rows(), whatever order its rows were run in."""
-        payload["table"] = dict(sorted(payload["table"].items(),
-                                       key=lambda item: order.index(item[0]) if item[0] in order else len(order)))
-        write_results(name, payload, plot_results(payload, title))
-
-    if "table" not in args.skip:
-        data = Calibration(loaded.tokenizer, samples=args.calib_samples, seq_len=args.calib_seq_len)
-        for row_name, config in rows(calibration).items():
-            if row_name in payload["table"] or (args.only and not any(text in row_name for text in args.only)):
-                continue
-            model = copy.deepcopy(loaded.model)
-            record = quantize_(model, config, calibration=data) if config else {}
-            result = evaluate(model, loaded.tokenizer, settings)["results"]
-            payload["table"][row_name] = {
-                "wikitext2": result["wikitext2"]["perplexity"], "ptb": result["ptb"]["perplexity"],
-                "avg_bits": record.get("avg_bits"), "outlier_rate": record.get("outlier_rate"),
-                "quantize_seconds": record.get("seconds"),
-                "config": {k: v for k, v in record.items() if k not in ("avg_bits", "outlier_rate", "seconds")} or None,
-                "results": result}
-            print(f"{row_name}: wikitext2 {result['wikitext2']['perplexity']:.3f}, ptb {result['ptb']['perplexity']:.3f}"
-                  + (f", {record['avg_bits']:.3f} bits, {100 * record['outlier_rate']:.2f}% outliers, "
-                     f"{record['seconds']:.0f} s" if record else ""), flush=True)
-            save()
-    if "grid" not in args.skip:
-        payload["grid_alignment"] = {"bits": 4, "relative_error_by_group": grid_alignment(loaded.model)}
+    data = Calibration(loaded.tokenizer, samples=args.calib_samples, seq_len=args.calib_seq_len)
+    study.quantized_rows("table", loaded.model, rows(calibration), lambda model, record: table_row(
+        evaluate(model, loaded.tokenizer, settings)["results"], record), calibration=data, summary=summary)
+    if study.pending("grid_alignment"):
+        study.set("grid_alignment", {"bits": 4, "relative_error_by_group": grid_alignment(loaded.model)})
         print(f"4-bit min-max rounding, relative weight error by group size: "
-              f"{payload['grid_alignment']['relative_error_by_group']}", flush=True)
-        save()
-    if "speed" not in args.skip:
-        payload["speed_4096"] = bench_speed(args.repeats)
-        save()
-
-    table = [[n, r["avg_bits"] or 32.0, r["wikitext2"], r["ptb"],
-              None if r["outlier_rate"] is None else f"{100 * r['outlier_rate']:.2f}%", r["quantize_seconds"]]
-             for n, r in payload["table"].items()]
-    print(format_table(["method", "avg bits", "wikitext2", "ptb", "outliers", "quantize s"], table, markdown=True))
-    print(f"wrote {results_dir() / name}.json")
+              f"{study.payload['grid_alignment']['relative_error_by_group']}", flush=True)
+    if study.pending("speed_4096"):
+        study.set("speed_4096", bench_speed(args.repeats))
+    print(report(study.payload))
+    print(f"wrote {study.path}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ AVX2 kernel. Writes benchmarks/results/kbit_speed.json + .png.
 
     python benchmarks/kbit_speed.py
     python benchmarks/kbit_speed.py --without-avx512bf16   # the child's part alone, printed as JSON
+    python benchmarks/kbit_speed.py --report               # the saved tables
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from leanlm.bench import time_modules, weight_bytes, write_results  # noqa: E402
+from leanlm.bench import Study, print_report, study_arguments, time_modules, weight_bytes  # noqa: E402
 from leanlm.kernels.kbit_gemm import kernel_isas  # noqa: E402
 from leanlm.methods import KbitConfig, quantize_  # noqa: E402
-from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
+from leanlm.models import load_model  # noqa: E402
 from leanlm.nn import KbitLinear  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
@@ -148,6 +149,10 @@ def bench_decode(model_name: str, new_tokens: int) -> dict:
     return results
 
 
+NAMES = ["fp32", "leanlm nf4", "leanlm nf4+dq", "leanlm nf4 avx2", "bitsandbytes nf4", "torchao nf4"]
+AVX2_NAMES = ["fp32", "leanlm nf4 avx2", "leanlm nf4+dq avx2", "bitsandbytes nf4"]
+
+
 def speed_table(entries: dict, names: list[str], ratio_of: str | None = None) -> str:
     """Markdown: a row per M, "ms (speed-up over FP32)" per implementation; `ratio_of`: one more column, that
     implementation's speed-up over bitsandbytes."""
@@ -157,9 +162,46 @@ def speed_table(entries: dict, names: list[str], ratio_of: str | None = None) ->
     return format_table(["M", *names] + ([f"{ratio_of} / bitsandbytes"] if ratio_of else []), rows, markdown=True)
 
 
+def report(payload: dict) -> str:
+    out = []
+    if "linear_4096" in payload:
+        out += [speed_table(payload["linear_4096"], NAMES)]
+    if "linear_4096_without_avx512bf16" in payload:
+        out += ["", "without AVX512-BF16 (ms, speed-up over FP32; leanlm's speed-up over bitsandbytes):",
+                speed_table(payload["linear_4096_without_avx512bf16"], AVX2_NAMES, ratio_of="leanlm nf4+dq avx2")]
+    if "decode" in payload:
+        decode = payload["decode"]
+        out += ["", f"decode: fp32 {decode['fp32']['tokens_per_second']:.1f} tok/s, leanlm nf4+dq "
+                    f"{decode['leanlm nf4+dq']['tokens_per_second']:.1f} tok/s "
+                    f"({decode['leanlm nf4+dq']['speedup_vs_fp32']:.2f}x)"]
+    return "\n".join(out)
+
+
+def plot(payload: dict, path) -> None:
+    if not {"linear_4096", "linear_4096_without_avx512bf16", "decode"} <= set(payload):
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    decode = payload["decode"]
+    panels = [(payload["linear_4096"], NAMES, f"this CPU; {payload['settings']['model']} decode: fp32 "
+               f"{decode['fp32']['tokens_per_second']:.1f} tok/s, leanlm nf4+dq "
+               f"{decode['leanlm nf4+dq']['tokens_per_second']:.1f} tok/s"),
+              (payload["linear_4096_without_avx512bf16"], AVX2_NAMES,
+               "without AVX512-BF16 (bitsandbytes with the feature hidden)")]
+    for ax, (entries, shown, title) in zip(axes, panels):
+        for name in shown[1:]:
+            ax.plot(ROWS, [entries[str(m)][name]["speedup_vs_fp32"] for m in ROWS], marker="o", label=name)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("M (rows)")
+        ax.set_ylabel("speed-up over FP32, 4096x4096 linear")
+        ax.legend(fontsize=8)
+        ax.set_title(title, fontsize=9)
+    save_figure(fig, path)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--without-avx512bf16", action="store_true",
@@ -169,40 +211,21 @@ def main() -> None:
     if args.without_avx512bf16:
         print(json.dumps(bench_linear(args.repeats, without_avx512bf16=True)))
         return
-    payload = {"linear_4096": bench_linear(args.repeats), "decode": bench_decode(args.model, args.new_tokens),
-               "settings": vars(args)}
-    # Its own process: bitsandbytes decides at import which CPU kernels to register.
-    child = subprocess.run([sys.executable, __file__, "--without-avx512bf16", "--repeats", str(args.repeats)],
-                           stdout=subprocess.PIPE, check=True, text=True)
-    payload["linear_4096_without_avx512bf16"] = json.loads(child.stdout)
-
-    names = ["fp32", "leanlm nf4", "leanlm nf4+dq", "leanlm nf4 avx2", "bitsandbytes nf4", "torchao nf4"]
-    avx2 = payload["linear_4096_without_avx512bf16"]
-    avx2_names = ["fp32", "leanlm nf4 avx2", "leanlm nf4+dq avx2", "bitsandbytes nf4"]
-    print(speed_table(payload["linear_4096"], names))
-    print("\nwithout AVX512-BF16 (ms, speed-up over FP32; leanlm's speed-up over bitsandbytes):")
-    print(speed_table(avx2, avx2_names, ratio_of="leanlm nf4+dq avx2"))
-
-    def plot(path):
-        fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
-        decode = payload["decode"]
-        panels = [(payload["linear_4096"], names, f"this CPU; {args.model} decode: fp32 "
-                   f"{decode['fp32']['tokens_per_second']:.1f} tok/s, leanlm nf4+dq "
-                   f"{decode['leanlm nf4+dq']['tokens_per_second']:.1f} tok/s"),
-                  (avx2, avx2_names, "without AVX512-BF16 (bitsandbytes with the feature hidden)")]
-        for ax, (entries, shown, title) in zip(axes, panels):
-            for name in shown[1:]:
-                ax.plot(ROWS, [entries[str(m)][name]["speedup_vs_fp32"] for m in ROWS], marker="o", label=name)
-            ax.axhline(1.0, color="black", linewidth=0.8)
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ax.set_xlabel("M (rows)")
-            ax.set_ylabel("speed-up over FP32, 4096x4096 linear")
-            ax.legend(fontsize=8)
-            ax.set_title(title, fontsize=9)
-        save_figure(fig, path)
-
-    print(f"wrote {write_results('kbit_speed', payload, plot)}")
+    if args.report:
+        return print_report("kbit_speed", report)
+    study = Study("kbit_speed", {"model": args.model, "repeats": args.repeats, "new_tokens": args.new_tokens}, args,
+                  plot=plot)
+    if study.pending("linear_4096"):
+        study.set("linear_4096", bench_linear(args.repeats))
+    if study.pending("decode"):
+        study.set("decode", bench_decode(args.model, args.new_tokens))
+    if study.pending("linear_4096_without_avx512bf16"):
+        # Its own process: bitsandbytes decides at import which CPU kernels to register.
+        child = subprocess.run([sys.executable, __file__, "--without-avx512bf16", "--repeats", str(args.repeats)],
+                               stdout=subprocess.PIPE, check=True, text=True)
+        study.set("linear_4096_without_avx512bf16", json.loads(child.stdout))
+    print(report(study.payload))
+    print(f"wrote {study.path}")
 
 
 if __name__ == "__main__":

@@ -27,11 +27,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from leanlm.bench import previous_results, results_dir, results_name, write_results  # noqa: E402
+from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.formats.codebooks import DTYPES  # noqa: E402
 from leanlm.methods import KbitConfig, quantize_  # noqa: E402
-from leanlm.models import DEFAULT_MODEL, iter_quantizable_linears, load_model  # noqa: E402
+from leanlm.models import iter_quantizable_linears  # noqa: E402
 from leanlm.nn import KbitLinear  # noqa: E402
 from leanlm.nn.lora import frozen_linear  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
@@ -99,9 +99,47 @@ def report(payload: dict) -> str:
     return "\n".join(out)
 
 
+def measured(point: dict, metric: str, zero_shot_limit: int) -> float | None:
+    """A point's perplexity, or its zero-shot average at `zero_shot_limit` items per task."""
+    if metric == "perplexity":
+        return point.get("perplexity")
+    entry = point.get("zero_shot", {})
+    return entry.get("average") if entry.get("limit") == zero_shot_limit else None
+
+
+def plot_sweep(payload: dict, png) -> None:
+    """Thesis Fig 3.2 (data types at one block size) and Fig 3.3 (block sizes for one data type), for each metric."""
+    limit = payload["zero_shot_limit"]
+    metrics = ["perplexity"] + (["zero_shot_average"] if limit else [])
+    fig, axes = plt.subplots(len(metrics), 2, figsize=(13, 4.5 * len(metrics)), squeeze=False)
+    panels = [(metric, f"{label}: {view}", keep, series)
+              for metric, label in zip(metrics, ["perplexity", f"zero-shot ({limit} items per task)"])
+              for view, keep, series in [("data types (block 64)", lambda p: p["block"] == "64", "dtype"),
+                                         ("block sizes (NF)", lambda p: p["dtype"] == "nf", "block")]]
+    for ax, (metric, title, keep, series) in zip(axes.flat, panels):
+        for value in (DTYPES if series == "dtype" else BLOCKS):
+            points = sorted((p for p in payload.get("points", {}).values()
+                             if keep(p) and p[series] == value and measured(p, metric, limit) is not None),
+                            key=lambda p: p["total_bits"])
+            if points:
+                ax.plot([p["total_bits"] for p in points], [measured(p, metric, limit) for p in points], marker="o",
+                        label=value if series == "dtype" else f"block {value}")
+        if measured(payload.get("fp32", {}), metric, limit) is not None:
+            ax.axhline(measured(payload["fp32"], metric, limit), color="black", linestyle=":", label="fp32")
+        ax.set_xscale("log")
+        ax.set_xlabel("total model bits")
+        if metric == "perplexity":
+            ax.set_yscale("log")
+            ax.set_ylabel(f"WikiText-2 perplexity (first {payload['settings']['max_tokens']} tokens)")
+        else:
+            ax.set_ylabel(f"zero-shot average ({limit} items per task)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
+    save_figure(fig, png, titled(payload, ""))
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--bits", nargs="*", type=int, default=[3, 4, 5, 6, 7, 8])
@@ -109,94 +147,58 @@ def main() -> None:
     parser.add_argument("--zero-shot-limit", type=int, default=0,
                         help="items per zero-shot task for the points of --zero-shot-blocks (0: perplexity only)")
     parser.add_argument("--zero-shot-blocks", nargs="*", default=["64"], choices=BLOCKS)
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--report", action="store_true", help="print the saved results as tables, run nothing")
     args = parser.parse_args()
     torch.set_num_threads(2)
-
     name = results_name("kbit_sweep", args.model)
     if args.report:
-        print(report(previous_results(name)))
-        return
-    loaded = load_model(args.model)
-    settings = EvalSettings(tasks=("wikitext2",), max_tokens=args.max_tokens)
-    zero_shot = EvalSettings(tasks=ZERO_SHOT_TASKS, limit=args.zero_shot_limit) if args.zero_shot_limit else None
+        return print_report(name, report)
+
     # Zero-shot results carry their own limit (in each point), so a later run with another --zero-shot-limit adds
     # them without discarding the perplexities.
-    payload = {"model": args.model, "weights_note": loaded.weights_note, "settings": {"max_tokens": args.max_tokens},
-               "zero_shot_limit": args.zero_shot_limit, "points": {}}
-    if args.resume:
-        previous = previous_results(name, payload["settings"])
-        payload.update({key: previous[key] for key in ("points", "fp32") if key in previous})
+    study = Study(name, {"max_tokens": args.max_tokens}, args, plot=plot_sweep)
+    study.payload["zero_shot_limit"] = args.zero_shot_limit
+    loaded = study.load_model(args.model)
+    settings = EvalSettings(tasks=("wikitext2",), max_tokens=args.max_tokens)
+    zero_shot = EvalSettings(tasks=ZERO_SHOT_TASKS, limit=args.zero_shot_limit) if args.zero_shot_limit else None
 
-    def plot(png):
-        # Thesis Fig 3.2 (data types at one block size) and Fig 3.3 (block sizes for one data type), for each metric.
-        metrics = ["perplexity"] + (["zero_shot_average"] if zero_shot else [])
-        fig, axes = plt.subplots(len(metrics), 2, figsize=(13, 4.5 * len(metrics)), squeeze=False)
-        panels = [(metric, f"{label}: {view}", keep, series)
-                  for metric, label in zip(metrics, ["perplexity", f"zero-shot ({args.zero_shot_limit} items per task)"])
-                  for view, keep, series in [("data types (block 64)", lambda p: p["block"] == "64", "dtype"),
-                                             ("block sizes (NF)", lambda p: p["dtype"] == "nf", "block")]]
-        for ax, (metric, title, keep, series) in zip(axes.flat, panels):
-            for value in (DTYPES if series == "dtype" else BLOCKS):
-                points = sorted((p for p in payload["points"].values()
-                                 if keep(p) and p[series] == value and measured(p, metric) is not None),
-                                key=lambda p: p["total_bits"])
-                if points:
-                    ax.plot([p["total_bits"] for p in points], [measured(p, metric) for p in points], marker="o",
-                            label=value if series == "dtype" else f"block {value}")
-            if measured(payload.get("fp32", {}), metric) is not None:
-                ax.axhline(measured(payload["fp32"], metric), color="black", linestyle=":", label="fp32")
-            ax.set_xscale("log")
-            ax.set_xlabel("total model bits")
-            if metric == "perplexity":
-                ax.set_yscale("log")
-                ax.set_ylabel(f"WikiText-2 perplexity (first {args.max_tokens} tokens)")
-            else:
-                ax.set_ylabel(f"zero-shot average ({args.zero_shot_limit} items per task)")
-            ax.set_title(title, fontsize=9)
-            ax.legend(fontsize=8)
-        save_figure(fig, png, f"{args.model}" + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
-
-    def measured(point: dict, metric: str) -> float | None:
-        """A point's perplexity, or its zero-shot average at this run's --zero-shot-limit."""
-        if metric == "perplexity":
-            return point.get("perplexity")
-        entry = point.get("zero_shot", {})
-        return entry.get("average") if entry.get("limit") == args.zero_shot_limit else None
-
-    def evaluate_point(model: nn.Module, point: dict, with_zero_shot: bool) -> None:
+    def evaluate_point(model: nn.Module, point: dict, with_zero_shot: bool) -> dict:
         if "perplexity" not in point:
             point["perplexity"] = evaluate(model, loaded.tokenizer, settings)["results"]["wikitext2"]["perplexity"]
-        if with_zero_shot and measured(point, "zero_shot_average") is None:
+        if with_zero_shot and measured(point, "zero_shot_average", args.zero_shot_limit) is None:
             average = evaluate(model, loaded.tokenizer, zero_shot)["zero_shot_average"]
             point["zero_shot"] = {"limit": args.zero_shot_limit, "average": average}
+        return point
 
-    payload.setdefault("fp32", {"total_bits": total_bits(loaded.model, None)})
-    evaluate_point(loaded.model, payload["fp32"], zero_shot is not None)
+    fp32 = dict(study.payload.get("fp32", {})) if study.resume else {}
+    fp32["total_bits"] = total_bits(loaded.model, None)
+    study.set("fp32", evaluate_point(loaded.model, fp32, zero_shot is not None))
     # Block 64 first (the data-type comparison), so that a run stopped early has the most telling points.
-    for block in sorted(args.blocks, key=lambda b: b != "64"):
-        with_zero_shot = zero_shot is not None and block in args.zero_shot_blocks
-        for dtype in args.dtypes:
-            for bits in args.bits:
-                key = f"{dtype}{bits}-{block}"
-                point = payload["points"].get(key, {})
-                if "perplexity" in point and (not with_zero_shot or measured(point, "zero_shot_average") is not None):
-                    continue
-                started = time.perf_counter()
-                config = KbitConfig(dtype=dtype, bits=bits, block_size=None if block == "row" else int(block))
-                model, record = dequantized_copy(loaded.model, config)
-                point.update({"dtype": dtype, "bits": bits, "block": block, "avg_bits": record["avg_bits"],
-                              "total_bits": total_bits(loaded.model, record["avg_bits"])})
-                evaluate_point(model, point, with_zero_shot)
-                point["seconds"] = point.get("seconds", 0.0) + time.perf_counter() - started
-                payload["points"][key] = point
-                print(f"{key}: {point['perplexity']:.3f} at {record['avg_bits']:.3f} bits/weight"
-                      + (f", zero-shot {point['zero_shot']['average']:.4f}" if "zero_shot" in point else ""),
-                      flush=True)
-                write_results(name, payload, plot)
-    write_results(name, payload, plot)
-    print(f"wrote {results_dir() / name}.json")
+    plans = {f"{dtype}{bits}-{block}": (dtype, bits, block) for block in sorted(args.blocks, key=lambda b: b != "64")
+             for dtype in args.dtypes for bits in args.bits}
+    order = list(study.rows("points")) + [key for key in plans if key not in study.rows("points")]
+
+    def done(point: dict) -> bool:  # a point needs its zero-shot average too where this run measures it
+        wants_zero_shot = zero_shot is not None and point["block"] in args.zero_shot_blocks
+        return "perplexity" in point and (not wants_zero_shot
+                                          or measured(point, "zero_shot_average", args.zero_shot_limit) is not None)
+
+    for key in study.todo("points", order, done):
+        if key not in plans:
+            continue
+        dtype, bits, block = plans[key]
+        point = dict(study.rows("points").get(key, {})) if study.resume else {}
+        started = time.perf_counter()
+        config = KbitConfig(dtype=dtype, bits=bits, block_size=None if block == "row" else int(block))
+        model, record = dequantized_copy(loaded.model, config)
+        point.update({"dtype": dtype, "bits": bits, "block": block, "avg_bits": record["avg_bits"],
+                      "total_bits": total_bits(loaded.model, record["avg_bits"])})
+        evaluate_point(model, point, zero_shot is not None and block in args.zero_shot_blocks)
+        point["seconds"] = point.get("seconds", 0.0) + time.perf_counter() - started
+        study.record("points", key, point, summary=lambda p: f"{p['perplexity']:.3f} at {p['avg_bits']:.3f} bits/weight"
+                     + (f", zero-shot {p['zero_shot']['average']:.4f}" if "zero_shot" in p else ""))
+    study.save()
+    print(f"wrote {study.path}")
+
 
 if __name__ == "__main__":
     main()

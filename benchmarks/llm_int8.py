@@ -4,6 +4,7 @@ Writes benchmarks/results/llm_int8.json + .png.
 
     python benchmarks/llm_int8.py                                   # full WikiText-2, --limit 100
     python benchmarks/llm_int8.py --max-tokens 16384 --limit 20     # a quick subset
+    python benchmarks/llm_int8.py --report                          # the saved table
 
 Table rows (attention's matmuls stay float, as in the chapter): absmax (per-tensor), zeropoint (per-tensor
 asymmetric), row-wise (per-token x per-tensor weights), vector-wise (per-token x per-output-channel) and
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-from dataclasses import asdict
 import warnings
 
 import matplotlib
@@ -24,11 +24,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from leanlm.bench import previous_results, results_dir, time_modules, time_prefill, write_results  # noqa: E402
+from leanlm.bench import Study, print_report, study_arguments, time_modules, time_prefill, titled  # noqa: E402
 from leanlm.bench.peers import bitsandbytes_int8_linear  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.methods import LLMInt8Config, W8A8Config, quantize_  # noqa: E402
-from leanlm.models import DEFAULT_MODEL, iter_quantizable_linears, load_model  # noqa: E402
+from leanlm.models import iter_quantizable_linears  # noqa: E402
 from leanlm.nn import W8A8Linear  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
@@ -37,14 +37,12 @@ warnings.filterwarnings("ignore")
 QUANTIZERS: dict[str, W8A8Config | None] = {
     "FP32": None,
     "absmax (per-tensor)": W8A8Config(level="O2", quantize_bmm=False),
-    "zeropoint (per-tensor)": W8A8Config(level="O2", quantize_bmm=False, asymmetric=True),
-    "row-wise": W8A8Config(level="O1", quantize_bmm=False),
-    "vector-wise": LLMInt8Config(None).w8a8(),
-    "vector-wise + decomposition (LLM.int8())": LLMInt8Config(6.0).w8a8(),
+    "zeropoint (per-tensor)": W8A8Config(level="O2", quantize_bmm=False, asymmetric=True),  # asymmetric, both operands
+    "row-wise": W8A8Config(level="O1", quantize_bmm=False),  # per-token x per-tensor weights
+    "vector-wise": LLMInt8Config(None).w8a8(),  # per-token x per-output-channel
+    "vector-wise + decomposition (LLM.int8())": LLMInt8Config(6.0).w8a8(),  # threshold 6
 }
-PARTS = {"table": ("table",), "sweep": ("threshold_sweep",),
-         "speed": ("speed_linear_4096", "speed_model_prefill_512")}
-THRESHOLDS = (1.0, 2.0, 4.0, 6.0, 8.0, None)  # None: no decomposition (infinite threshold)
+THRESHOLDS = {str(t): LLMInt8Config(t) for t in (1.0, 2.0, 4.0, 6.0, 8.0)} | {"inf": LLMInt8Config(None)}
 
 
 def float_dims_share(model: nn.Module) -> float:
@@ -88,105 +86,96 @@ def bench_model(loaded, length: int, repeats: int) -> dict:
     return results
 
 
-def plot_results(payload: dict, sweep_tokens: int, title: str):
-    """A drawing function for write_results; draws whatever parts of the payload exist so far."""
-
-    def draw(path):
-        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
-        sweep = payload["threshold_sweep"]
-        keys = list(sweep)
-        if keys:
-            left.plot(range(len(keys)), [sweep[k]["perplexity"] for k in keys], marker="o")
-            left.set_xticks(range(len(keys)), keys)
-            twin = left.twinx()
-            twin.bar(range(len(keys)), [100 * sweep[k]["float_dims_share"] for k in keys], alpha=0.3, color="gray")
-            twin.set_ylabel("% of input dimensions in float")
-        left.set_xlabel("outlier threshold")
-        left.set_ylabel(f"WikiText-2 perplexity (first {sweep_tokens} tokens)")
-        speed = payload.get("speed_linear_4096", {})
-        ms = list(speed)
-        for name in ("leanlm llm-int8", "bitsandbytes llm-int8"):
-            if ms:
-                right.plot(ms, [speed[m][name]["speedup_vs_fp32"] for m in ms], marker="o", label=name)
-        right.axhline(1.0, color="black", linewidth=0.8)
-        right.set_yscale("log")
-        right.set_xlabel("M (rows)")
-        right.set_ylabel("speed-up over FP32, 4096x4096 linear")
+def plot_results(payload: dict, path) -> None:
+    """Draws whatever parts of the payload exist so far."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    sweep = payload.get("threshold_sweep", {})
+    keys = list(sweep)
+    if keys:
+        left.plot(range(len(keys)), [sweep[k]["perplexity"] for k in keys], marker="o")
+        left.set_xticks(range(len(keys)), keys)
+        twin = left.twinx()
+        twin.bar(range(len(keys)), [100 * sweep[k]["float_dims_share"] for k in keys], alpha=0.3, color="gray")
+        twin.set_ylabel("% of input dimensions in float")
+    left.set_xlabel("outlier threshold")
+    left.set_ylabel(f"WikiText-2 perplexity (first {payload['settings']['sweep_tokens']} tokens)")
+    speed = payload.get("speed_linear_4096", {})
+    ms = list(speed)
+    for name in ("leanlm llm-int8", "bitsandbytes llm-int8"):
         if ms:
-            right.legend()
-        save_figure(fig, path, title)
+            right.plot(ms, [speed[m][name]["speedup_vs_fp32"] for m in ms], marker="o", label=name)
+    right.axhline(1.0, color="black", linewidth=0.8)
+    right.set_yscale("log")
+    right.set_xlabel("M (rows)")
+    right.set_ylabel("speed-up over FP32, 4096x4096 linear")
+    if ms:
+        right.legend()
+    save_figure(fig, path, titled(payload, "LLM.int8()"))
 
-    return draw
+
+def report(payload: dict) -> str:
+    """The quantizer table, the threshold sweep and the linear's speed, as the README shows them."""
+    out, table = [], payload.get("table", {})
+    fp32 = table.get("FP32", {}).get("results", {}).get("wikitext2", {}).get("perplexity")
+    if table:
+        out.append(format_table(
+            ["quantizer (thesis Table 2.1)", "WikiText-2 ppl", "vs FP32", "zero-shot avg", "input dims in float"],
+            [[name, row["results"]["wikitext2"]["perplexity"],
+              f"{100 * (row['results']['wikitext2']['perplexity'] / fp32 - 1):+.1f}%" if fp32 else None,
+              row["zero_shot_average"], f"{100 * row['float_dims_share']:.2f}%" if row["float_dims_share"] else "-"]
+             for name, row in table.items()], markdown=True))
+    sweep = payload.get("threshold_sweep", {})
+    if sweep:
+        labels = [f"{float(key):g}" if key != "inf" else "inf (no decomposition)" for key in sweep]
+        out.append(format_table(["threshold", *labels], [
+            ["perplexity", *(row["perplexity"] for row in sweep.values())],
+            ["dims in float", *(f"{100 * row['float_dims_share']:.1f}%" if row["float_dims_share"] else "0"
+                                for row in sweep.values())]], markdown=True))
+    speed = payload.get("speed_linear_4096", {})
+    if speed:
+        ours, theirs = "leanlm llm-int8", "bitsandbytes llm-int8"
+        out.append(format_table(
+            ["M", "FP32 ms", "leanlm ms", "bitsandbytes ms", "leanlm vs bitsandbytes", "rel. error leanlm / bnb"],
+            [[m, f"{row['fp32']['median_ms']:.2f}", f"{row[ours]['median_ms']:.2f}", f"{row[theirs]['median_ms']:.2f}",
+              f"{row[ours]['speedup_vs_bitsandbytes']:.2f}x",
+              f"{row[ours]['relative_error']:.4f} / {row[theirs]['relative_error']:.4f}"] for m, row in speed.items()],
+            markdown=True))
+    return "\n\n".join(out)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--max-tokens", type=int, default=None, help="first N WikiText-2 tokens (default: all)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--limit", type=int, default=100, help="items per zero-shot task")
     parser.add_argument("--sweep-tokens", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["table", "sweep", "speed"],
-                        help="parts to leave out; their results from the previous run are kept")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the table rows and sweep points a previous run with the same settings finished")
     args = parser.parse_args()
+    if args.report:
+        return print_report("llm_int8", report)
 
-    loaded = load_model(args.model)
     settings = EvalSettings(tasks=("wikitext2", *ZERO_SHOT_TASKS), limit=args.limit, max_tokens=args.max_tokens,
                             seq_len=args.seq_len)
-    payload: dict = {"model": args.model, "weights_note": loaded.weights_note, "settings": vars(settings),
-                     "table": {}, "threshold_sweep": {}}
-    previous = previous_results("llm_int8")
-    for part in args.skip:
-        for key in PARTS[part]:
-            if key in previous:
-                payload[key] = previous[key]
-    if args.resume and previous_results("llm_int8", payload["settings"]):
-        payload["table"] = previous.get("table", {})
-        payload["threshold_sweep"] = previous.get("threshold_sweep", {})
-    title = f"{args.model} LLM.int8()" + (f" ({loaded.weights_note})" if loaded.weights_note else "")
+    study = Study("llm_int8", {**vars(settings), "sweep_tokens": args.sweep_tokens}, args, plot=plot_results,
+                  independent=("speed_linear_4096",))
+    loaded = study.load_model(args.model)
+    model, tokenizer = loaded.model, loaded.tokenizer
 
-    def save() -> None:
-        write_results("llm_int8", payload, plot_results(payload, args.sweep_tokens, title))
-
-    if "table" not in args.skip:
-        for name, config in QUANTIZERS.items():
-            if name in payload["table"]:
-                continue
-            model = copy.deepcopy(loaded.model)
-            if config is not None:
-                quantize_(model, config)
-            result = evaluate(model, loaded.tokenizer, settings)
-            payload["table"][name] = {"config": asdict(config) if config else None,
-                                      "float_dims_share": float_dims_share(model), **result}
-            print(f"{name}: wikitext2 {result['results']['wikitext2']['perplexity']:.3f}, "
-                  f"zero-shot {result['zero_shot_average']:.4f}", flush=True)
-            save()
-
-    if "sweep" not in args.skip:
-        sweep = EvalSettings(tasks=("wikitext2",), max_tokens=args.sweep_tokens, seq_len=args.seq_len)
-        for threshold in THRESHOLDS:
-            if ("inf" if threshold is None else str(threshold)) in payload["threshold_sweep"]:
-                continue
-            model = copy.deepcopy(loaded.model)
-            quantize_(model, LLMInt8Config(threshold))
-            ppl = evaluate(model, loaded.tokenizer, sweep)["results"]["wikitext2"]["perplexity"]
-            key = "inf" if threshold is None else str(threshold)
-            payload["threshold_sweep"][key] = {"perplexity": ppl, "float_dims_share": float_dims_share(model)}
-            print(f"threshold {key}: {ppl:.3f}, {100 * float_dims_share(model):.2f}% of dims in float", flush=True)
-            save()
-
-    if "speed" not in args.skip:
-        payload["speed_linear_4096"] = bench_linear([1, 16, 64, 512], args.repeats)
-        payload["speed_model_prefill_512"] = bench_model(loaded, 512, args.repeats)
-        save()
-
-    rows = [[name, row["results"]["wikitext2"]["perplexity"], row["zero_shot_average"],
-             f"{100 * row['float_dims_share']:.2f}%"] for name, row in payload["table"].items()]
-    print(format_table(["quantizer", "wikitext2 ppl", "zero-shot avg", "dims in float"], rows, markdown=True))
-    print(f"wrote {results_dir() / 'llm_int8.json'}")
+    study.quantized_rows("table", model, QUANTIZERS, lambda quantized, record: {
+        "config": record, "float_dims_share": float_dims_share(quantized), **evaluate(quantized, tokenizer, settings)},
+        summary=lambda row: f"wikitext2 {row['results']['wikitext2']['perplexity']:.3f}, "
+                            f"zero-shot {row['zero_shot_average']:.4f}")
+    sweep = EvalSettings(tasks=("wikitext2",), max_tokens=args.sweep_tokens, seq_len=args.seq_len)
+    study.quantized_rows("threshold_sweep", model, THRESHOLDS, lambda quantized, record: {
+        "perplexity": evaluate(quantized, tokenizer, sweep)["results"]["wikitext2"]["perplexity"],
+        "float_dims_share": float_dims_share(quantized)},
+        summary=lambda row: f"{row['perplexity']:.3f}, {100 * row['float_dims_share']:.2f}% of dims in float")
+    if study.pending("speed_linear_4096"):
+        study.set("speed_linear_4096", bench_linear([1, 16, 64, 512], args.repeats))
+    if study.pending("speed_model_prefill_512"):
+        study.set("speed_model_prefill_512", bench_model(loaded, 512, args.repeats))
+    print(report(study.payload))
+    print(f"wrote {study.path}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ benchmarks/results/qlora_<model>.json + .png; results are saved after every run 
 
     python benchmarks/qlora.py                                  # 5 runs x 100 steps of 4 x 128 tokens
     python benchmarks/qlora.py --steps 20 --bases float nf4-dq  # a quick look
+    python benchmarks/qlora.py --report                         # the saved table
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from leanlm.bench import previous_results, results_dir, results_name, write_results  # noqa: E402
+from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
 from leanlm.data import plain_text, verified_path  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.evaluation.perplexity import perplexity  # noqa: E402
@@ -33,8 +34,7 @@ from leanlm.methods import LORA_BASES, LoRAConfig, add_lora_, load_adapters_  # 
 from leanlm.methods.qlora import lora_layers  # noqa: E402
 from leanlm.nn import KbitLinear  # noqa: E402
 from leanlm.nn.lora import frozen_linear  # noqa: E402
-from leanlm.models import DEFAULT_MODEL, load_model  # noqa: E402
-from leanlm.report import save_figure  # noqa: E402
+from leanlm.report import format_table, save_figure  # noqa: E402
 
 TRAIN_TEXT = "lambada/lambada_development_plain_text.txt"
 
@@ -72,34 +72,58 @@ def run(loaded, base: str, args) -> dict:
     return {**record, **held_out_and_zero_shot(model, loaded.tokenizer, args)}
 
 
-def plot_results(payload: dict, title: str):
-    def draw(path):
-        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
-        for name, row in payload["runs"].items():
-            losses = torch.tensor(row["losses"])
-            window = max(1, len(losses) // 15)
-            smooth = losses.unfold(0, window, 1).mean(dim=1) if len(losses) >= window else losses
-            left.plot(range(window, len(losses) + 1), smooth, label=name)
-        left.set_xlabel("step")
-        left.set_ylabel("training loss (moving mean)")
-        left.legend()
-        names = list(payload["runs"])
-        right.bar(names, [payload["runs"][n]["lambada_test_perplexity"] for n in names], color="tab:blue")
-        if payload.get("before"):
-            right.axhline(payload["before"]["lambada_test_perplexity"], color="black", linestyle="--",
-                          linewidth=0.8, label="before fine-tuning")
-            right.legend()
-        right.set_ylabel("held-out LAMBADA test perplexity")
-        low = min(payload["runs"][n]["lambada_test_perplexity"] for n in names) if names else 0
-        right.set_ylim(bottom=0.95 * low)
-        save_figure(fig, path, title)
+def plot_results(payload: dict, path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    runs = payload.get("runs", {})
+    for name, row in runs.items():
+        losses = torch.tensor(row["losses"])
+        window = max(1, len(losses) // 15)
+        smooth = losses.unfold(0, window, 1).mean(dim=1) if len(losses) >= window else losses
+        left.plot(range(window, len(losses) + 1), smooth, label=name)
+    left.set_xlabel("step")
+    left.set_ylabel("training loss (moving mean)")
+    left.legend()
+    names = list(runs)
+    right.bar(names, [runs[n]["lambada_test_perplexity"] for n in names], color="tab:blue")
+    if payload.get("before"):
+        right.axhline(payload["before"]["lambada_test_perplexity"], color="black", linestyle="--",
+                      linewidth=0.8, label="before fine-tuning")
+        right.legend()
+    right.set_ylabel("held-out LAMBADA test perplexity")
+    low = min(runs[n]["lambada_test_perplexity"] for n in names) if names else 0
+    right.set_ylim(bottom=0.95 * low)
+    settings = payload["settings"]
+    save_figure(fig, path, titled(payload, f"LoRA / QLoRA, {settings['steps']} steps x {settings['batch_size']} x "
+                                           f"{settings['seq_len']} tokens of LAMBADA dev"))
 
-    return draw
+
+def report(payload: dict) -> str:
+    """Thesis Tables 5.2/5.3 as the README shows them: a row per run, losses as the mean of the first and last
+    five steps, held-out perplexity against LoRA's."""
+    runs, settings = payload.get("runs", {}), payload["settings"]
+    lora = runs.get("LoRA (float32 base)", {}).get("lambada_test_perplexity")
+
+    def mean5(losses: list[float]) -> float:
+        return sum(losses) / len(losses)
+
+    rows = [["before fine-tuning (float32)", None, None, payload["before"]["lambada_test_perplexity"], None,
+             payload["before"]["zero_shot_average"], None, None, None, None]] if payload.get("before") else []
+    for name, row in runs.items():
+        bits = row["base_quantization"].get("avg_bits") if row.get("base_quantization") else None
+        rows.append([name, f"{bits:.3f}" if bits else "32",
+                     f"{mean5(row['losses'][:5]):.3f} -> {mean5(row['losses'][-5:]):.3f}",
+                     row["lambada_test_perplexity"],
+                     f"{100 * (row['lambada_test_perplexity'] / lora - 1):+.2f}%" if lora else None,
+                     row["zero_shot_average"], f"{row['peak_memory_bytes'] / 2**20:.0f}",
+                     f"{row['model_bytes'] / 2**20:.0f}", f"{row['optimizer_state_bytes'] / 2**20:.1f}",
+                     f"{row['tokens_per_second']:.0f}"])
+    return format_table(["run", "base bits/weight (measured)", "train loss first -> last (mean of 5)",
+                         "held-out LAMBADA-test ppl", "vs LoRA", f"zero-shot avg ({settings['limit']}/task)",
+                         "peak RSS MiB", "model MiB", "optimizer state MiB", "tokens/s"], rows, markdown=True)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--bases", nargs="*", default=list(LORA_BASES), choices=list(LORA_BASES))
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -111,37 +135,26 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-tokens", type=int, default=16384, help="first N tokens of LAMBADA test text")
     parser.add_argument("--limit", type=int, default=50, help="items per zero-shot task")
-    parser.add_argument("--resume", action="store_true", help="keep runs a previous run with the same settings finished")
     args = parser.parse_args()
-
-    loaded = load_model(args.model)
-    settings = {k: v for k, v in vars(args).items() if k not in ("bases", "resume")}
     name = results_name("qlora", args.model)
-    payload = {"model": args.model, "weights_note": loaded.weights_note, "settings": settings, "runs": {}}
-    if args.resume and (previous := previous_results(name, settings)):
-        payload["runs"], payload["before"] = previous.get("runs", {}), previous.get("before")
-    title = (f"{args.model} LoRA / QLoRA, {args.steps} steps x {args.batch_size} x {args.seq_len} tokens of LAMBADA dev"
-             + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
+    if args.report:
+        return print_report(name, report)
 
-    def save() -> None:
-        write_results(name, payload, plot_results(payload, title))
-
-    if not payload.get("before"):
-        payload["before"] = held_out_and_zero_shot(loaded.model, loaded.tokenizer, args)
-        print(f"before fine-tuning: lambada-test ppl {payload['before']['lambada_test_perplexity']:.3f}, "
-              f"zero-shot {payload['before']['zero_shot_average']:.4f}", flush=True)
-        save()
-    for base in args.bases:
-        label = "LoRA (float32 base)" if base == "float" else f"QLoRA ({base})"
-        if label in payload["runs"]:
-            continue
-        payload["runs"][label] = run(loaded, base, args)
-        row = payload["runs"][label]
-        print(f"{label}: loss {row['train_loss_first']:.3f} -> {row['train_loss_last']:.3f}, lambada-test ppl "
-              f"{row['lambada_test_perplexity']:.3f}, zero-shot {row['zero_shot_average']:.4f}, peak "
-              f"{row['peak_memory_bytes'] / 2**20:.0f} MiB, {row['tokens_per_second']:.0f} tok/s", flush=True)
-        save()
-    print(f"wrote {results_dir() / (name + '.json')}")
+    study_flags = ("bases", "resume", "only", "skip", "report")
+    study = Study(name, {k: v for k, v in vars(args).items() if k not in study_flags}, args, plot=plot_results)
+    loaded = study.load_model(args.model)
+    if study.pending("before"):
+        study.set("before", held_out_and_zero_shot(loaded.model, loaded.tokenizer, args))
+        print(f"before fine-tuning: lambada-test ppl {study.payload['before']['lambada_test_perplexity']:.3f}, "
+              f"zero-shot {study.payload['before']['zero_shot_average']:.4f}", flush=True)
+    labels = {"LoRA (float32 base)" if base == "float" else f"QLoRA ({base})": base for base in args.bases}
+    for label in study.todo("runs", labels):
+        study.record("runs", label, run(loaded, labels[label], args), summary=lambda row: (
+            f"loss {row['train_loss_first']:.3f} -> {row['train_loss_last']:.3f}, lambada-test ppl "
+            f"{row['lambada_test_perplexity']:.3f}, zero-shot {row['zero_shot_average']:.4f}, peak "
+            f"{row['peak_memory_bytes'] / 2**20:.0f} MiB, {row['tokens_per_second']:.0f} tok/s"))
+    print(report(study.payload))
+    print(f"wrote {study.path}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ int8 weight. Writes benchmarks/results/w8a8_speed.json + .png.
 
     python benchmarks/w8a8_speed.py            # 4096x4096 linear, SmolLM2's shapes, whole-model prefill
     python benchmarks/w8a8_speed.py --quick    # fewer repeats, prefill at 512 only
+    python benchmarks/w8a8_speed.py --report   # the saved tables
 
 Whole-model rows use leanlm with attention in float (quantize_bmm=False, SDPA): the int8 attention matmuls
 are simulated and not a speed path. The lm_head and embeddings stay FP32 in every row. leanlm runs the linears
@@ -26,13 +27,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from leanlm.bench import time_call, time_modules, time_prefill, weight_bytes, write_results  # noqa: E402
+from leanlm.bench import Study, print_report, study_arguments, time_call, time_modules, time_prefill, weight_bytes  # noqa: E402
 from leanlm.bench.peers import bitsandbytes_int8_linear, torchao_int8_dynamic_  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.methods import Calibration, SmoothQuantConfig, W8A8Config, calibrate, quantize_, share_input_gemms_  # noqa: E402
 from leanlm.models import iter_quantizable_linears, load_model  # noqa: E402
 from leanlm.nn import W8A8Linear  # noqa: E402
-from leanlm.report import save_figure  # noqa: E402
+from leanlm.report import format_table, save_figure  # noqa: E402
 
 warnings.filterwarnings("ignore")
 # SmolLM2-135M's block linears (out x in): q/o, k/v, gate/up, down, and the stacked q/k/v and gate/up GEMMs.
@@ -126,58 +127,87 @@ def bench_model(lengths: list[int], repeats: int) -> dict:
     return results
 
 
-def plot(payload: dict):
-    def draw(path):
-        linear = payload["linear_4096"]["by_m"]
-        names = [n for n in next(iter(linear.values())) if n != "fp32"]
-        fig, (left, *prefill_axes) = plt.subplots(1, 3, figsize=(18, 4.5))
-        ms = list(linear)
+def report(payload: dict) -> str:
+    out = []
+    linear = payload.get("linear_4096", {}).get("by_m", {})
+    if linear:
+        names = list(next(iter(linear.values())))
+        out.append(format_table(["M", *names, "leanlm O1 vs bitsandbytes"], [
+            [m, *(f"{row[n]['median_ms']:.2f}" + ("" if n == "fp32" else f" ({row[n]['speedup_vs_fp32']:.2f}x)")
+                  for n in names), f"{row['leanlm O1']['speedup_vs_bitsandbytes']:.2f}x"]
+            for m, row in linear.items()], markdown=True))
+    shapes = payload.get("smollm2_shapes_m512", {})
+    if shapes:
+        names = [n for n in next(iter(shapes.values()))["by_m"]["512"] if n != "fp32"]
+        out.append(format_table(["shape (out x in)", *names], [
+            [shape, *(f"{entry['by_m']['512'][n]['speedup_vs_fp32']:.2f}x" for n in names)]
+            for shape, entry in shapes.items()], markdown=True))
+    for key in ("by_length", "by_length_last_logits"):
+        prefill = payload.get("model_prefill", {}).get(key, {})
+        if prefill:
+            names = list(next(iter(prefill.values())))
+            out.append(format_table(["tokens", *names], [
+                [length, *(f"{row[n]['tokens_per_second']:.0f}"
+                           + ("" if n == "fp32" else f" ({row[n]['speedup_vs_fp32']:.2f}x)") for n in names)]
+                for length, row in prefill.items()], markdown=True))
+    return "\n\n".join(out)
+
+
+def plot(payload: dict, path) -> None:
+    if not {"linear_4096", "model_prefill"} <= set(payload):
+        return
+    linear = payload["linear_4096"]["by_m"]
+    names = [n for n in next(iter(linear.values())) if n != "fp32"]
+    fig, (left, *prefill_axes) = plt.subplots(1, 3, figsize=(18, 4.5))
+    ms = list(linear)
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        left.bar([j + i * width for j in range(len(ms))], [linear[m][name]["speedup_vs_fp32"] for m in ms],
+                 width=width, label=name)
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_xticks([j + 0.4 - width / 2 for j in range(len(ms))], [f"M={m}" for m in ms])
+    left.set_yscale("log")
+    left.set_ylabel("speed-up over FP32 (log)")
+    left.set_title("4096x4096 linear")
+    left.legend(fontsize=8)
+    colors = {name: f"C{i}" for i, name in enumerate(next(iter(payload["model_prefill"]["by_length"].values())))}
+    for axis, (key, logits) in zip(prefill_axes, (("by_length", "every position's logits"),
+                                                  ("by_length_last_logits", "last position's logits"))):
+        prefill = payload["model_prefill"].get(key)
+        if not prefill:
+            continue
+        lengths = list(prefill)
+        names = list(next(iter(prefill.values())))
         width = 0.8 / len(names)
         for i, name in enumerate(names):
-            left.bar([j + i * width for j in range(len(ms))], [linear[m][name]["speedup_vs_fp32"] for m in ms],
-                     width=width, label=name)
-        left.axhline(1.0, color="black", linewidth=0.8)
-        left.set_xticks([j + 0.4 - width / 2 for j in range(len(ms))], [f"M={m}" for m in ms])
-        left.set_yscale("log")
-        left.set_ylabel("speed-up over FP32 (log)")
-        left.set_title("4096x4096 linear")
-        left.legend(fontsize=8)
-        colors = {name: f"C{i}" for i, name in enumerate(next(iter(payload["model_prefill"]["by_length"].values())))}
-        for axis, (key, logits) in zip(prefill_axes, (("by_length", "every position's logits"),
-                                                      ("by_length_last_logits", "last position's logits"))):
-            prefill = payload["model_prefill"].get(key)
-            if not prefill:
-                continue
-            lengths = list(prefill)
-            names = list(next(iter(prefill.values())))
-            width = 0.8 / len(names)
-            for i, name in enumerate(names):
-                axis.bar([j + i * width for j in range(len(lengths))],
-                         [prefill[n][name]["tokens_per_second"] for n in lengths], width=width, label=name,
-                         color=colors.get(name))
-            axis.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))], [f"{n} tokens" for n in lengths])
-            axis.set_ylabel("prefill tokens / s")
-            axis.set_title(f"SmolLM2-135M prefill, {logits} (lm_head FP32)")
-            axis.legend(fontsize=8)
-        save_figure(fig, path)
-
-    return draw
+            axis.bar([j + i * width for j in range(len(lengths))],
+                     [prefill[n][name]["tokens_per_second"] for n in lengths], width=width, label=name,
+                     color=colors.get(name))
+        axis.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))], [f"{n} tokens" for n in lengths])
+        axis.set_ylabel("prefill tokens / s")
+        axis.set_title(f"SmolLM2-135M prefill, {logits} (lm_head FP32)")
+        axis.legend(fontsize=8)
+    save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), model=False)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    if args.report:
+        return print_report("w8a8_speed", report)
     repeats = 3 if args.quick else 9
-    payload = {
-        "threads": torch.get_num_threads(),
-        "linear_4096": bench_linear(4096, 4096, [1, 16, 64, 512], repeats),
-        "smollm2_shapes_m512": {
-            f"{o}x{i}": bench_linear(i, o, [512], repeats) for o, i in SMOLLM2_SHAPES
-        },
-        "model_prefill": bench_model([512] if args.quick else [512, 2048], repeats),
-    }
-    print(f"wrote {write_results('w8a8_speed', payload, plot(payload))}")
+    study = Study("w8a8_speed", {"repeats": repeats, "quick": args.quick}, args, plot=plot)
+    study.payload["threads"] = torch.get_num_threads()
+    if study.pending("linear_4096"):
+        study.set("linear_4096", bench_linear(4096, 4096, [1, 16, 64, 512], repeats))
+    for shape in study.todo("smollm2_shapes_m512", [f"{o}x{i}" for o, i in SMOLLM2_SHAPES]):
+        out_features, in_features = map(int, shape.split("x"))
+        study.record("smollm2_shapes_m512", shape, bench_linear(in_features, out_features, [512], repeats))
+    if study.pending("model_prefill"):
+        study.set("model_prefill", bench_model([512] if args.quick else [512, 2048], repeats))
+    print(report(study.payload))
+    print(f"wrote {study.path}")
 
 
 if __name__ == "__main__":

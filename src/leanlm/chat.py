@@ -16,20 +16,22 @@ import torch
 from leanlm.errors import ConfigError
 from leanlm.evaluation.tokens import encode
 from leanlm.methods.streaming import StreamingConfig, sink_cache
+from leanlm.settings import option
 
 
 @dataclass(frozen=True)
 class ChatSettings:
-    streaming: StreamingConfig = StreamingConfig(sinks=4, window=2000)  # the reference chat demo's sizes
-    max_new_tokens: int = 256
-    temperature: float = 0.0  # 0: greedy
-    seed: int = 0
+    streaming: StreamingConfig = option(StreamingConfig(sinks=4, window=2000), "the cache (the reference chat "
+                                        "demo's sizes)", cli=False)
+    max_new_tokens: int = option(256, "tokens an answer may take at most")
+    temperature: float = option(0.0, "sampling temperature; 0 = greedy")
+    seed: int = option(0, "seed of the sampling")
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
-            raise ConfigError(f"--max-new-tokens must be positive, got {self.max_new_tokens}")
+            raise ConfigError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"temperature must be 0 or more, got {self.temperature}")
 
 
 class StreamingChat:

@@ -31,12 +31,16 @@ def test_eval_writes_the_contract_json(tiny_llama_dir, tmp_path, capsys):
     [
         (["eval", "no-such-model"], "neither a registered model"),
         (["eval", "smollm2-135m", "--tasks", "mmlu"], "unknown task(s) mmlu"),
-        (["eval", "smollm2-135m", "--limit", "0"], "expected a positive number"),
-        (["eval", "smollm2-135m", "--seq-len", "abc"], "expected a whole number"),
-        (["stream", "smollm2-135m", "--sinks", "-1"], "expected 0 or more"),
-        (["stream", "smollm2-135m", "--setting", "magic"], "invalid choice"),
-        (["swarm", "--stages", "3", "--peers", "2"], "cannot serve 3 stages"),
-        (["swarm", "--in-flight", "0"], "expected a positive number"),
+        (["eval", "smollm2-135m", "--limit", "0"], "--limit: limit must be a positive number, got 0"),
+        (["eval", "smollm2-135m", "--seq-len", "abc"], "--seq-len: expected a whole number, got 'abc'"),
+        (["stream", "smollm2-135m", "--sinks", "-1"], "--sinks: sinks must be 0 or more, got -1"),
+        (["stream", "smollm2-135m", "--setting", "magic"], "unknown strategy magic; choose from dense"),
+        (["swarm", "--stages", "3", "--peers", "2"], "--peers: peers 2 cannot serve 3 stages"),
+        (["swarm", "--in-flight", "0"], "--in-flight: in_flight must be at least 1, got 0"),
+        (["finetune", "m", "--data", "d", "--out", "o", "--lora-alpha", "0"], "--lora-alpha: LoRA alpha must be"),
+        (["finetune", "m", "--data", "d", "--out", "o", "--optimizer-bits", "16"], "--optimizer-bits '16': choose"),
+        (["finetune", "m", "--method", "lora", "--base", "nf4", "--data", "d", "--out", "o"], "use --method qlora"),
+        (["chat", "--temperature", "-1"], "--temperature: temperature must be 0 or more, got -1.0"),
     ],
 )
 def test_bad_input_gets_a_one_line_error(argv, message, capsys):

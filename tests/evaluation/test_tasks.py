@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from leanlm import data
+from leanlm.errors import ConfigError
 from leanlm.evaluation import Request, Score, encode_pair, score_requests
 from leanlm.evaluation.tasks import (
     TASKS,
@@ -96,3 +97,10 @@ def test_scores_equal_a_brute_force_forward(smollm2_tokenizer):
         greedy = all(log_probs[p].argmax().item() == whole[p + 1] for p in positions)
         assert score.loglikelihood == pytest.approx(expected, abs=1e-4)
         assert score.is_greedy == greedy and score.tokens == len(whole) - len(context)
+
+
+def test_a_continuation_longer_than_the_context_window_is_a_clear_error(smollm2_tokenizer):
+    model = tiny_model("llama", vocab_size=len(smollm2_tokenizer))
+    model.config.max_position_embeddings = 8
+    with pytest.raises(ConfigError, match="a continuation of 1[0-9] tokens does not fit the model's context of 8"):
+        score_requests(model, smollm2_tokenizer, [Request("Say:", " one two three four five six seven eight nine ten")])

@@ -245,11 +245,14 @@ def previous_results(name: str, settings: dict | None = None) -> dict:
 
 
 def write_results(name: str, payload: dict, plot: Callable[[Path], None] | None = None) -> Path:
-    """Write `name.json` (payload + environment) and, if given, let `plot` draw `name.png`."""
+    """Write `name.json` (payload + environment) and, if given, let `plot` draw `name.png`. The JSON is written
+    beside its place and renamed into it, so a run killed while saving leaves the previous file whole."""
     directory = results_dir()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
-    path.write_text(json.dumps({**payload, "environment": environment()}, indent=2) + "\n")
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    partial.write_text(json.dumps({**payload, "environment": environment()}, indent=2) + "\n")
+    os.replace(partial, path)
     if plot is not None:
         plot(directory / f"{name}.png")
     return path

@@ -1,9 +1,14 @@
-"""`leanlm quantize`'s method options, generated from the method configs (`leanlm.methods.recipes`).
+"""The command line's options, generated from the config and settings dataclasses (`leanlm.settings.option`).
 
-Every command-line field of a config is a flag (`--field-name`, or the field's own `flag`), with the field's
-help and each recipe's default. Flags are read as text and converted by the field's type only once the method
-is known, so one flag can serve fields of several methods (`--bits`) and a flag that belongs to no step of the
-chosen method is refused by name. Range checks are the configs' own: nothing here repeats a default or a bound.
+Every command-line field is a flag (`--field-name`, or the field's own `flag`), with the field's help and its
+default (a recipe's, or a command's, where it sets one over the field's own). Flags are read as text and converted
+by the field's type when the config is built, and a config's error, which names its field, is reported under the
+field's flag: range checks are the configs' own, and nothing here repeats a default or a bound.
+
+`leanlm quantize`'s method options come from the method configs of `leanlm.methods.recipes`: they are converted
+only once the method is known, so one flag can serve fields of several methods (`--bits`), and a flag that
+belongs to no step of the chosen method is refused by name. The other commands' options come from their
+settings dataclasses (`add_settings_options` / `settings_from_args`).
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ def _type_of(config_type: type, name: str):
 
 
 def command_line_fields(config_type: type) -> list[Field]:
-    return [item for item in fields(config_type) if item.metadata.get("cli", True) and not item.name.startswith("_")]
+    """The fields declared with `option()` and not kept off the command line."""
+    return [item for item in fields(config_type) if "help" in item.metadata and item.metadata["cli"]]
 
 
 def _flag_table() -> dict[str, list[tuple[str, type, Field]]]:
@@ -71,21 +77,48 @@ def add_method_options(parser: argparse.ArgumentParser) -> None:
             if method in seen:  # one line per method: a flag that sets two fields of one recipe means one thing
                 continue
             seen.add(method)
-            lines.setdefault(_help_line(RECIPES.get(method), item), []).append(method)
-        text = "; ".join(f"{', '.join(methods)}: {line}" for line, methods in lines.items()).replace("%", "%%")
-        if first.type in (bool, "bool"):
-            parser.add_argument(flag, dest=_DEST + flag, action="store_const", const=not first.default,
-                                default=argparse.SUPPRESS, help=text)
-        else:
-            choices = _choices(first_type, first)
-            parser.add_argument(flag, dest=_DEST + flag, default=argparse.SUPPRESS, help=text,
-                                metavar="{" + ",".join(choices) + "}" if choices else _metavar(first_type, first))
+            lines.setdefault(_help_line(_default(RECIPES.get(method), item), item), []).append(method)
+        _add_flag(parser, first_type, first, "; ".join(f"{', '.join(methods)}: {line}" for line, methods in lines.items()))
 
 
-def _help_line(recipe: Recipe | None, item: Field) -> str:
+def add_settings_options(parser: argparse.ArgumentParser, *settings_types: type, defaults: dict | None = None) -> None:
+    """A flag for every command-line field of each settings dataclass; `defaults`: this command's own defaults
+    over the fields' (field name -> value)."""
+    defaults = defaults or {}
+    for settings_type in settings_types:
+        for item in command_line_fields(settings_type):
+            default = defaults.get(item.name, item.default)
+            _add_flag(parser, settings_type, item, _help_line(default, item))
+
+
+def settings_from_args(settings_type: type, args: argparse.Namespace, defaults: dict | None = None):
+    """The settings the command line gave (`defaults`, field name -> value, under the flags), checked by the
+    dataclass itself; its error is reported under the flag of the field it names."""
+    return _build(settings_type, _given(args), defaults or {})
+
+
+def _add_flag(parser: argparse.ArgumentParser, config_type: type, item: Field, text: str) -> None:
+    flag, text = flag_of(item), text.replace("%", "%%")
+    if item.type in (bool, "bool"):
+        parser.add_argument(flag, dest=_DEST + flag, action="store_const", const=not item.default,
+                            default=argparse.SUPPRESS, help=text)
+        return
+    choices = _choices(config_type, item)
+    metavar = "{" + ",".join(map(str, choices)) + "}" if choices else _metavar(config_type, item)
+    repeated = typing.get_origin(_type_of(config_type, item.name)) is tuple  # --setting a --setting b, or a,b
+    parser.add_argument(flag, dest=_DEST + flag, default=argparse.SUPPRESS, help=text, metavar=metavar,
+                        action="append" if repeated else "store")
+
+
+def _given(args: argparse.Namespace) -> dict:
+    return {key[len(_DEST):]: value for key, value in vars(args).items() if key.startswith(_DEST)}
+
+
+def _help_line(default, item: Field) -> str:
     if item.type in (bool, "bool"):
         return f"{item.metadata['help']}" + ("; this flag turns it off" if item.default else "")
-    default = _default(recipe, item)
+    if isinstance(default, tuple):
+        default = ",".join(map(str, default))
     if default is None and item.metadata.get("none_word"):
         default = item.metadata["none_word"]
     return f"{item.metadata['help']} (default {default})"
@@ -93,6 +126,8 @@ def _help_line(recipe: Recipe | None, item: Field) -> str:
 
 def _metavar(config_type: type, item: Field) -> str:
     hinted = _type_of(config_type, item.name)
+    if typing.get_origin(hinted) is tuple:
+        return "NAME"
     kinds = typing.get_args(hinted) or (hinted,)
     word = "N" if int in kinds else "X" if float in kinds else "TEXT"
     extra = [item.metadata["none_word"]] if item.metadata.get("none_word") else []
@@ -108,17 +143,20 @@ def _choices(config_type: type, item: Field) -> tuple[str, ...]:
     return tuple(typing.get_args(hinted)) if typing.get_origin(hinted) is typing.Literal else ()
 
 
-def _convert(text: str, flag: str, config_type: type, item: Field):
+def _convert(text, flag: str, config_type: type, item: Field):
     """`text` as the field's type, or a ConfigError naming the flag."""
     if item.type in (bool, "bool"):
         return text
+    if isinstance(text, list):  # a repeated flag: its values, each of which may be comma-separated
+        return tuple(name.strip() for value in text for name in value.split(",") if name.strip())
     if item.metadata.get("none_word") is not None and text == item.metadata["none_word"]:
         return None
     choices = _choices(config_type, item)
     if choices:
-        if text not in choices:
-            raise ConfigError(f"{flag} {text!r}: choose from {', '.join(choices)}")
-        return text
+        chosen = next((choice for choice in choices if str(choice) == text), None)
+        if chosen is None:
+            raise ConfigError(f"{flag} {text!r}: choose from {', '.join(map(str, choices))}")
+        return chosen
     hinted = _type_of(config_type, item.name)
     kinds = typing.get_args(hinted) if isinstance(hinted, types.UnionType) or typing.get_origin(hinted) is typing.Union \
         else (hinted,)
@@ -144,7 +182,7 @@ def method_configs(args: argparse.Namespace) -> tuple[list, Calibration]:
     if args.base is not None and not recipe.bases:
         raise ConfigError(f"--base applies to --method {', '.join(n for n, r in RECIPES.items() if r.bases)}")
     step_types = recipe.step_types(args.base)
-    given = {key[len(_DEST):]: value for key, value in vars(args).items() if key.startswith(_DEST)}
+    given = _given(args)
     table = _flag_table()
     allowed = {flag_of(item) for config_type in (*step_types, Calibration) for item in command_line_fields(config_type)}
     for flag in given:
@@ -153,26 +191,28 @@ def method_configs(args: argparse.Namespace) -> tuple[list, Calibration]:
             raise ConfigError(f"{flag} is not an option of --method {args.method}"
                               + (f" --base {args.base or next(iter(recipe.bases))}" if recipe.bases else "")
                               + f" (it is one of {', '.join(owners)})")
-
-    def build(config_type: type, defaults: dict):
-        settings = {}
-        for item in command_line_fields(config_type):
-            flag = flag_of(item)
-            if flag in given:
-                settings[item.name] = _convert(given[flag], flag, config_type, item)
-            elif item.name in defaults:
-                settings[item.name] = defaults[item.name]
-        try:
-            return config_type(**settings)
-        except ConfigError as error:  # it names the field; say which flag that is
-            named = sorted((item for item in command_line_fields(config_type)
-                            if re.search(rf"\b({item.name}|{item.name.replace('_', ' ')})\b", str(error))),
-                           key=lambda item: -len(item.name))  # "statistic bits" names statistic_bits, not bits
-            raise ConfigError(f"{flag_of(named[0]) if named else '--method ' + args.method}: {error}") from None
-
-    configs = [build(config_type, recipe.defaults) for config_type in step_types]
+    configs = [_build(config_type, given, recipe.defaults, f"--method {args.method}") for config_type in step_types]
     if not any(method_spec(config).needs_calibration(config) for config in configs):
         unused = [flag_of(item) for item in command_line_fields(Calibration) if flag_of(item) in given]
         if unused:
             raise ConfigError(f"{', '.join(unused)}: --method {args.method} as set reads no calibration text")
-    return configs, build(Calibration, {})
+    return configs, _build(Calibration, given, {})
+
+
+def _build(config_type: type, given: dict, defaults: dict, what: str | None = None):
+    """`config_type` from the given flags over `defaults`; its error is reported under the flag of the field it
+    names (or under `what`, if given)."""
+    names = {item.name for item in fields(config_type)}
+    settings = {name: value for name, value in defaults.items() if name in names}
+    for item in command_line_fields(config_type):
+        flag = flag_of(item)
+        if flag in given:
+            settings[item.name] = _convert(given[flag], flag, config_type, item)
+    try:
+        return config_type(**settings)
+    except ConfigError as error:  # it names the field; say which flag that is
+        named = sorted((item for item in command_line_fields(config_type)
+                        if re.search(rf"\b({item.name}|{item.name.replace('_', ' ')})\b", str(error))),
+                       key=lambda item: -len(item.name))  # "statistic bits" names statistic_bits, not bits
+        where = flag_of(named[0]) if named else what
+        raise ConfigError(f"{where}: {error}" if where else str(error)) from None

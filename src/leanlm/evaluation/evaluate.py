@@ -12,6 +12,7 @@ from leanlm.errors import ConfigError
 from leanlm.evaluation.loglikelihood import score_requests
 from leanlm.evaluation.perplexity import perplexity
 from leanlm.evaluation.tasks import TASKS, aggregate, doc_metrics
+from leanlm.settings import option
 
 PERPLEXITY_TEXTS: dict[str, Callable[[], str]] = {
     "wikitext2": data.wikitext2_test_text,
@@ -23,10 +24,10 @@ ZERO_SHOT_TASKS = tuple(TASKS)
 
 @dataclass(frozen=True)
 class EvalSettings:
-    tasks: tuple[str, ...] = ("wikitext2",)
-    limit: int | None = None  # first N items of each zero-shot task
-    max_tokens: int | None = None  # first N tokens of each perplexity text
-    seq_len: int = 2048  # perplexity window, the papers' default
+    tasks: tuple[str, ...] = option(("wikitext2",), f"tasks, comma-separated, from {','.join(ALL_TASKS)}")
+    limit: int | None = option(None, "first N items of each zero-shot task", none_word="all")
+    max_tokens: int | None = option(None, "first N tokens of each perplexity text", none_word="all")
+    seq_len: int = option(2048, "perplexity window (the papers' default)")
 
     def __post_init__(self):
         unknown = [t for t in self.tasks if t not in ALL_TASKS]
@@ -37,7 +38,9 @@ class EvalSettings:
         for name in ("limit", "max_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+                raise ConfigError(f"{name} must be a positive number, got {value}")
+        if self.seq_len < 2:
+            raise ConfigError(f"seq_len must be at least 2, got {self.seq_len}")
 
 
 def evaluate(model, tokenizer, settings: EvalSettings) -> dict:

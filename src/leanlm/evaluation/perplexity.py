@@ -34,7 +34,7 @@ def perplexity(
     model, tokenizer, text: str, *, seq_len: int = 2048, max_tokens: int | None = None, desc: str = "perplexity"
 ) -> PerplexityResult:
     if seq_len < 2:
-        raise ConfigError(f"--seq-len must be at least 2, got {seq_len}")
+        raise ConfigError(f"seq_len must be at least 2, got {seq_len}")
     prefix = bos_prefix(tokenizer)
     stream = encode(tokenizer, text)
     if max_tokens is not None:
@@ -43,8 +43,8 @@ def perplexity(
     windows = len(stream) // step
     if windows == 0:
         raise ConfigError(
-            f"{desc}: {len(stream)} tokens do not fill one window of --seq-len {seq_len}; "
-            "raise --max-tokens or lower --seq-len"
+            f"{desc}: {len(stream)} tokens do not fill one window of seq_len {seq_len}; "
+            "raise max_tokens or lower seq_len"
         )
     total_nll, predicted, forward_seconds = 0.0, 0, 0.0
     for index in tqdm(range(windows), desc=desc, unit="window"):

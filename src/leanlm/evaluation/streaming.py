@@ -35,19 +35,21 @@ from leanlm.evaluation.tokens import bos_prefix, encode
 from leanlm.methods.streaming import StreamingConfig, sink_cache
 from leanlm.nn.softmax_one import SOFTMAX_ONE
 from leanlm.report import save_figure
+from leanlm.settings import option
 
 STRATEGIES = ("dense", "window", "recompute", "streaming")
 
 
 @dataclass(frozen=True)
 class StreamSettings:
-    sinks: int = 4  # StreamingLLM's initial tokens
-    window: int = 1020  # StreamingLLM's recent tokens; window attention and re-computation get sinks + window
-    max_tokens: int = 100_000  # length of the stream
-    chunk: int = 32  # tokens per forward for the cache strategies (1 = token by token)
-    recompute_tokens: int = 64  # targets the O(T L^2) baseline scores
-    latency_steps: int = 2048  # token-by-token decode steps timed for the latency curve
-    strategies: tuple[str, ...] = STRATEGIES
+    sinks: int = option(4, "StreamingLLM's attention sinks (initial tokens kept)")
+    window: int = option(1020, "recent tokens StreamingLLM keeps; window attention and re-computation get sinks + "
+                               "window tokens")
+    max_tokens: int = option(100_000, "stream length: WikiText-2 test then LAMBADA test text")
+    chunk: int = option(32, "tokens per forward for the cache strategies; 1 = token by token")
+    recompute_tokens: int = option(64, "targets scored by sliding window with re-computation (O(T L^2))")
+    latency_steps: int = option(2048, "single-token decode steps timed for the latency curve")
+    strategies: tuple[str, ...] = option(STRATEGIES, "run only this setting (repeatable)", flag="--setting")
 
     def __post_init__(self):
         unknown = [s for s in self.strategies if s not in STRATEGIES]
@@ -55,9 +57,9 @@ class StreamSettings:
             raise ConfigError(f"unknown strategy {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
         for name in ("window", "max_tokens", "chunk", "recompute_tokens", "latency_steps"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.sinks < 0:
-            raise ConfigError(f"--sinks must be 0 or more, got {self.sinks}")
+            raise ConfigError(f"sinks must be 0 or more, got {self.sinks}")
 
     @property
     def cache_size(self) -> int:
@@ -77,7 +79,7 @@ def long_text_tokens(tokenizer, max_tokens: int) -> list[int]:
     if len(tokens) < max_tokens:
         tokens += encode(tokenizer, "\n\n" + data.plain_text("lambada-test"))
     if len(tokens) < max_tokens:
-        raise ConfigError(f"the shipped texts have {len(tokens)} tokens, fewer than --max-tokens {max_tokens}")
+        raise ConfigError(f"the shipped texts have {len(tokens)} tokens, fewer than max_tokens {max_tokens}")
     return tokens[:max_tokens]
 
 
@@ -151,11 +153,12 @@ def stream_evaluate(model, tokenizer, settings: StreamSettings) -> dict:
     """Every strategy in `settings` on one long text: {"settings": {strategy: results}, "config", ...}."""
     trained = getattr(model.config, "max_position_embeddings", None)
     if trained is not None and settings.cache_size >= trained:
-        raise ConfigError(f"--cache-size {settings.cache_size} must stay below the trained context ({trained})")
+        raise ConfigError(f"the cache (sinks + window = {settings.cache_size}) must stay below the trained context "
+                          f"({trained})")
     tokens = torch.tensor(long_text_tokens(tokenizer, settings.max_tokens))
     targets = range(2 * settings.cache_size, 2 * settings.cache_size + settings.recompute_tokens)
     if targets.stop > tokens.numel():
-        raise ConfigError(f"--max-tokens {settings.max_tokens} is too short for the re-computation targets "
+        raise ConfigError(f"max_tokens {settings.max_tokens} is too short for the re-computation targets "
                           f"({targets.start}..{targets.stop})")
     results: dict = {"config": asdict(settings), "trained_context": trained,
                      "recompute_targets": [targets.start, targets.stop], "settings": {}}

@@ -44,7 +44,8 @@ from leanlm.cache.prefix import (
 from leanlm.data import calibration_batches, plain_text
 from leanlm.errors import ConfigError
 from leanlm.methods.blocks import observe_inputs
-from leanlm.methods.quantize import Calibration, QuantRun, option, quantize_, register_after_load, register_method
+from leanlm.methods.quantize import Calibration, QuantRun, quantize_, register_after_load, register_method
+from leanlm.settings import option
 from leanlm.methods.w8a8 import W8A8Config
 from leanlm.models.architectures import iter_quantizable_linears
 from leanlm.optim import AdamW

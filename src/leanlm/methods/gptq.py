@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 from leanlm.errors import ConfigError
 from leanlm.formats.gptq import SolverSettings, solve
 from leanlm.methods.blocks import observe_inputs, walk_blocks
-from leanlm.methods.quantize import QuantRun, method_spec, option, register_method
+from leanlm.methods.quantize import QuantRun, method_spec, register_method
+from leanlm.settings import option
 from leanlm.models.architectures import architecture_for, decoder_blocks, linear_weight_out_in
 from leanlm.nn.spqr_linear import SpQRLinear
 

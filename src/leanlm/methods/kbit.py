@@ -12,7 +12,8 @@ from tqdm.auto import tqdm
 from leanlm.errors import ConfigError
 from leanlm.formats.blockwise import bits_per_parameter
 from leanlm.formats.codebooks import DTYPES
-from leanlm.methods.quantize import QuantRun, option, register_method
+from leanlm.methods.quantize import QuantRun, register_method
+from leanlm.settings import option
 from leanlm.models.architectures import (
     architecture_for,
     iter_quantizable_linears,

@@ -23,6 +23,7 @@ from leanlm.methods.quantize import quantize_
 from leanlm.models.architectures import architecture_for, iter_quantizable_linears, linear_weight_out_in
 from leanlm.nn import KbitLinear
 from leanlm.nn.lora import LoRALinear, frozen_linear
+from leanlm.settings import option
 
 # The frozen base formats of thesis Tables 5.2/5.3 (blocks of 64, as QLoRA).
 LORA_BASES: dict[str, KbitConfig | None] = {
@@ -40,16 +41,19 @@ _PEFT_PREFIX = "base_model.model."
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    base: str = "nf4-dq"  # one of LORA_BASES
-    rank: int = 16  # r
-    alpha: float = 16.0  # s = alpha / r
-    dropout: float = 0.05
+    base: str = option("nf4-dq", "qlora: the base's 4-bit format (nf4-dq: NF4 + double quantization)",
+                       choices=tuple(LORA_BASES))
+    rank: int = option(16, "LoRA r")
+    alpha: float = option(16.0, "LoRA alpha: the update is scaled by s = alpha / r", flag="--lora-alpha")
+    dropout: float = option(0.05, "LoRA dropout on the adapter path")
 
     def __post_init__(self):
         if self.base not in LORA_BASES:
             raise ConfigError(f"unknown LoRA base {self.base!r}; choose from {', '.join(LORA_BASES)}")
         if self.rank < 1:
             raise ConfigError(f"LoRA rank must be at least 1, got {self.rank}")
+        if not self.alpha > 0:
+            raise ConfigError(f"LoRA alpha must be positive, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
 

@@ -26,18 +26,9 @@ from torch import nn
 
 from leanlm.data.calibration import calibration_batches
 from leanlm.errors import ConfigError
+from leanlm.settings import option
 
 Role = Literal["transform", "quantizer"]
-
-
-def option(default, help: str, *, flag: str | None = None, none_word: str | None = None, choices: tuple = (),
-           cli: bool = True):
-    """A config field with its meaning: the one place a method's default and its help text live. `flag` is the
-    command line's spelling where it is not `--field-name`; `none_word` is how the command line says None
-    (`row` for one block per row); `choices` the values a string field takes; `cli=False` keeps a field off the
-    command line."""
-    return field(default=default, metadata={"help": help, "flag": flag, "none_word": none_word, "choices": choices,
-                                            "cli": cli})
 
 
 @dataclass

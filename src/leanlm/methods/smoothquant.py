@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 
 from leanlm.cache.prefix import follow_value_smoothing_
 from leanlm.errors import ConfigError
-from leanlm.methods.quantize import QuantRun, option, quantize_, register_method
+from leanlm.methods.quantize import QuantRun, quantize_, register_method
+from leanlm.settings import option
 from leanlm.methods.w8a8 import CalibrationStats, int8_statistics
 from leanlm.models.architectures import ArchitectureTable, architecture_for, decoder_blocks, linear_weight_out_in
 from leanlm.models.scoring import next_token_nll

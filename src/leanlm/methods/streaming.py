@@ -18,6 +18,7 @@ from torch import nn
 from leanlm.cache.sink_cache import SinkCache, cache_positions_hook, rope_key_shift
 from leanlm.errors import ConfigError, UnsupportedArchitectureError
 from leanlm.models.architectures import architecture_for
+from leanlm.settings import option
 
 # RoPE variants whose rotation is linear in the position (so a shift composes); "dynamic" rescales with length.
 SHIFTABLE_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -26,12 +27,13 @@ _HOOK_ATTRIBUTE = "_leanlm_cache_positions_hook"
 
 @dataclass(frozen=True)
 class StreamingConfig:
-    sinks: int = 4  # initial tokens kept forever (the thesis' default; Table 4.2)
-    window: int = 1020  # most recent tokens kept (cache = sinks + window = 1024, the thesis' size for 2K models)
+    sinks: int = option(4, "attention sinks: initial tokens kept forever (the thesis' default; Table 4.2)")
+    window: int = option(1020, "most recent tokens kept; the cache holds sinks + window tokens (4 + 1020: the "
+                               "thesis' 1024 for 2K-context models)")
 
     def __post_init__(self):
         if self.sinks < 0:
-            raise ConfigError(f"sinks must be >= 0, got {self.sinks}")
+            raise ConfigError(f"sinks must be 0 or more, got {self.sinks}")
         if self.window < 1:
             raise ConfigError(f"window must be >= 1, got {self.window}")
 

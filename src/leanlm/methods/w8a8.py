@@ -20,7 +20,8 @@ from leanlm.errors import ConfigError, CorruptModelError
 from leanlm.formats.int8 import QMAX, WeightGranularity
 from leanlm.kernels.int8_gemm import Backend
 from leanlm.methods.calibration import collect_input_absmax
-from leanlm.methods.quantize import QuantRun, option, register_after_load, register_method
+from leanlm.methods.quantize import QuantRun, register_after_load, register_method
+from leanlm.settings import option
 from leanlm.models.architectures import architecture_for, decoder_blocks, iter_quantizable_linears, linear_weight_out_in
 from leanlm.nn import ATTENTION_NAME, BmmQuantizer, SharedInputGemm, W8A8Linear, use_int8_bmm_attention
 

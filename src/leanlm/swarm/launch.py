@@ -13,16 +13,18 @@ from dataclasses import dataclass, field
 from leanlm.data import plain_text
 from leanlm.swarm.model import byte_blocks
 from leanlm.swarm.peer import SwarmSettings, end_process_group, make_dht, run_peer, stage_peers
+from leanlm.errors import ConfigError
+from leanlm.settings import option
 from leanlm.swarm.trainer import run_trainer
 
 
 @dataclass(frozen=True)
 class SwarmRun:
-    settings: SwarmSettings = SwarmSettings()
-    peers: int = 6
-    trainers: int = 2
-    max_steps: int = 20  # optimizer steps of the slowest stage
-    max_seconds: float = 300.0  # hard bound on the whole run, start-up included
+    settings: SwarmSettings = option(SwarmSettings(), "what every peer and trainer runs", cli=False)
+    peers: int = option(6, "peer processes, stages assigned round-robin")
+    trainers: int = option(2, "trainer processes")
+    max_steps: int = option(20, "optimizer steps of the slowest stage")
+    max_seconds: float = option(300.0, "stop after this long in any case (start-up included)")
     # The fault schedule and `train_seconds` count from the first finished micro-batch, not from the launch: how long
     # spawning the processes and bootstrapping the DHT takes depends on the machine's load (20 s alone here, more
     # on a busy CI machine), and a kill must land in the middle of training, not before it.
@@ -31,6 +33,16 @@ class SwarmRun:
     join: tuple[tuple[float, int], ...] = ()  # (seconds of training, stage) of peers that join late
     slow_peers: dict[int, float] = field(default_factory=dict)  # peer index -> seconds per sample of extra work
     assignment: tuple[int, ...] = ()  # stage of each peer; default round-robin
+
+    def __post_init__(self):
+        for name in ("peers", "trainers", "max_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.max_seconds > 0:
+            raise ConfigError(f"max_seconds must be positive, got {self.max_seconds}")
+        stages = self.settings.model.stages
+        if self.peers < stages:
+            raise ConfigError(f"peers {self.peers} cannot serve {stages} stages (at least one peer per stage)")
 
 
 def _peer_epochs(dht, settings: SwarmSettings) -> list[dict[str, int]]:

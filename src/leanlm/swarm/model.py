@@ -14,11 +14,12 @@ import torch
 from torch import nn
 
 from leanlm.errors import ConfigError
+from leanlm.settings import option
 
 
 @dataclass(frozen=True)
 class SwarmModelConfig:
-    stages: int = 3
+    stages: int = option(3, "pipeline stages")
     layers_per_stage: int = 2
     hidden: int = 128
     heads: int = 4

@@ -30,6 +30,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from leanlm.errors import ConfigError
+from leanlm.settings import option
 from leanlm.swarm import compression
 from leanlm.swarm.model import Stage, SwarmModelConfig
 
@@ -38,16 +39,17 @@ LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]  # every peer listens on the loopback only
 
 @dataclass(frozen=True)
 class SwarmSettings:
-    model: SwarmModelConfig = SwarmModelConfig()
-    run_id: str = "leanlm_swarm"
-    micro_batch: int = 4
-    # Micro-batches a trainer keeps in the pipeline at once: with one, all stages but one idle.
-    in_flight: int = 4
-    target_batch: int = 32  # samples per optimizer step of a stage (summed over its peers)
-    lr: float = 1e-3
-    compress: bool = True  # 8-bit block-wise activations and gradients between stages
-    announce_seconds: float = 1.0
-    rebalance_seconds: float = 10.0  # T; 0 = no rebalancing
+    model: SwarmModelConfig = option(SwarmModelConfig(), "the pipeline's model", cli=False)
+    run_id: str = option("leanlm_swarm", "the swarm's name in the DHT", cli=False)
+    micro_batch: int = option(4, "samples per micro-batch")
+    # With one micro-batch in flight, all stages but one idle.
+    in_flight: int = option(4, "micro-batches each trainer keeps in the pipeline at once")
+    target_batch: int = option(32, "samples per optimizer step of a stage (summed over its peers)")
+    lr: float = option(1e-3, "Adam learning rate", cli=False)
+    compress: bool = option(True, "8-bit block-wise activations and gradients between stages",
+                            flag="--no-compression")
+    announce_seconds: float = option(1.0, "seconds between a peer's load announcements", cli=False)
+    rebalance_seconds: float = option(10.0, "T of adaptive rebalancing; 0 = off")
     rebalance_ratio: float = 2.0  # move only when the busiest stage's per-peer queue is this many times the idlest
     matchmaking_seconds: float = 1.0
     # A stage's all-reduce that cannot assemble its group gives up after this long and the step uses the local
@@ -67,7 +69,9 @@ class SwarmSettings:
     def __post_init__(self):
         for name in ("micro_batch", "in_flight", "target_batch", "average_state_every"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"SwarmSettings.{name} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.rebalance_seconds < 0:
+            raise ConfigError(f"rebalance_seconds must be 0 (off) or more, got {self.rebalance_seconds}")
 
     def stage_key(self, stage: int) -> str:
         return f"{self.run_id}_stage{stage}"  # also the hivemind run id of the stage (no dots allowed)

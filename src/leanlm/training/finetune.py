@@ -32,6 +32,7 @@ from leanlm.methods.qlora import (
 )
 from leanlm.optim import AdamW
 from leanlm.report import plot_training_curves
+from leanlm.settings import option
 from leanlm.training.data import Document, batch_indices, training_blocks
 
 CHECKPOINT_DIR = "checkpoint"
@@ -40,28 +41,33 @@ LOSS_CURVE = "loss_curve.png"
 
 @dataclass(frozen=True)
 class FinetuneSettings:
-    max_steps: int = 200
-    batch_size: int = 4
-    seq_len: int = 256
-    lr: float = 2e-4  # QLoRA's published rate for small models
-    warmup_fraction: float = 0.03
-    grad_clip: float = 0.3  # max gradient norm (QLoRA)
-    weight_decay: float = 0.0
-    held_out_fraction: float = 0.05
-    max_eval_blocks: int = 64
-    save_every: int = 50  # steps between checkpoints
-    seed: int = 0
-    gradient_checkpointing: bool = False
-    optimizer_bits: int = 8  # 8: block-wise 8-bit moments; 32: float32
+    max_steps: int = option(200, "optimizer steps")
+    batch_size: int = option(4, "blocks per step")
+    seq_len: int = option(256, "tokens per training block")
+    lr: float = option(2e-4, "learning rate (QLoRA's published rate for small models)")
+    warmup_fraction: float = option(0.03, "share of the steps the learning rate warms up over", cli=False)
+    grad_clip: float = option(0.3, "max gradient norm (QLoRA)", cli=False)
+    weight_decay: float = option(0.0, "AdamW weight decay", cli=False)
+    held_out_fraction: float = option(0.05, "share of documents held out", flag="--held-out")
+    max_eval_blocks: int = option(64, "held-out blocks scored at most", cli=False)
+    save_every: int = option(50, "steps between checkpoints")
+    seed: int = option(0, "seed of the data order, dropout and adapter initialisation")
+    gradient_checkpointing: bool = option(False, "recompute block activations in backward (less memory, ~30% more "
+                                                 "time)")
+    optimizer_bits: int = option(8, "AdamW moment storage: block-wise 8-bit or float32", choices=(8, 32))
 
     def __post_init__(self):
         for name in ("max_steps", "batch_size", "save_every", "max_eval_blocks"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.seq_len < 2:
-            raise ConfigError(f"seq-len must be at least 2, got {self.seq_len}")
+            raise ConfigError(f"seq_len must be at least 2, got {self.seq_len}")
         if not 0.0 < self.held_out_fraction < 1.0:
-            raise ConfigError(f"held-out fraction must be in (0, 1), got {self.held_out_fraction}")
+            raise ConfigError(f"held_out_fraction must be in (0, 1), got {self.held_out_fraction}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
+        if self.optimizer_bits not in (8, 32):
+            raise ConfigError(f"optimizer_bits must be 8 or 32, got {self.optimizer_bits}")
 
     def resumable_with(self, other: "FinetuneSettings") -> bool:
         """Everything but the step budget must match for a resumed run to continue the same run."""
@@ -133,10 +139,9 @@ def finetune(model: nn.Module, tokenizer, documents: list[Document], settings: F
     start_step, train_seconds = 0, 0.0
     checkpoint = _recover_checkpoint(out)
     if checkpoint is not None and not resume:
-        raise ConfigError(f"{out} already holds a training checkpoint; pass --resume to continue it, "
-                          "or choose another --out")
+        raise ConfigError(f"{out} already holds a training checkpoint; resume it, or write to another directory")
     if checkpoint is None and resume:
-        raise ConfigError(f"--resume: {out} holds no training checkpoint")
+        raise ConfigError(f"resume: {out} holds no training checkpoint")
     if checkpoint is not None:
         state = json.loads((checkpoint / "trainer_state.json").read_text())
         if not settings.resumable_with(FinetuneSettings(**state["settings"])) or state["lora"] != asdict(lora):

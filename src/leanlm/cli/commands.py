@@ -1,0 +1,302 @@
+"""What each `leanlm` command does: read its settings from the parsed flags (`leanlm.cli.options`), check its
+paths before anything slow, call the Python API, print a short table and write `--json`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from leanlm.bench.harness import process_peak_rss_bytes
+from leanlm.cli.options import settings_from_args
+from leanlm.errors import ConfigError
+from leanlm.evaluation import EvalSettings
+from leanlm.report import format_table
+from leanlm.storage import check_output_directory, staged_directory
+
+
+def _check_json_path(path: Path | None) -> None:
+    """Refuse an unwritable --json before the work whose result it would hold."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"cannot write --json {path}: {error.strerror or error}") from None
+    if path.is_dir():
+        raise ConfigError(f"--json {path} is a directory; give a file path")
+
+
+def _write_json(path: Path | None, payload: dict) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+    except OSError as error:
+        raise ConfigError(f"cannot write --json {path}: {error}") from error
+
+
+def _task_rows(results: dict) -> list[list]:
+    rows = []
+    for task, metrics in results.items():
+        if "perplexity" in metrics and "tokens" in metrics:
+            rows.append([task, "perplexity", metrics["perplexity"], f"{metrics['tokens']} tokens",
+                         f"{metrics['tokens_per_second']:.0f} tok/s"])
+        for metric in ("acc", "acc_norm", "perplexity"):
+            if metric in metrics and "n" in metrics:
+                rows.append([task, metric, metrics[metric], f"{metrics['n']} items", ""])
+    return rows
+
+
+def command_eval(args) -> None:
+    from leanlm.evaluation import evaluate
+    from leanlm.methods import load_any
+
+    settings = settings_from_args(EvalSettings, args)
+    _check_json_path(args.json)
+    loaded = load_any(args.model)
+    payload = {"model": args.model, "weights_note": loaded.weights_note, **evaluate(loaded.model, loaded.tokenizer, settings)}
+    payload["peak_rss_bytes"] = process_peak_rss_bytes()
+    print(f"\nmodel: {args.model}" + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
+    print(format_table(["task", "metric", "value", "on", "speed"], _task_rows(payload["results"])))
+    if payload["zero_shot_average"] is not None:
+        print(f"zero-shot average acc: {payload['zero_shot_average']:.4f}")
+    print(f"weights: {payload['weights_bytes'] / 2**20:.1f} MiB stored, peak resident memory "
+          f"{payload['peak_rss_bytes'] / 2**20:.0f} MiB   time: {payload['seconds']:.1f} s")
+    _write_json(args.json, payload)
+
+
+def command_showcase(args) -> None:
+    from dataclasses import asdict
+
+    from leanlm.showcase import QUICK_SETTINGS, run_showcase, showcase_table
+
+    _check_json_path(args.json)
+    payload = run_showcase(args.model, settings_from_args(EvalSettings, args, asdict(QUICK_SETTINGS)))
+    settings = payload["settings"]
+    print(f"\nleanlm showcase on {args.model}" + (f" ({payload['weights_note']})" if payload["weights_note"] else ""))
+    print(f"WikiText-2: first {settings['max_tokens']} tokens in windows of {settings['seq_len']}; zero-shot "
+          f"({', '.join(t for t in settings['tasks'] if t != 'wikitext2')}): first {settings['limit']} items of each; "
+          f"calibration: {payload['calibration_samples']} windows of 512 tokens")
+    print(showcase_table(payload))
+    _write_json(args.json, payload)
+
+
+def _describe(record: dict) -> str:
+    """One line of what `quantize_` did, from its record."""
+    parts = [record["method"]]
+    if "level" in record:
+        parts.append(f"{record['level']}, weights {record['weight_granularity']}")
+    if record.get("smoothquant"):
+        parts.append(f"alpha {record['smoothquant']['alpha']}")
+    if record.get("avg_bits") is not None:
+        parts.append(f"average {record['avg_bits']:.3f} bits per weight")
+    if record.get("outlier_rate"):
+        parts.append(f"{100 * record['outlier_rate']:.2f}% outliers")
+    if record.get("cushion"):
+        parts.append(f"cushion {record['cushion']['text']!r} ({record['cushion']['length']} tokens)")
+    return ", ".join(parts)
+
+
+def command_quantize(args) -> None:
+    from dataclasses import replace
+
+    from leanlm.cli.options import method_configs
+    from leanlm.methods import quantize_, save_quantized
+    from leanlm.models import load_model
+
+    configs, calibration = method_configs(args)  # every option checked before the model loads
+    check_output_directory(args.out)
+    _check_json_path(args.json)
+    loaded = load_model(args.model)
+    record = quantize_(loaded.model, configs, calibration=replace(calibration, tokenizer=loaded.tokenizer))
+    record["quantize_seconds"] = record["seconds"]
+    out = save_quantized(loaded, loaded.model, record, args.out)
+    curve = record.get("cushion", {}).get("tuning", {}).get("curve")
+    if curve:  # an illustration beside the finished checkpoint, which does not need it
+        from leanlm.report import plot_training_curves
+
+        plot_training_curves({name: [point[name] for point in curve] for name in curve[0]},
+                             out / "cushion_tuning.png", f"{args.model}: CushionCache prefix tuning")
+    print(f"wrote {out} ({_describe(record)}) in {record['seconds']:.0f} s")
+    _write_json(args.json, {"method": record["method"], "avg_bits": record.get("avg_bits"),
+                            "peak_rss_bytes": process_peak_rss_bytes(), "seconds": record["seconds"],
+                            "record": record})
+
+
+def command_analyze(args) -> None:
+    from leanlm.data import calibration_batches
+    from leanlm.evaluation.outliers import analyze_outliers, plot_outliers, smoothing_view
+    from leanlm.models import load_model
+
+    loaded = load_model(args.model)
+    batches = calibration_batches(loaded.tokenizer, n_samples=args.samples, seq_len=args.seq_len, source=args.text)
+    report = analyze_outliers(loaded.model, batches)
+    payload = {"model": args.model, "weights_note": loaded.weights_note,
+               "samples": args.samples, "seq_len": args.seq_len, "text": args.text, **report.as_dict()}
+    print(f"\noutlier features of {args.model} (|x| >= 6 in >= 25% of layers and >= 6% of positions): "
+          f"{report.outlier_dims or 'none'}")
+    print(f"layers affected: {report.layers_affected_pct:.1f}%   positions affected: "
+          f"{report.tokens_affected_pct:.1f}%   largest magnitude: {report.max_magnitude:.1f}")
+    if args.plot:
+        view = smoothing_view(loaded.model, batches[:2], report, alpha=0.5)
+        title = args.model + (f" ({loaded.weights_note})" if loaded.weights_note else "")
+        plot_outliers(report, args.plot, title, view)
+        print(f"plot: {args.plot}")
+    _write_json(args.json, payload)
+
+
+def command_stream(args) -> None:
+    from leanlm.evaluation.streaming import StreamSettings, plot_stream, stream_evaluate
+    from leanlm.methods import load_any
+
+    settings = settings_from_args(StreamSettings, args)
+    loaded = load_any(args.model)
+    results = stream_evaluate(loaded.model, loaded.tokenizer, settings)
+    payload = {"model": args.model, "weights_note": loaded.weights_note, **results}
+    title = (f"{args.model}: {settings.max_tokens}-token stream, cache {settings.cache_size} tokens "
+             f"(streaming: {settings.sinks} sinks + {settings.window}), chunk {settings.chunk}"
+             + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
+    print(f"\n{title}")
+    rows = []
+    for strategy in settings.strategies:
+        entry = results["settings"][strategy]
+        rows.append([strategy, entry["perplexity"], entry["tokens"], entry.get("perplexity_on_recompute_targets"),
+                     entry["ms_per_token"], entry["peak_memory_bytes"] / 2**20,
+                     entry.get("stopped") or entry.get("scored") or ""])
+    start, stop = results["recompute_targets"]
+    print(format_table(["strategy", "perplexity", "tokens", f"ppl on tokens {start}-{stop}", "ms/token",
+                        "peak MiB", "note"], rows))
+    if args.plot:
+        plot_stream(results, args.plot, title)
+        print(f"plot: {args.plot}")
+    _write_json(args.json, payload)
+
+
+def command_chat(args) -> None:
+    from dataclasses import asdict
+
+    from leanlm.chat import ChatSettings, StreamingChat
+    from leanlm.methods import load_any
+    from leanlm.methods.streaming import StreamingConfig
+
+    streaming = settings_from_args(StreamingConfig, args, asdict(ChatSettings().streaming))
+    settings = settings_from_args(ChatSettings, args, {"streaming": streaming})
+    loaded = load_any(args.model)
+    chat = StreamingChat(loaded.model, loaded.tokenizer, settings)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {args.model} (cache: {streaming.sinks} sinks + {streaming.window} recent tokens); "
+              "Ctrl-D ends")
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        if not line.strip():
+            continue
+        print("assistant> ", end="", flush=True)
+        chat.reply(line.strip(), on_text=lambda piece: print(piece, end="", flush=True))
+        print(flush=True)
+
+
+def command_finetune(args) -> None:
+    import torch
+
+    from leanlm.methods import LoRAConfig, add_lora_
+    from leanlm.models import load_model, load_tokenizer
+    from leanlm.storage import writable_directory
+    from leanlm.training import FinetuneSettings, finetune, read_documents, training_blocks
+    from leanlm.training.finetune import last_checkpoint_step
+
+    lora = settings_from_args(LoRAConfig, args, {"base": "float"} if args.method == "lora" else {})
+    if args.method == "lora" and lora.base != "float":
+        raise ConfigError(f"--method lora trains over a float base; use --method qlora for --base {lora.base}")
+    settings = settings_from_args(FinetuneSettings, args)
+    documents = read_documents(args.data)
+    writable_directory(args.out)
+    if last_checkpoint_step(args.out) is not None and not args.resume:
+        raise ConfigError(f"{args.out} already holds a training checkpoint; add --resume to continue it, or choose "
+                          "another --out")
+    # Data too short for one block fails here, in seconds, not after the model has loaded.
+    training_blocks(load_tokenizer(args.model), documents, settings.seq_len, settings.held_out_fraction, settings.seed,
+                    settings.max_eval_blocks)
+    loaded = load_model(args.model)
+    torch.manual_seed(settings.seed)
+    setup = add_lora_(loaded.model, lora)
+    print(f"{lora.method}: {setup['trainable_parameters']:,} trainable parameters over a {lora.base} base"
+          + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
+    record = finetune(loaded.model, loaded.tokenizer, documents, settings, lora, args.out, args.model,
+                      resume=args.resume)
+    payload = {"model": args.model, "weights_note": loaded.weights_note, "data": str(args.data),
+               "base_quantization": setup["base_quantization"], **record}
+    print(f"steps {record['steps']}: train loss {record['train_loss_first']:.3f} -> {record['train_loss_last']:.3f}, "
+          f"held-out perplexity {record['eval_perplexity']:.3f}, peak memory {record['peak_memory_bytes'] / 2**20:.0f} "
+          f"MiB, {record['tokens_per_second']:.0f} tokens/s; adapter in {args.out}")
+    _write_json(args.json, payload)
+    _write_json(args.out / "leanlm_finetune.json", payload)
+
+
+def command_merge(args) -> None:
+    from leanlm.methods import LORA_BASES, add_lora_, load_adapters_, merge_lora_, save_quantized
+    from leanlm.methods.qlora import read_adapter_config
+    from leanlm.models import load_model
+
+    lora = read_adapter_config(args.adapter)
+    check_output_directory(args.out)
+    loaded = load_model(args.model)
+    add_lora_(loaded.model, lora)
+    load_adapters_(loaded.model, args.adapter)
+    requantize = LORA_BASES[args.requantize] if args.requantize else None
+    record = merge_lora_(loaded.model, requantize)
+    if requantize is None:
+        with staged_directory(args.out) as staging:
+            loaded.model.save_pretrained(staging)
+            loaded.tokenizer.save_pretrained(staging)
+    else:
+        save_quantized(loaded, loaded.model, {"method": "kbit", **record, "lora_base": lora.base}, args.out)
+        print(f"re-quantized to {args.requantize}: relative weight error {record['requantization_relative_error']:.5f}")
+    print(f"merged adapters from {args.adapter} into {args.out}")
+
+
+def command_swarm(args) -> None:
+    from leanlm.swarm import SwarmModelConfig, SwarmRun, SwarmSettings, run_local_swarm
+
+    model = settings_from_args(SwarmModelConfig, args)
+    settings = settings_from_args(SwarmSettings, args, {"model": model})
+    record = run_local_swarm(settings_from_args(SwarmRun, args, {"settings": settings}))
+    print(f"swarm: {record['steps']} optimizer steps in {record['seconds']:.0f} s, loss {record['loss_first']} -> "
+          f"{record['loss_last']}, {record['samples_per_second']:.2f} samples/s, {record['peers_failed']} peers failed")
+    _write_json(args.json, record)
+
+
+def command_bench(args) -> None:
+    from leanlm.bench.suites import linear_suite, model_suite
+
+    if args.suite == "linear":
+        payload = {"suite": "linear", **linear_suite(args.size, repeats=args.repeats)}
+        rows = [[f"M={m}", name, entry["median_ms"], entry["speedup_vs_fp32"], entry["relative_error"]]
+                for m, variants in payload["rows"].items() for name, entry in variants.items()]
+        print(format_table(["rows", "linear", "median ms", "x fp32", "rel. error"], rows))
+    elif args.suite == "model":
+        from leanlm.models import load_model
+
+        loaded = load_model(args.model)
+        payload = {"suite": "model", "model": args.model, "weights_note": loaded.weights_note,
+                   **model_suite(loaded, repeats=args.repeats)}
+        rows = [[name, entry["tokens_per_second"], entry["decode_ms_per_token"], entry["weight_bytes"] / 2**20]
+                for name, entry in payload["variants"].items()]
+        print(format_table(["model", "prefill tok/s", "decode ms/token", "weights MiB"], rows))
+    else:
+        from leanlm.evaluation.streaming import StreamSettings, stream_evaluate
+        from leanlm.methods import load_any
+
+        loaded = load_any(args.model)
+        settings = StreamSettings(max_tokens=args.stream_tokens, latency_steps=256, recompute_tokens=16)
+        payload = {"suite": "stream", "model": args.model, **stream_evaluate(loaded.model, loaded.tokenizer, settings)}
+        rows = [[name, r["perplexity"], r["ms_per_token"], r["peak_memory_bytes"] / 2**20]
+                for name, r in payload["settings"].items()]
+        print(format_table(["strategy", "perplexity", "ms/token", "peak MiB"], rows))
+    _write_json(args.json, payload)

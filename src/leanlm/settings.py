@@ -1,0 +1,16 @@
+"""`option()`: a settings field that carries its meaning. Every config and settings dataclass in leanlm (the
+methods' configs, evaluation, streaming, chat, fine-tuning, the swarm) declares its fields with it, so that a
+default and its help text live in one place and the command line is generated from them (`leanlm.cli.options`)."""
+
+from __future__ import annotations
+
+from dataclasses import field
+
+
+def option(default, help: str, *, flag: str | None = None, none_word: str | None = None, choices: tuple = (),
+           cli: bool = True):
+    """A field with its default and help text. `flag` is the command line's spelling where it is not
+    `--field-name`; `none_word` is how the command line says None (`row` for one block per row); `choices` the
+    values a string field takes; `cli=False` keeps a field off the command line."""
+    return field(default=default, metadata={"help": help, "flag": flag, "none_word": none_word, "choices": choices,
+                                            "cli": cli})
