@@ -3,6 +3,7 @@ accuracy on the six tasks, and evaluation throughput. Writes benchmarks/results/
 
     python benchmarks/baseline.py [--model smollm2-135m] [--limit 500] [--seq-len 2048]
     python benchmarks/baseline.py --only throughput   # re-measure only the forward speed, on a quiet machine
+    python benchmarks/baseline.py --only piqa         # one task again (each task is a row of the study)
     python benchmarks/baseline.py --report            # the saved table
 
 The evaluation's own tokens/s depends on whatever else the machine runs; `throughput` is measured apart:
@@ -12,6 +13,7 @@ warm-up, then the median of repeated forward passes of one window, and merged in
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 
@@ -58,9 +60,9 @@ def report(payload: dict) -> str:
 
 
 def plot_baseline(payload: dict, path) -> None:
-    if "results" not in payload:
-        return
-    results = payload["results"]
+    results = payload.get("results", {})
+    if not {"wikitext2", "ptb", *ZERO_SHOT_TASKS} <= set(results):
+        return  # drawn once every task is in
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1, 3]})
     left.bar(["WikiText-2", "PTB"], [results["wikitext2"]["perplexity"], results["ptb"]["perplexity"]])
     settings = payload["settings"]
@@ -91,9 +93,16 @@ def main() -> None:
     )
     study = Study(name, vars(settings), args, plot=plot_baseline)
     loaded = study.load_model(args.model)
-    if study.pending("results", "evaluation"):
-        study.payload.update(evaluate(loaded.model, loaded.tokenizer, settings))
-        study.save()
+    # One row per task, so that a run stopped half-way keeps the tasks it finished.
+    for task in study.todo("results", settings.tasks):
+        result = evaluate(loaded.model, loaded.tokenizer, replace(settings, tasks=(task,)))
+        study.payload["weights_bytes"] = result["weights_bytes"]
+        study.payload["seconds"] = study.payload.get("seconds", 0.0) + result["seconds"]
+        study.record("results", task, result["results"][task], summary=lambda metrics: ", ".join(
+            f"{key} {value:.4f}" for key, value in metrics.items() if key in ("perplexity", "acc", "acc_norm")))
+        finished = study.rows("results")
+        if all(t in finished for t in ZERO_SHOT_TASKS):
+            study.set("zero_shot_average", sum(finished[t]["acc"] for t in ZERO_SHOT_TASKS) / len(ZERO_SHOT_TASKS))
     if study.pending("throughput"):
         study.set("throughput", measure_throughput(loaded.model, args.seq_len))
         print(f"forward throughput at {args.seq_len} tokens: {study.payload['throughput']['tokens_per_second']:.0f} tok/s")

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_name, study_arguments, time_modules, titled  # noqa: E402
+from leanlm.bench.harness import cpu_description, float_paths, speed_table  # noqa: E402
 from leanlm.evaluation import EvalSettings, evaluate  # noqa: E402
 from leanlm.formats.gptq import SolverSettings, solve  # noqa: E402
 from leanlm.formats.minmax import round_trip_minmax  # noqa: E402
@@ -93,11 +94,11 @@ def bench_speed(repeats: int) -> dict:
     settings = SolverSettings(bits=4, group_size=16, statistic_bits=3, outlier_threshold=0.2, damping=1.0)
     quantized = SpQRLinear.from_solved(solve(linear.weight, hessian, settings), settings, None)
     results = {"outlier_rate": quantized.outlier_count / linear.weight.numel(),
-               "bits_per_weight": quantized.bits_per_weight()}
+               "bits_per_weight": quantized.bits_per_weight(), "cpu": cpu_description()}
     for m in (1, 512):
         x = torch.randn(m, 4096)
         exact = linear(x).detach()
-        entry = time_modules({"fp32": linear, "leanlm spqr": quantized}, x, exact, repeats)
+        entry = time_modules({**float_paths(linear), "leanlm spqr": quantized}, x, exact, repeats)
         results[str(m)] = entry
         print(f"4096x4096 M={m}: " + ", ".join(f"{n} {v['median_ms']:.2f} ms" for n, v in entry.items()), flush=True)
     return results
@@ -125,8 +126,14 @@ def report(payload: dict) -> str:
     table = [[n, r["avg_bits"] or 32.0, None if r["outlier_rate"] is None else f"{100 * r['outlier_rate']:.2f}%",
               r["wikitext2"], f"{100 * (r['wikitext2'] / fp32 - 1):+.1f}%" if fp32 and r["avg_bits"] else None, r["ptb"],
               None if r["quantize_seconds"] is None else f"{r['quantize_seconds']:.0f} s"] for n, r in rows.items()]
-    return format_table(["method", "avg bits (measured)", "outlier rate", "WikiText-2 ppl", "vs FP32", "PTB ppl",
-                         "quantization wall time"], table, markdown=True)
+    out = format_table(["method", "avg bits (measured)", "outlier rate", "WikiText-2 ppl", "vs FP32", "PTB ppl",
+                        "quantization wall time"], table, markdown=True)
+    speed = payload.get("speed_4096", {})
+    if "bf16" in speed.get("1", {}):  # measured with the bf16 reference
+        out += (f"\n\nSpQRLinear, 4096 x 4096, {speed['bits_per_weight']:.2f} bits per weight, on {speed['cpu']}: ms "
+                "(speed-up over the best float path)\n\n" + speed_table({m: speed[m] for m in ("1", "512")}, extra={
+                    "rel. error": lambda row: f"{row['leanlm spqr']['relative_error']:.3f}"}))
+    return out
 
 
 def table_row(result: dict, record) -> dict:

@@ -1,7 +1,9 @@
-"""Weight-only NF4 linears side by side in one process: FP32, leanlm (its kernel; NF4 and NF4 + double
-quantization; plus NF4 forced onto the AVX2 kernel, what a CPU without AVX-512 runs), bitsandbytes
-`Linear4bit` (nf4) and torchao's NF4 tensor, on a 4096 x 4096 linear at M = 1, 16, 64, 512; plus SmolLM2's
-batch-1 decode tokens/s in FP32 and with every block linear in leanlm NF4 + DQ.
+"""Weight-only NF4 linears side by side in one process: the float paths (FP32, and BF16, the fastest float path on
+a CPU with bf16 instructions), leanlm (its kernel; NF4 and NF4 + double quantization; plus NF4 forced onto the
+AVX2 kernel, what a CPU without AVX-512 runs), bitsandbytes `Linear4bit` (nf4) and torchao's NF4 tensor, on a
+4096 x 4096 linear at M = 1, 16, 64, 512, all interleaved round by round at every M; plus SmolLM2's batch-1
+decode tokens/s in FP32, BF16 and with every block linear in leanlm NF4 + DQ. Speed-ups are over the best float
+path at each M.
 Then, in a child process, the same linear as a CPU without AVX512-BF16 runs it (the brief's AVX2 machine):
 bitsandbytes with that feature hidden from it (it then de-quantizes and calls FP32 `linear`) beside leanlm's
 AVX2 kernel. Writes benchmarks/results/kbit_speed.json + .png.
@@ -29,6 +31,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from leanlm.bench import Study, print_report, study_arguments, time_modules, weight_bytes  # noqa: E402
+from leanlm.bench.harness import cpu_description, float_paths, speed_table  # noqa: E402
 from leanlm.kernels.kbit_gemm import kernel_isas  # noqa: E402
 from leanlm.methods import KbitConfig, quantize_  # noqa: E402
 from leanlm.models import load_model  # noqa: E402
@@ -99,27 +102,29 @@ def bench_linear(repeats: int, without_avx512bf16: bool = False) -> dict:
     torch.manual_seed(0)
     linear = nn.Linear(4096, 4096, bias=False)
     if without_avx512bf16:
+        # No bf16 column: on a CPU without bf16 instructions float32 is the best float path (bf16 is emulated).
         modules = {"fp32": linear, "leanlm nf4 avx2": leanlm_nf4(linear, False, "avx2"),
                    "leanlm nf4+dq avx2": leanlm_nf4(linear, True, "avx2"), "bitsandbytes nf4": bitsandbytes_nf4(linear)}
         if modules["bitsandbytes nf4"].support_avx512bf16_for_cpu:
             raise RuntimeError("bitsandbytes still sees AVX512-BF16; the emulation did not take")
     else:
-        modules = {"fp32": linear, "leanlm nf4": leanlm_nf4(linear, False), "leanlm nf4+dq": leanlm_nf4(linear, True),
+        modules = {**float_paths(linear), "leanlm nf4": leanlm_nf4(linear, False),
+                   "leanlm nf4+dq": leanlm_nf4(linear, True),
                    "leanlm nf4 avx2": leanlm_nf4(linear, False, "avx2"), "bitsandbytes nf4": bitsandbytes_nf4(linear),
                    "torchao nf4": TorchaoNF4Linear(linear)}
-    results = {"weight_bytes": {name: weight_bytes(m) for name, m in modules.items()}, "kernels": kernel_isas()}
+    results = {"weight_bytes": {name: weight_bytes(m) for name, m in modules.items()}, "kernels": kernel_isas(),
+               "cpu": cpu_description()}
     for m in ROWS:
         x = torch.randn(m, 4096)
         with torch.inference_mode():
             exact = linear(x)
-        slow = lambda name: name.startswith(("bitsandbytes", "torchao")) and m >= 64  # noqa: E731
-        entry = time_modules(modules, x, exact, repeats, slow=slow)
+        entry = time_modules(modules, x, exact, repeats)
         for name in (n for n in modules if n.startswith("leanlm")):
             for peer in ("bitsandbytes", "torchao"):
                 if f"{peer} nf4" in entry:
                     entry[name][f"speedup_vs_{peer}"] = entry[f"{peer} nf4"]["median_ms"] / entry[name]["median_ms"]
         results[str(m)] = entry
-        print(f"M={m}: " + ", ".join(f"{n} {v['median_ms']:.2f} ms ({v['speedup_vs_fp32']:.2f}x)"
+        print(f"M={m}: " + ", ".join(f"{n} {v['median_ms']:.2f} ms ({v['speedup_vs_best_float']:.2f}x)"
                                      for n, v in entry.items()), file=sys.stderr, flush=True)
     return results
 
@@ -138,42 +143,47 @@ def bench_decode(model_name: str, new_tokens: int) -> dict:
     loaded.model.generation_config.pad_token_id = loaded.tokenizer.eos_token_id
     nf4 = copy.deepcopy(loaded.model)
     quantize_(nf4, KbitConfig(dtype="nf", bits=4, block_size=64, double_quant=True))
+    bf16 = copy.deepcopy(loaded.model).to(torch.bfloat16)
     results = {}
-    for name, model in {"fp32": loaded.model, "leanlm nf4+dq": nf4}.items():
+    for name, model in {"fp32": loaded.model, "bf16": bf16, "leanlm nf4+dq": nf4}.items():
         results[name] = {"tokens_per_second": decode_tokens_per_second(model, prompt, new_tokens),
                          "weight_bytes": weight_bytes(model)}
         print(f"decode {name}: {results[name]['tokens_per_second']:.1f} tok/s", flush=True)
-    results["leanlm nf4+dq"]["speedup_vs_fp32"] = (results["leanlm nf4+dq"]["tokens_per_second"]
-                                                   / results["fp32"]["tokens_per_second"])
+    best = max(("fp32", "bf16"), key=lambda name: results[name]["tokens_per_second"])
+    for entry in results.values():
+        entry["speedup_vs_fp32"] = entry["tokens_per_second"] / results["fp32"]["tokens_per_second"]
+        entry["speedup_vs_best_float"] = entry["tokens_per_second"] / results[best]["tokens_per_second"]
     results["note"] = loaded.weights_note
     return results
 
 
-NAMES = ["fp32", "leanlm nf4", "leanlm nf4+dq", "leanlm nf4 avx2", "bitsandbytes nf4", "torchao nf4"]
+NAMES = ["fp32", "bf16", "leanlm nf4", "leanlm nf4+dq", "leanlm nf4 avx2", "bitsandbytes nf4", "torchao nf4"]
 AVX2_NAMES = ["fp32", "leanlm nf4 avx2", "leanlm nf4+dq avx2", "bitsandbytes nf4"]
 
 
-def speed_table(entries: dict, names: list[str], ratio_of: str | None = None) -> str:
-    """Markdown: a row per M, "ms (speed-up over FP32)" per implementation; `ratio_of`: one more column, that
-    implementation's speed-up over bitsandbytes."""
-    rows = [[m, *(f"{entries[str(m)][n]['median_ms']:.2f} ({entries[str(m)][n]['speedup_vs_fp32']:.2f}x)"
-                  for n in names)] + ([f"{entries[str(m)][ratio_of]['speedup_vs_bitsandbytes']:.2f}x"] if ratio_of else [])
-            for m in ROWS]
-    return format_table(["M", *names] + ([f"{ratio_of} / bitsandbytes"] if ratio_of else []), rows, markdown=True)
-
-
 def report(payload: dict) -> str:
+    """The linear's speed on this CPU and as a CPU without AVX512-BF16 runs it, and the model's decode: ms, and
+    in brackets the speed-up over the best float path at that M (bf16 where the CPU has bf16 instructions)."""
     out = []
     if "linear_4096" in payload:
-        out += [speed_table(payload["linear_4096"], NAMES)]
+        entries = payload["linear_4096"]
+        out += [f"4096 x 4096 linear on {entries.get('cpu', 'this CPU')}, ms (speed-up over the best float path, "
+                "or over fp32 where no bf16 was measured):",
+                speed_table({m: entries[m] for m in map(str, ROWS)}, NAMES, extra={
+                    "leanlm nf4+dq / bitsandbytes": lambda row: f"{row['leanlm nf4+dq']['speedup_vs_bitsandbytes']:.2f}x"})]
     if "linear_4096_without_avx512bf16" in payload:
-        out += ["", "without AVX512-BF16 (ms, speed-up over FP32; leanlm's speed-up over bitsandbytes):",
-                speed_table(payload["linear_4096_without_avx512bf16"], AVX2_NAMES, ratio_of="leanlm nf4+dq avx2")]
+        entries = payload["linear_4096_without_avx512bf16"]
+        out += ["", "without AVX512-BF16 (bitsandbytes with the feature hidden; leanlm's AVX2 kernel):",
+                speed_table({m: entries[m] for m in map(str, ROWS)}, AVX2_NAMES, extra={
+                    "leanlm nf4+dq avx2 / bitsandbytes":
+                        lambda row: f"{row['leanlm nf4+dq avx2']['speedup_vs_bitsandbytes']:.2f}x"})]
     if "decode" in payload:
         decode = payload["decode"]
-        out += ["", f"decode: fp32 {decode['fp32']['tokens_per_second']:.1f} tok/s, leanlm nf4+dq "
-                    f"{decode['leanlm nf4+dq']['tokens_per_second']:.1f} tok/s "
-                    f"({decode['leanlm nf4+dq']['speedup_vs_fp32']:.2f}x)"]
+        out += ["", "batch-1 greedy decode, tokens/s:", format_table(
+            ["model", *(name for name in decode if name != "note")],
+            [[payload["settings"]["model"], *(f"{entry['tokens_per_second']:.1f}" + (
+                "" if name in ("fp32", "bf16") else f" ({entry.get('speedup_vs_best_float', entry['speedup_vs_fp32']):.2f}x)")
+                for name, entry in decode.items() if name != "note")]], markdown=True)]
     return "\n".join(out)
 
 
@@ -182,19 +192,19 @@ def plot(payload: dict, path) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
     decode = payload["decode"]
-    panels = [(payload["linear_4096"], NAMES, f"this CPU; {payload['settings']['model']} decode: fp32 "
-               f"{decode['fp32']['tokens_per_second']:.1f} tok/s, leanlm nf4+dq "
-               f"{decode['leanlm nf4+dq']['tokens_per_second']:.1f} tok/s"),
+    panels = [(payload["linear_4096"], NAMES, f"{payload['linear_4096']['cpu']}; {payload['settings']['model']} "
+               f"decode: fp32 {decode['fp32']['tokens_per_second']:.1f}, bf16 {decode['bf16']['tokens_per_second']:.1f}, "
+               f"leanlm nf4+dq {decode['leanlm nf4+dq']['tokens_per_second']:.1f} tok/s"),
               (payload["linear_4096_without_avx512bf16"], AVX2_NAMES,
                "without AVX512-BF16 (bitsandbytes with the feature hidden)")]
     for ax, (entries, shown, title) in zip(axes, panels):
         for name in shown[1:]:
-            ax.plot(ROWS, [entries[str(m)][name]["speedup_vs_fp32"] for m in ROWS], marker="o", label=name)
+            ax.plot(ROWS, [entries[str(m)][name]["speedup_vs_best_float"] for m in ROWS], marker="o", label=name)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("M (rows)")
-        ax.set_ylabel("speed-up over FP32, 4096x4096 linear")
+        ax.set_ylabel("speed-up over the best float path, 4096x4096 linear")
         ax.legend(fontsize=8)
         ax.set_title(title, fontsize=9)
     save_figure(fig, path)

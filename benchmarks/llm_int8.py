@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from leanlm.bench import Study, print_report, study_arguments, time_modules, time_prefill, titled  # noqa: E402
+from leanlm.bench.harness import cpu_description, float_paths, speed_table  # noqa: E402
 from leanlm.bench.peers import bitsandbytes_int8_linear  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.methods import LLMInt8Config, W8A8Config, quantize_  # noqa: E402
@@ -54,15 +55,15 @@ def float_dims_share(model: nn.Module) -> float:
 def bench_linear(rows: list[int], repeats: int) -> dict:
     torch.manual_seed(0)
     linear = nn.Linear(4096, 4096, bias=False)
-    modules = {"fp32": linear, "leanlm llm-int8": W8A8Linear.from_float(
+    modules = {**float_paths(linear), "leanlm llm-int8": W8A8Linear.from_float(
         linear.weight, None, "per_channel", activation="per_token", outlier_threshold=6.0),
         "bitsandbytes llm-int8": bitsandbytes_int8_linear(linear, threshold=6.0)}
-    results = {}
+    results = {"cpu": cpu_description()}
     for m in rows:
         x = torch.randn(m, 4096)
         x[:, [11, 1000, 2047]] *= 20  # a few outlier features, so both take the decomposition path
         exact = linear(x).detach()
-        entry = time_modules(modules, x, exact, repeats, slow=lambda name: name.startswith("bitsandbytes") and m >= 64)
+        entry = time_modules(modules, x, exact, repeats)
         entry["leanlm llm-int8"]["speedup_vs_bitsandbytes"] = (
             entry["bitsandbytes llm-int8"]["median_ms"] / entry["leanlm llm-int8"]["median_ms"])
         results[str(m)] = entry
@@ -72,7 +73,7 @@ def bench_linear(rows: list[int], repeats: int) -> dict:
 
 
 def bench_model(loaded, length: int, repeats: int) -> dict:
-    variants = {"fp32": loaded.model}
+    variants = {"fp32": loaded.model, "bf16": copy.deepcopy(loaded.model).to(torch.bfloat16)}
     ours = copy.deepcopy(loaded.model)
     quantize_(ours, LLMInt8Config(6.0))
     variants["leanlm llm-int8"] = ours
@@ -99,15 +100,15 @@ def plot_results(payload: dict, path) -> None:
         twin.set_ylabel("% of input dimensions in float")
     left.set_xlabel("outlier threshold")
     left.set_ylabel(f"WikiText-2 perplexity (first {payload['settings']['sweep_tokens']} tokens)")
-    speed = payload.get("speed_linear_4096", {})
+    speed = {m: row for m, row in payload.get("speed_linear_4096", {}).items() if m != "cpu"}
     ms = list(speed)
     for name in ("leanlm llm-int8", "bitsandbytes llm-int8"):
         if ms:
-            right.plot(ms, [speed[m][name]["speedup_vs_fp32"] for m in ms], marker="o", label=name)
+            right.plot(ms, [speed[m][name]["speedup_vs_best_float"] for m in ms], marker="o", label=name)
     right.axhline(1.0, color="black", linewidth=0.8)
     right.set_yscale("log")
     right.set_xlabel("M (rows)")
-    right.set_ylabel("speed-up over FP32, 4096x4096 linear")
+    right.set_ylabel("speed-up over the best float path, 4096x4096 linear")
     if ms:
         right.legend()
     save_figure(fig, path, titled(payload, "LLM.int8()"))
@@ -131,15 +132,17 @@ def report(payload: dict) -> str:
             ["perplexity", *(row["perplexity"] for row in sweep.values())],
             ["dims in float", *(f"{100 * row['float_dims_share']:.1f}%" if row["float_dims_share"] else "0"
                                 for row in sweep.values())]], markdown=True))
-    speed = payload.get("speed_linear_4096", {})
+    speed = {m: row for m, row in payload.get("speed_linear_4096", {}).items() if m != "cpu"}
     if speed:
         ours, theirs = "leanlm llm-int8", "bitsandbytes llm-int8"
-        out.append(format_table(
-            ["M", "FP32 ms", "leanlm ms", "bitsandbytes ms", "leanlm vs bitsandbytes", "rel. error leanlm / bnb"],
-            [[m, f"{row['fp32']['median_ms']:.2f}", f"{row[ours]['median_ms']:.2f}", f"{row[theirs]['median_ms']:.2f}",
-              f"{row[ours]['speedup_vs_bitsandbytes']:.2f}x",
-              f"{row[ours]['relative_error']:.4f} / {row[theirs]['relative_error']:.4f}"] for m, row in speed.items()],
-            markdown=True))
+        out.append(speed_table(speed, extra={
+            "leanlm vs bitsandbytes": lambda row: f"{row[ours]['speedup_vs_bitsandbytes']:.2f}x",
+            "rel. error leanlm / bnb": lambda row: f"{row[ours]['relative_error']:.4f} / {row[theirs]['relative_error']:.4f}"}))
+    prefill = payload.get("speed_model_prefill_512", {})
+    if "bf16" in prefill:
+        out.append(format_table(["prefill 512 tokens", *prefill], [["tokens/s", *(
+            f"{row['tokens_per_second']:.0f}" + ("" if name in ("fp32", "bf16") else f" ({row['speedup_vs_best_float']:.2f}x)")
+            for name, row in prefill.items())]], markdown=True))
     return "\n\n".join(out)
 
 

@@ -1,6 +1,8 @@
-"""W8A8 speed and memory, side by side in one process: FP32, leanlm W8A8 (O1 / O2 / O3, fbgemm int8 GEMM),
-bitsandbytes Linear8bitLt (CPU, eval mode, threshold 0: plain vector-wise int8) and torchao int8 dynamic activation +
-int8 weight. Writes benchmarks/results/w8a8_speed.json + .png.
+"""W8A8 speed and memory, side by side in one process: the float paths (FP32, and BF16, the fastest float path on a
+CPU with bf16 instructions), leanlm W8A8 (O1 / O2 / O3, fbgemm int8 GEMM), bitsandbytes Linear8bitLt (CPU, eval
+mode, threshold 0: plain vector-wise int8) and torchao int8 dynamic activation + int8 weight, all interleaved
+round by round at every M; speed-ups are over the best float path. Writes benchmarks/results/w8a8_speed.json +
+.png.
 
     python benchmarks/w8a8_speed.py            # 4096x4096 linear, SmolLM2's shapes, whole-model prefill
     python benchmarks/w8a8_speed.py --quick    # fewer repeats, prefill at 512 only
@@ -28,6 +30,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from leanlm.bench import Study, print_report, study_arguments, time_call, time_modules, time_prefill, weight_bytes  # noqa: E402
+from leanlm.bench.harness import cpu_description, float_paths, speed_table  # noqa: E402
 from leanlm.bench.peers import bitsandbytes_int8_linear, torchao_int8_dynamic_  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.methods import Calibration, SmoothQuantConfig, W8A8Config, calibrate, quantize_, share_input_gemms_  # noqa: E402
@@ -43,7 +46,7 @@ LEVEL_ACTIVATION = {"O1": ("per_token", None), "O2": ("per_tensor", None), "O3":
 
 def peer_linears(linear: nn.Linear) -> dict[str, nn.Module]:
     """Every implementation of one float linear, keyed by name."""
-    modules: dict[str, nn.Module] = {"fp32": linear}
+    modules: dict[str, nn.Module] = float_paths(linear)
     for level, (activation, static_scale) in LEVEL_ACTIVATION.items():
         scale = torch.tensor(static_scale) if static_scale else None
         modules[f"leanlm {level}"] = W8A8Linear.from_float(linear.weight, linear.bias, "per_tensor",
@@ -57,27 +60,28 @@ def bench_linear(in_features: int, out_features: int, rows: list[int], repeats: 
     torch.manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=False)
     modules = peer_linears(linear)
-    results: dict = {"shape": [out_features, in_features], "by_m": {}}
+    results: dict = {"shape": [out_features, in_features], "cpu": cpu_description(), "by_m": {}}
     for m in rows:
         x = torch.randn(m, in_features)
         expected = linear(x).detach()
-        timings = time_modules(modules, x, expected, repeats, slow=lambda name: name.startswith("bitsandbytes") and m >= 64)
+        timings = time_modules(modules, x, expected, repeats)
         bnb_ms = timings["bitsandbytes int8"]["median_ms"]
         for level in LEVEL_ACTIVATION:
             timings[f"leanlm {level}"]["speedup_vs_bitsandbytes"] = bnb_ms / timings[f"leanlm {level}"]["median_ms"]
         results["by_m"][str(m)] = timings
         print(f"{out_features}x{in_features} M={m}: " + ", ".join(
-            f"{name} {t['median_ms']:.2f} ms ({t['speedup_vs_fp32']:.2f}x)" for name, t in timings.items()), flush=True)
+            f"{name} {t['median_ms']:.2f} ms ({t['speedup_vs_best_float']:.2f}x)" for name, t in timings.items()),
+            flush=True)
     bytes_fp32 = linear.weight.numel() * 4
     results["weight_bytes_ratio"] = {
-        name: weight_bytes(module) / bytes_fp32 for name, module in modules.items() if name != "fp32"
+        name: weight_bytes(module) / bytes_fp32 for name, module in modules.items() if name not in ("fp32", "bf16")
     }
     return results
 
 
 def model_variants(loaded) -> dict[str, nn.Module]:
     float_model = loaded.model
-    variants: dict[str, nn.Module] = {"fp32": float_model}
+    variants: dict[str, nn.Module] = {"fp32": float_model, "bf16": copy.deepcopy(float_model).to(torch.bfloat16)}
     stats = calibrate(float_model, calibration_batches(loaded.tokenizer, n_samples=4, seq_len=256))
     for level in LEVEL_ACTIVATION:
         model = copy.deepcopy(float_model)
@@ -105,7 +109,7 @@ def bench_model(lengths: list[int], repeats: int) -> dict:
             timings = time_prefill(timed, ids, repeats, logits_to_keep=keep)
             results[key][str(length)] = timings
             print(f"prefill {length} ({'last' if keep else 'all'} logits): " + ", ".join(
-                f"{name} {t['tokens_per_second']:.0f} tok/s ({t['speedup_vs_fp32']:.2f}x)"
+                f"{name} {t['tokens_per_second']:.0f} tok/s ({t['speedup_vs_best_float']:.2f}x)"
                 for name, t in timings.items()), flush=True)
     # What the FP32 lm_head costs of a prefill, and what an int8 lm_head would take instead.
     hidden = torch.randn(lengths[0], loaded.model.config.hidden_size)
@@ -128,28 +132,27 @@ def bench_model(lengths: list[int], repeats: int) -> dict:
 
 
 def report(payload: dict) -> str:
+    """ms (linears) or tokens/s (prefill), each quantized implementation with its speed-up over the best float path
+    (the faster of FP32 and BF16 in the same interleaved rounds) in brackets."""
     out = []
-    linear = payload.get("linear_4096", {}).get("by_m", {})
+    linear = payload.get("linear_4096", {})
     if linear:
-        names = list(next(iter(linear.values())))
-        out.append(format_table(["M", *names, "leanlm O1 vs bitsandbytes"], [
-            [m, *(f"{row[n]['median_ms']:.2f}" + ("" if n == "fp32" else f" ({row[n]['speedup_vs_fp32']:.2f}x)")
-                  for n in names), f"{row['leanlm O1']['speedup_vs_bitsandbytes']:.2f}x"]
-            for m, row in linear.items()], markdown=True))
+        out.append(f"4096 x 4096 linear on {linear.get('cpu', 'this CPU')}, ms (speed-up over the best float path, "
+                   "or over fp32 where no bf16 was measured):")
+        out.append(speed_table(linear["by_m"], extra={
+            "leanlm O1 vs bitsandbytes": lambda row: f"{row['leanlm O1']['speedup_vs_bitsandbytes']:.2f}x"}))
     shapes = payload.get("smollm2_shapes_m512", {})
     if shapes:
-        names = [n for n in next(iter(shapes.values()))["by_m"]["512"] if n != "fp32"]
-        out.append(format_table(["shape (out x in)", *names], [
-            [shape, *(f"{entry['by_m']['512'][n]['speedup_vs_fp32']:.2f}x" for n in names)]
-            for shape, entry in shapes.items()], markdown=True))
+        out.append(speed_table({shape: entry["by_m"]["512"] for shape, entry in shapes.items()},
+                               first="shape (out x in), M = 512"))
     for key in ("by_length", "by_length_last_logits"):
         prefill = payload.get("model_prefill", {}).get(key, {})
         if prefill:
             names = list(next(iter(prefill.values())))
             out.append(format_table(["tokens", *names], [
-                [length, *(f"{row[n]['tokens_per_second']:.0f}"
-                           + ("" if n == "fp32" else f" ({row[n]['speedup_vs_fp32']:.2f}x)") for n in names)]
-                for length, row in prefill.items()], markdown=True))
+                [length, *(f"{row[n]['tokens_per_second']:.0f}" + ("" if n in ("fp32", "bf16") else
+                           f" ({row[n].get('speedup_vs_best_float', row[n]['speedup_vs_fp32']):.2f}x)")
+                           for n in names)] for length, row in prefill.items()], markdown=True))
     return "\n\n".join(out)
 
 
@@ -157,17 +160,17 @@ def plot(payload: dict, path) -> None:
     if not {"linear_4096", "model_prefill"} <= set(payload):
         return
     linear = payload["linear_4096"]["by_m"]
-    names = [n for n in next(iter(linear.values())) if n != "fp32"]
+    names = [n for n in next(iter(linear.values())) if n not in ("fp32", "bf16")]
     fig, (left, *prefill_axes) = plt.subplots(1, 3, figsize=(18, 4.5))
     ms = list(linear)
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        left.bar([j + i * width for j in range(len(ms))], [linear[m][name]["speedup_vs_fp32"] for m in ms],
+        left.bar([j + i * width for j in range(len(ms))], [linear[m][name]["speedup_vs_best_float"] for m in ms],
                  width=width, label=name)
     left.axhline(1.0, color="black", linewidth=0.8)
     left.set_xticks([j + 0.4 - width / 2 for j in range(len(ms))], [f"M={m}" for m in ms])
     left.set_yscale("log")
-    left.set_ylabel("speed-up over FP32 (log)")
+    left.set_ylabel("speed-up over the best float path (log)")
     left.set_title("4096x4096 linear")
     left.legend(fontsize=8)
     colors = {name: f"C{i}" for i, name in enumerate(next(iter(payload["model_prefill"]["by_length"].values())))}

@@ -53,7 +53,7 @@ def test_weight_bytes_reads_through_tensor_subclasses():
     assert 256 * 128 <= weight_bytes(model) <= 256 * 128 + 128 * 8 + 64
 
 
-def test_time_modules_and_prefill_report_ratios_against_fp32():
+def test_time_modules_and_prefill_report_ratios_against_the_float_paths():
     from leanlm.bench import time_modules, time_prefill
 
     linear = torch.nn.Linear(16, 8)
@@ -85,3 +85,22 @@ def test_interleaved_timing_calls_each_function_once_per_round():
     timings = time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=1, repeats=3)
     assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-ups, then rounds in rotated order
     assert {name: t.repeats for name, t in timings.items()} == {"a": 3, "b": 3}
+
+
+def test_speed_ups_are_quoted_against_the_faster_float_path():
+    from leanlm.bench.harness import Bf16Linear, add_speedups, float_paths, speed_table
+
+    results = add_speedups({"fp32": {"ms": 4.0}, "bf16": {"ms": 2.0}, "int8": {"ms": 1.0}}, "ms")
+    assert results["int8"]["speedup_vs_fp32"] == 4.0 and results["int8"]["speedup_vs_best_float"] == 2.0
+    assert results["int8"]["best_float"] == "bf16"
+    slow_bf16 = add_speedups({"fp32": {"ms": 2.0}, "bf16": {"ms": 8.0}, "int8": {"ms": 1.0}}, "ms")
+    assert slow_bf16["int8"]["speedup_vs_best_float"] == 2.0  # an emulated bf16 is no reference
+    linear = torch.nn.Linear(64, 32)
+    x = torch.randn(3, 64)
+    paths = float_paths(linear)
+    assert paths["fp32"] is linear and isinstance(paths["bf16"], Bf16Linear)
+    out = paths["bf16"](x)
+    assert out.dtype == torch.float32 and torch.allclose(out, linear(x), atol=0.05)
+    entries = {"1": {name: {"median_ms": ms} for name, ms in (("fp32", 4.0), ("bf16", 2.0), ("int8", 1.0))}}
+    table = speed_table({m: add_speedups(row, "median_ms") for m, row in entries.items()})
+    assert table.splitlines()[2].split("|")[1:-1] == [" 1 ", " 4.00 ", " 2.00 ", " 1.00 (2.00x) "]

@@ -279,7 +279,7 @@ def test_bench_linear_and_model_write_json(tiny_llama_dir, tmp_path):
     assert linear["rows"]["1"]["nf4 block 64"]["relative_error"] < 0.2
     assert main(["bench", "model", str(tiny_llama_dir), "--repeats", "1", "--json", str(tmp_path / "m.json")]) == 0
     model = json.loads((tmp_path / "m.json").read_text())
-    assert {"fp32", "nf4 + double quant", "w8a8 O1"} == set(model["variants"])
+    assert {"fp32", "bf16", "nf4 + double quant", "w8a8 O1"} == set(model["variants"])
     assert all(v["decode_ms_per_token"] > 0 for v in model["variants"].values())
 
 

@@ -48,26 +48,91 @@ def time_call(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 5, mi
     return Timing(statistics.median(samples), min(samples), max(samples), len(samples))
 
 
-def time_modules(modules: dict[str, nn.Module], x: torch.Tensor, reference: torch.Tensor, repeats: int,
-                 slow: Callable[[str], bool] = lambda name: False) -> dict[str, dict]:
-    """Each module applied to `x`: timing (ms), relative error against `reference`, and speed-up over the module
-    named "fp32". The modules are timed interleaved, round by round (`time_interleaved`); `slow` names are timed
-    apart, 2 repeats only."""
-    fast = {name: (lambda module=module: module(x)) for name, module in modules.items() if not slow(name)}
-    timings = time_interleaved(fast, warmup=1, repeats=repeats)
-    for name, module in modules.items():
-        if name not in timings:
-            timings[name] = time_call(lambda module=module: module(x), warmup=1, repeats=2)
+FLOAT_PATHS = ("fp32", "bf16")  # the float references every speed table has: float32, and bfloat16 beside it
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where there is no such file)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return set()
+    line = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def cpu_description() -> str:
+    """The CPU, and which float and int8 instructions it has, as a speed figure should name it."""
+    flags = cpu_flags()
+    features = [name for name, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("VNNI", "avx512_vnni"),
+                                        ("AVX512-BF16", "avx512_bf16"), ("AMX", "amx_bf16")) if flag in flags]
+    return f"{environment_cpu()} ({', '.join(features) or 'no AVX2'}; {os.cpu_count()} cores)"
+
+
+class Bf16Linear(nn.Module):
+    """A float linear computed in bfloat16: oneDNN's AVX512-BF16 / AMX GEMM where the CPU has those instructions
+    (there it is the fastest float path), a slow emulation where it has not. Takes and gives float32, like every
+    other implementation a speed table compares."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),
+                                                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+
+
+def float_paths(linear: nn.Linear) -> dict[str, nn.Module]:
+    """The float references of a speed table: the float32 linear itself and its bfloat16 version."""
+    return {"fp32": linear, "bf16": Bf16Linear(linear)}
+
+
+def add_speedups(results: dict[str, dict], key: str) -> dict[str, dict]:
+    """Each entry's speed-up over float32 and over the best float path (the faster of float32 and bfloat16 in
+    this very table, which is bfloat16 on a CPU with bf16 instructions), from the entries' `key` (a time)."""
+    best = min((name for name in FLOAT_PATHS if name in results), key=lambda name: results[name][key])
+    for entry in results.values():
+        entry["speedup_vs_fp32"] = results["fp32"][key] / entry[key]
+        entry["speedup_vs_best_float"] = results[best][key] / entry[key]
+        entry["best_float"] = best
+    return results
+
+
+def speed_table(by_m: dict[str, dict[str, dict]], names: list[str] | None = None, *, first: str = "M",
+                extra: dict[str, Callable[[dict[str, dict]], str]] | None = None) -> str:
+    """Markdown, a row per M: float32's and bfloat16's times in ms, every other implementation's as "ms (its
+    speed-up over the best float path at that M)" (over float32 in results measured before the bf16 reference
+    existed), and `extra` columns computed from the row's entries."""
+    from leanlm.report import format_table
+
+    measured = next(iter(by_m.values()))
+    names = [name for name in names or measured if name in measured]  # results from before bf16 have no bf16
+    extra = extra or {}
+
+    def cell(entry: dict, name: str) -> str:
+        ratio = entry.get("speedup_vs_best_float", entry["speedup_vs_fp32"])
+        return f"{entry['median_ms']:.2f}" + ("" if name in FLOAT_PATHS else f" ({ratio:.2f}x)")
+
+    rows = [[m, *(cell(entries[n], n) for n in names), *(column(entries) for column in extra.values())]
+            for m, entries in by_m.items()]
+    return format_table([first, *names, *extra], rows, markdown=True)
+
+
+def time_modules(modules: dict[str, nn.Module], x: torch.Tensor, reference: torch.Tensor,
+                 repeats: int) -> dict[str, dict]:
+    """Each module applied to `x`, all of them interleaved round by round (`time_interleaved`): timing (ms),
+    relative error against `reference`, and speed-ups over float32 and over the best float path."""
+    timings = time_interleaved({name: (lambda module=module: module(x)) for name, module in modules.items()},
+                               warmup=1, repeats=repeats)
     results = {}
     for name, module in modules.items():
         timing = timings[name]
         with torch.inference_mode():
-            error = ((module(x) - reference).norm() / reference.norm()).item()
+            error = ((module(x).float() - reference).norm() / reference.norm()).item()
         results[name] = {"median_ms": timing.median * 1e3, "min_ms": timing.min * 1e3, "max_ms": timing.max * 1e3,
                          "relative_error": error}
-    for entry in results.values():
-        entry["speedup_vs_fp32"] = results["fp32"]["median_ms"] / entry["median_ms"]
-    return results
+    return add_speedups(results, "median_ms")
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 1, repeats: int = 5) -> dict[str, Timing]:
@@ -94,7 +159,7 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 1, r
 def time_prefill(models: dict[str, nn.Module], ids: torch.Tensor, repeats: int,
                  logits_to_keep: int = 0) -> dict[str, dict]:
     """One forward of `ids` through each model, the models interleaved round by round: timing, tokens per
-    second, speed-up over "fp32", weight bytes. `logits_to_keep`: 0 computes every position's logits (a
+    second, speed-ups over "fp32" and over the best float path (where "bf16" is among them), weight bytes. `logits_to_keep`: 0 computes every position's logits (a
     perplexity forward, transformers' default); 1 only the last one's, as a generation's prefill does."""
     timings = time_interleaved(
         {name: (lambda model=model: model(input_ids=ids, use_cache=False, logits_to_keep=logits_to_keep))
@@ -104,9 +169,7 @@ def time_prefill(models: dict[str, nn.Module], ids: torch.Tensor, repeats: int,
         timing = timings[name]
         results[name] = {"median_s": timing.median, "min_s": timing.min, "max_s": timing.max,
                          "tokens_per_second": ids.numel() / timing.median, "weight_bytes": weight_bytes(model)}
-    for entry in results.values():
-        entry["speedup_vs_fp32"] = results["fp32"]["median_s"] / entry["median_s"]
-    return results
+    return add_speedups(results, "median_s")
 
 
 def _status_kib(field: str) -> int:
@@ -200,6 +263,15 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+def environment_cpu() -> str:
+    """The CPU's model name."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return platform.processor()
+    return next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")), platform.processor())
+
+
 def environment() -> dict:
     """What a result was measured on, stored beside it."""
     try:
@@ -208,11 +280,7 @@ def environment() -> dict:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
-        platform.processor(),
-    ) if Path("/proc/cpuinfo").exists() else platform.processor()
+    cpu = environment_cpu()
     return {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -221,6 +289,8 @@ def environment() -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": cpu,
+        "cpu_flags": sorted(flag for flag in cpu_flags() if flag.startswith(("avx", "amx", "fma"))),
+        "load_average": list(os.getloadavg()),
         "cores": os.cpu_count(),
     }
 

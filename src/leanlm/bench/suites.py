@@ -8,7 +8,7 @@ import copy
 import torch
 from torch import nn
 
-from leanlm.bench.harness import time_call, time_modules, time_prefill
+from leanlm.bench.harness import float_paths, time_call, time_modules, time_prefill
 from leanlm.nn import KbitLinear, W8A8Linear
 
 LINEAR_ROWS = (1, 16, 64, 512)
@@ -17,7 +17,7 @@ LINEAR_ROWS = (1, 16, 64, 512)
 def linear_variants(linear: nn.Linear) -> dict[str, nn.Module]:
     weight, bias = linear.weight.detach(), linear.bias
     return {
-        "fp32": linear,
+        **float_paths(linear),
         "w8a8 per-token (fbgemm)": W8A8Linear.from_float(weight, bias, "per_channel", activation="per_token"),
         "llm-int8 (threshold 6)": W8A8Linear.from_float(weight, bias, "per_channel", activation="per_token",
                                                         outlier_threshold=6.0),
@@ -41,10 +41,10 @@ def linear_suite(size: int = 4096, rows: tuple[int, ...] = LINEAR_ROWS, repeats:
 
 
 def model_suite(loaded, prompt_tokens: int = 256, decode_tokens: int = 16, repeats: int = 3) -> dict:
-    """Prefill tokens/s and decode ms/token of the model in FP32, NF4 + double quantization and W8A8 O1."""
+    """Prefill tokens/s and decode ms/token of the model in FP32, BF16, NF4 + double quantization and W8A8 O1."""
     from leanlm.methods import KbitConfig, W8A8Config, quantize_
 
-    variants = {"fp32": loaded.model}
+    variants = {"fp32": loaded.model, "bf16": copy.deepcopy(loaded.model).to(torch.bfloat16)}
     nf4 = copy.deepcopy(loaded.model)
     quantize_(nf4, KbitConfig("nf", 4, 64, double_quant=True))
     variants["nf4 + double quant"] = nf4
