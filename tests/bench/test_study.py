@@ -86,6 +86,8 @@ def test_quantized_rows_quantize_a_copy_and_measure_the_float_model_itself():
     study = Study("s", {}, arguments())
     study.quantized_rows("table", model, {"FP32": None, "NF4": KbitConfig("nf", 4, 64)}, measure)
     assert seen["float"] is model and seen["kbit"] is not model
-    assert study.payload["table"]["FP32"] == {"kbit_linears": 0, "avg_bits": None}
+    fp32, nf4 = study.payload["table"]["FP32"], study.payload["table"]["NF4"]
+    assert {k: fp32[k] for k in ("kbit_linears", "avg_bits")} == {"kbit_linears": 0, "avg_bits": None}
+    assert nf4["memory"]["weight_bytes"] < fp32["memory"]["weight_bytes"] <= fp32["memory"]["peak_rss_bytes"]
     assert study.payload["table"]["NF4"]["kbit_linears"] == 14 and 4 < study.payload["table"]["NF4"]["avg_bits"] < 5
     assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())

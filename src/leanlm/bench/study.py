@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from torch import nn
 
-from leanlm.bench.harness import previous_results, results_dir, write_results
+from leanlm.bench.harness import peak_memory, previous_results, results_dir, weight_bytes, write_results
 
 Plot = Callable[[dict, Path], None]
 Report = Callable[[dict], str]
@@ -150,15 +150,19 @@ class Study:
                        *, calibration=None, summary: Callable[[Any], str] | None = None) -> None:
         """The usual table: for each row to measure, a copy of the float `model` with the row's configs applied by
         `quantize_` (a config, a list of them, or None for the float model itself), then `measure(copy,
-        record)` (record: the `QuantRecord`, None for the float row) is saved as the row."""
+        record)` (record: the `QuantRecord`, None for the float row) is saved as the row, with (if it is a dict)
+        "memory": the model's stored weight bytes and the process's peak resident memory during the row (the
+        float model stays resident beside the row's copy: `rss_before_bytes` is what was resident before it)."""
         from leanlm.methods import quantize_
 
         for row in self.todo(part, rows):
             configs = rows[row]
-            if not configs:  # the float row measures the model itself
-                self.record(part, row, measure(model, None), summary)
-                continue
-            quantized = copy.deepcopy(model)
-            record = quantize_(quantized, configs, calibration=calibration)
-            self.record(part, row, measure(quantized, record), summary)
-            del quantized
+            with peak_memory() as memory:
+                measured = copy.deepcopy(model) if configs else model  # the float row measures the model itself
+                record = quantize_(measured, configs, calibration=calibration) if configs else None
+                value = measure(measured, record)
+            if isinstance(value, dict):  # stored bytes beside resident memory, for every row
+                value["memory"] = {"weight_bytes": weight_bytes(measured), "peak_rss_bytes": memory.peak_bytes,
+                                   "rss_before_bytes": memory.before_bytes}
+            self.record(part, row, value, summary)
+            del measured
