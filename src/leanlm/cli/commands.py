@@ -300,3 +300,13 @@ def command_bench(args) -> None:
                 for name, r in payload["settings"].items()]
         print(format_table(["strategy", "perplexity", "ms/token", "peak MiB"], rows))
     _write_json(args.json, payload)
+
+
+def command_export(args) -> None:
+    from leanlm.export import export_gguf
+
+    _check_json_path(args.json)
+    result = export_gguf(args.model, args.out, args.type)
+    print(f"wrote {result['path']} ({result['file_type']}, {result['tensors']} tensors, "
+          f"{result['bytes'] / 2**20:.1f} MiB)")
+    _write_json(args.json, {**result, "peak_rss_bytes": process_peak_rss_bytes()})

@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     from leanlm.chat import ChatSettings
     from leanlm.evaluation import EvalSettings
     from leanlm.evaluation.streaming import StreamSettings
+    from leanlm.export import FILE_TYPES
     from leanlm.methods import LoRAConfig
     from leanlm.methods.streaming import StreamingConfig
     from leanlm.showcase import QUICK_SETTINGS
@@ -105,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--size", type=_positive_int, default=4096, help="linear: in = out features")
     bench.add_argument("--repeats", type=_positive_int, default=5)
     bench.add_argument("--stream-tokens", type=_positive_int, default=8192, help="stream: length of the stream")
+
+    export = _command(sub, "export", "write a model for another engine: a GGUF file llama.cpp runs alone (float "
+                      "types and Q8_0 for now)", commands.command_export)
+    export.add_argument("--format", choices=["gguf"], required=True, help="gguf: llama.cpp's file format")
+    export.add_argument("--out", type=Path, required=True, help="the file to write")
+    export.add_argument("--type", choices=list(FILE_TYPES), default="f32",
+                        help="GGUF tensor type of the matrices (norms stay f32; default f32)")
 
     _command(sub, "swarm", "SWARM parallelism: a local swarm of pipeline peers and trainers on 127.0.0.1 "
              "(hivemind), training a small byte-level LM on the shipped text", commands.command_swarm, model=None,
