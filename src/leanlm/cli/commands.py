@@ -4,6 +4,7 @@ paths before anything slow, call the Python API, print a short table and write `
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,11 +29,14 @@ def _check_json_path(path: Path | None) -> None:
 
 
 def _write_json(path: Path | None, payload: dict) -> None:
+    """Write --json beside its place and rename it into it: a reader never sees half of it."""
     if path is None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2) + "\n")
+        partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+        partial.write_text(json.dumps(payload, indent=2) + "\n")
+        os.replace(partial, path)
     except OSError as error:
         raise ConfigError(f"cannot write --json {path}: {error}") from error
 
