@@ -350,8 +350,11 @@ def test_ctrl_c_in_finetune_names_the_saved_step_and_resume(tiny_llama_dir, tmp_
     data = tmp_path / "train.txt"
     data.write_text("\n".join(plain_text("lambada-dev").splitlines()[:150]) + "\n")
     out = tmp_path / "adapter"
+    # A shell starts background jobs with SIGINT ignored, and a child keeps that: restore the default, so that the
+    # test does not depend on how the suite was started.
     process = subprocess.Popen([sys.executable, "-m", "leanlm.cli.main", *_finetune_argv(tiny_llama_dir, data, out)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     state = out / "checkpoint" / "trainer_state.json"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None and not state.is_file():
