@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from leanlm.bench import Study, print_report, study_arguments, time_modules, weight_bytes  # noqa: E402
-from leanlm.bench.harness import cpu_description, float_paths, speed_table  # noqa: E402
+from leanlm.bench.harness import add_speedups, cpu_description, float_paths, speed_table  # noqa: E402
 from leanlm.kernels.kbit_gemm import kernel_isas  # noqa: E402
 from leanlm.methods import KbitConfig, quantize_  # noqa: E402
 from leanlm.models import load_model  # noqa: E402
@@ -146,13 +146,11 @@ def bench_decode(model_name: str, new_tokens: int) -> dict:
     bf16 = copy.deepcopy(loaded.model).to(torch.bfloat16)
     results = {}
     for name, model in {"fp32": loaded.model, "bf16": bf16, "leanlm nf4+dq": nf4}.items():
-        results[name] = {"tokens_per_second": decode_tokens_per_second(model, prompt, new_tokens),
+        tokens_per_second = decode_tokens_per_second(model, prompt, new_tokens)
+        results[name] = {"tokens_per_second": tokens_per_second, "ms_per_token": 1e3 / tokens_per_second,
                          "weight_bytes": weight_bytes(model)}
-        print(f"decode {name}: {results[name]['tokens_per_second']:.1f} tok/s", flush=True)
-    best = max(("fp32", "bf16"), key=lambda name: results[name]["tokens_per_second"])
-    for entry in results.values():
-        entry["speedup_vs_fp32"] = entry["tokens_per_second"] / results["fp32"]["tokens_per_second"]
-        entry["speedup_vs_best_float"] = entry["tokens_per_second"] / results[best]["tokens_per_second"]
+        print(f"decode {name}: {tokens_per_second:.1f} tok/s", flush=True)
+    add_speedups(results, "ms_per_token")
     results["note"] = loaded.weights_note
     return results
 
