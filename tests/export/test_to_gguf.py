@@ -1,14 +1,67 @@
-"""GGUF export: the default model written as F32 holds exactly the tensors (names, shapes, values) of the GGUF it
-came from, de-quantized, with its metadata; Q8_0 is llama.cpp's own rounding of those values."""
+"""GGUF export: a float model written as F32 holds exactly the tensors (names, shapes, values) of the GGUF it came
+from, de-quantized, with its metadata; Q8_0 is llama.cpp's own rounding of those values; a checkpoint on the
+symmetric grid in groups of 32 is written as its own Q4_0 / Q8_0 blocks, value for value; every other stored form
+is refused with the reason, before anything is written."""
 
 import gguf
 import numpy as np
 import pytest
+import torch
 from gguf.quants import dequantize, quantize
 
 from leanlm.cli.main import main
+from leanlm.errors import ConfigError
 from leanlm.export import export_gguf
-from leanlm.export.to_gguf import source_gguf
+from leanlm.export.to_gguf import _gguf_order, gguf_blocks, source_gguf
+from leanlm.formats.gptq import SolverSettings, solve
+from leanlm.methods.checkpoint import load_quantized
+from leanlm.nn import KbitLinear, SpQRLinear
+
+
+def _solved_module(bits=4, seed=0, **settings):
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(seed))
+    options = {"bits": bits, "group_size": 32, "act_order": False, "error_feedback": False, "grid": "symmetric",
+               **settings}
+    settings = SolverSettings(**options)
+    inputs = torch.randn(256, 96, generator=torch.Generator().manual_seed(seed + 1)) * torch.linspace(0.1, 2, 96)
+    hessian = inputs.T @ inputs / 256 if settings.error_feedback else None  # act-order really permutes
+    return SpQRLinear.from_solved(solve(weight, hessian, settings), settings, None)
+
+
+@pytest.mark.parametrize("bits, block_type, settings", [
+    (4, "Q4_0", {}), (8, "Q8_0", {}),
+    (4, "Q4_0", {"error_feedback": True, "act_order": True, "static_groups": True}),  # GPTQ, act-order
+], ids=["q4_0", "q8_0", "gptq-act-order-static-groups"])
+def test_symmetric_groups_of_32_are_gguf_blocks_value_for_value(bits, block_type, settings):
+    module = _solved_module(bits, **settings)
+    blocks, kind = gguf_blocks(module)
+    assert kind.name == block_type
+    assert blocks.shape == (48, 3 * gguf.GGML_QUANT_SIZES[kind][1])  # 18 bytes per Q4_0 block, 34 per Q8_0
+    assert np.array_equal(dequantize(blocks, kind), module.dequantized_weight().numpy())
+
+
+@pytest.mark.parametrize("settings, reason", [
+    ({"grid": "minmax"}, "fractional zeros"),
+    ({"group_size": 16}, "groups of 16"),
+    ({"group_size": 32, "bits": 3}, "3-bit codes"),
+    ({"error_feedback": True, "act_order": True}, "act-order columns"),
+    ({"grid": "minmax", "statistic_bits": 3, "outlier_threshold": 0.2}, "quantized statistics and outliers"),
+])
+def test_forms_without_an_exact_block_type_are_refused_with_the_reason(settings, reason):
+    with pytest.raises(ConfigError, match=reason):
+        gguf_blocks(_solved_module(**settings))
+
+
+def test_k_bit_codebooks_are_refused():
+    with pytest.raises(ConfigError, match="KbitLinear has no GGUF block type"):
+        gguf_blocks(KbitLinear(64, 32, bias=False))
+
+
+def test_q_and_k_rows_move_whole_so_their_blocks_move_with_them():
+    module = _solved_module()
+    blocks, kind = gguf_blocks(module)
+    expected = _gguf_order(module.dequantized_weight().numpy(), heads=4)
+    assert np.array_equal(dequantize(_gguf_order(blocks, heads=4), kind), expected)
 
 
 @pytest.mark.slow
@@ -32,6 +85,33 @@ def test_the_default_model_exports_to_its_own_gguf_layout_bit_for_bit(tmp_path):
             quantize(floats[tensor.name], gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
         assert np.array_equal(dequantize(tensor.data, tensor.tensor_type), expected)
     assert q8.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
+
+
+@pytest.mark.slow
+def test_a_symmetric_rtn_checkpoint_exports_as_q4_0_blocks_equal_to_its_weights(tmp_path, capsys):
+    checkpoint, out = tmp_path / "rtn", tmp_path / "rtn.gguf"
+    assert main(["quantize", "smollm2-135m", "--method", "rtn", "--grid", "symmetric", "--group-size", "32",
+                 "--out", str(checkpoint)]) == 0
+    assert main(["export", str(checkpoint), "--format", "gguf", "--out", str(out)]) == 0
+    assert "Q4_0" in capsys.readouterr().out
+    loaded, _ = load_quantized(checkpoint)
+    config = loaded.model.config
+    exported = {tensor.name: tensor for tensor in gguf.GGUFReader(out).tensors}
+    assert gguf.GGUFReader(out).fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_0
+    assert gguf.GGUFReader(out).fields["tokenizer.chat_template"].contents()
+    checked = 0
+    for index, block in enumerate(loaded.model.model.layers):
+        for path, name, heads in (("self_attn.q_proj", "attn_q", config.num_attention_heads),
+                                  ("self_attn.k_proj", "attn_k", config.num_key_value_heads),
+                                  ("self_attn.v_proj", "attn_v", None), ("mlp.down_proj", "ffn_down", None)):
+            tensor = exported[f"blk.{index}.{name}.weight"]
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0
+            expected = block.get_submodule(path).dequantized_weight().numpy()
+            expected = _gguf_order(expected, heads) if heads else expected
+            assert np.array_equal(dequantize(tensor.data, tensor.tensor_type), expected)
+            checked += 1
+    assert checked == 4 * config.num_hidden_layers
+    assert exported["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F32  # --type f32 by default
 
 
 def test_export_refuses_a_model_without_its_gguf(tiny_llama_dir, tmp_path, capsys):

@@ -307,10 +307,16 @@ def command_bench(args) -> None:
 
 
 def command_export(args) -> None:
-    from leanlm.export import export_gguf
+    from leanlm.export import export_compressed_tensors, export_gguf
 
     _check_json_path(args.json)
-    result = export_gguf(args.model, args.out, args.type)
-    print(f"wrote {result['path']} ({result['file_type']}, {result['tensors']} tensors, "
-          f"{result['bytes'] / 2**20:.1f} MiB)")
+    if args.format == "gguf":
+        result = export_gguf(args.model, args.out, args.type)
+        blocks = f", quantized matrices as {' / '.join(result['block_types'])}" if result["block_types"] else ""
+        print(f"wrote {result['path']} ({result['file_type']}, {result['tensors']} tensors, "
+              f"{result['bytes'] / 2**20:.1f} MiB{blocks})")
+    else:
+        result = export_compressed_tensors(args.model, args.out)
+        print(f"wrote {result['path']} ({result['format']}, {result['modules']} quantized linears, "
+              f"{result['bytes'] / 2**20:.1f} MiB)")
     _write_json(args.json, {**result, "peak_rss_bytes": process_peak_rss_bytes()})

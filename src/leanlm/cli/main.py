@@ -107,12 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=_positive_int, default=5)
     bench.add_argument("--stream-tokens", type=_positive_int, default=8192, help="stream: length of the stream")
 
-    export = _command(sub, "export", "write a model for another engine: a GGUF file llama.cpp runs alone (float "
-                      "types and Q8_0 for now)", commands.command_export)
-    export.add_argument("--format", choices=["gguf"], required=True, help="gguf: llama.cpp's file format")
-    export.add_argument("--out", type=Path, required=True, help="the file to write")
+    export = _command(sub, "export", "write a model for another engine: a GGUF file llama.cpp runs alone (a float "
+                      "model as F32 / F16 / BF16 / Q8_0; RTN or GPTQ with --grid symmetric --group-size 32 "
+                      "--no-act-order as its exact Q4_0 / Q8_0 blocks), or a compressed-tensors directory that "
+                      "transformers and vLLM load (W8A8 / SmoothQuant with --no-bmm; RTN or GPTQ with --grid "
+                      "symmetric --no-act-order)", commands.command_export)
+    export.add_argument("--format", choices=["gguf", "compressed-tensors"], required=True,
+                        help="gguf: llama.cpp's file; compressed-tensors: llm-compressor's directory")
+    export.add_argument("--out", type=Path, required=True, help="the file (gguf) or directory to write")
     export.add_argument("--type", choices=list(FILE_TYPES), default="f32",
-                        help="GGUF tensor type of the matrices (norms stay f32; default f32)")
+                        help="gguf: tensor type of the float matrices (a checkpoint's quantized ones keep their "
+                        "blocks; norms stay f32; default f32)")
 
     _command(sub, "swarm", "SWARM parallelism: a local swarm of pipeline peers and trainers on 127.0.0.1 "
              "(hivemind), training a small byte-level LM on the shipped text", commands.command_swarm, model=None,

@@ -30,9 +30,10 @@ class PerplexityResult:
     tokens_per_second: float  # model input tokens per second of forward passes
 
 
-def perplexity(
-    model, tokenizer, text: str, *, seq_len: int = 2048, max_tokens: int | None = None, desc: str = "perplexity"
-) -> PerplexityResult:
+def perplexity_windows(tokenizer, text: str, *, seq_len: int = 2048, max_tokens: int | None = None,
+                       desc: str = "perplexity") -> list[list[int]]:
+    """The token ids of every window the protocol scores (the model's BOS, if it has one, then `seq_len` minus
+    that many text tokens): what leanlm and, in the benchmarks, other engines are given."""
     if seq_len < 2:
         raise ConfigError(f"seq_len must be at least 2, got {seq_len}")
     prefix = bos_prefix(tokenizer)
@@ -46,9 +47,21 @@ def perplexity(
             f"{desc}: {len(stream)} tokens do not fill one window of seq_len {seq_len}; "
             "raise max_tokens or lower seq_len"
         )
+    return [prefix + stream[index * step : (index + 1) * step] for index in range(windows)]
+
+
+def perplexity(
+    model, tokenizer, text: str, *, seq_len: int = 2048, max_tokens: int | None = None, desc: str = "perplexity"
+) -> PerplexityResult:
+    windows = perplexity_windows(tokenizer, text, seq_len=seq_len, max_tokens=max_tokens, desc=desc)
+    return windows_perplexity(model, windows, desc=desc)
+
+
+def windows_perplexity(model, windows: list[list[int]], *, desc: str = "perplexity") -> PerplexityResult:
+    """The mean NLL over every predicted token of the given windows (each run on its own), as a perplexity."""
     total_nll, predicted, forward_seconds = 0.0, 0, 0.0
-    for index in tqdm(range(windows), desc=desc, unit="window"):
-        ids = torch.tensor([prefix + stream[index * step : (index + 1) * step]])
+    for window in tqdm(windows, desc=desc, unit="window"):
+        ids = torch.tensor([window])
         started = time.perf_counter()
         total_nll += next_token_nll(model, ids)
         forward_seconds += time.perf_counter() - started
@@ -56,8 +69,8 @@ def perplexity(
     return PerplexityResult(
         perplexity=math.exp(total_nll / predicted),
         tokens=predicted,
-        windows=windows,
-        seq_len=seq_len,
+        windows=len(windows),
+        seq_len=len(windows[0]),
         seconds=forward_seconds,
-        tokens_per_second=windows * seq_len / forward_seconds,
+        tokens_per_second=sum(map(len, windows)) / forward_seconds,
     )

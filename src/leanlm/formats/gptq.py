@@ -3,7 +3,8 @@ error forward into the columns not yet quantized through the inverse Hessian of 
 
 One solver serves three methods:
 - RTN: no error feedback (the Hessian replaced by the identity): plain group-wise min-max rounding.
-- GPTQ: error feedback in lazy blocks, act-order permutation, group-wise float16 scales and zeros.
+- GPTQ: error feedback in lazy blocks, act-order permutation, group-wise float16 scales and zeros, on the
+  min-max grid or the symmetric one (GGUF's Q4_0 / Q8_0 grid: `leanlm.formats.minmax`).
 - SpQR: GPTQ plus small groups (beta1) whose scales and zeros are themselves min-max quantized (3 bits, in groups
   of beta2 consecutive rows with float16 second-level statistics), and unstructured outliers kept in 16 bits.
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.errors import ConfigError
-from leanlm.formats.minmax import dequantize_minmax, fit_minmax, quantize_minmax, round_trip_minmax
+from leanlm.formats.minmax import GRIDS, dequantize_minmax, fit_minmax, quantize_minmax, round_trip_minmax
 
 FLOAT16_MAX = 65504.0
 
@@ -39,6 +40,11 @@ class SolverSettings:
     damping: float = 0.01  # lambda as a fraction of mean(diag H); SpQR's near-lossless recipe uses 1.0
     block_size: int = 128  # lazy-batch columns; changes only rounding, not the result
     error_feedback: bool = True  # False: RTN
+    grid: str = "minmax"  # how a group's scale and zero are fitted: a key of leanlm.formats.minmax.GRIDS
+    # Fit every group before solving, on consecutive columns of the original weight, so that act-order's
+    # permutation leaves groups contiguous (what GGUF blocks and compressed-tensors groups are); else each group
+    # is fitted when the solver reaches it, on the feedback-updated weights, in the permuted order.
+    static_groups: bool = False
 
     def __post_init__(self):
         if not 2 <= self.bits <= 8:
@@ -53,6 +59,13 @@ class SolverSettings:
             raise ConfigError(f"outlier threshold must be positive, got {self.outlier_threshold}")
         if self.damping < 0:
             raise ConfigError(f"damping must be 0 or more, got {self.damping}")
+        if self.grid not in GRIDS:
+            raise ConfigError(f"grid must be one of {', '.join(GRIDS)}, got {self.grid!r}")
+        if self.static_groups and self.outlier_threshold is not None:
+            raise ConfigError("static groups are fitted once, before solving; SpQR's outlier search refits them")
+        if self.grid != "minmax" and (self.statistic_bits is not None or self.outlier_threshold is not None):
+            raise ConfigError(f"the {self.grid} grid keeps float16 statistics and no outliers (SpQR's quantized "
+                              "statistics and outlier search are min-max only)")
 
 
 @dataclass
@@ -115,7 +128,7 @@ def _group_statistics(group: torch.Tensor, outliers: torch.Tensor, settings: Sol
         kept = (~outliers).float()
         row_mean = (group * kept).sum(dim=1, keepdim=True) / kept.sum(dim=1, keepdim=True).clamp(min=1)
         group = torch.where(outliers, row_mean, group)
-    scale, zero = fit_minmax(group, settings.bits)
+    scale, zero = GRIDS[settings.grid](group, settings.bits)
     return quantize_statistic(scale, settings), quantize_statistic(zero, settings)
 
 
@@ -131,6 +144,23 @@ def inverse_hessian_factor(hessian: torch.Tensor, damping: float) -> torch.Tenso
     return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
 
 
+def _round_to_nearest(W: torch.Tensor, group: int, settings: SolverSettings) -> SolvedWeight:
+    """RTN without outliers: what the column loop of `solve` gives with no feedback, one group at a time."""
+    rows, columns = W.shape
+    codes = torch.zeros(rows, columns, dtype=torch.uint8)
+    scales, zeros = [], []
+    for start in range(0, columns, group):
+        values = W[:, start:start + group]
+        scale, zero = _group_statistics(values, torch.zeros_like(values, dtype=torch.bool), settings)
+        q = quantize_minmax(values, scale.values, zero.values, settings.bits)
+        codes[:, start:start + group] = q.to(torch.uint8)
+        W[:, start:start + group] = dequantize_minmax(q, scale.values, zero.values)
+        scales.append(scale)
+        zeros.append(zero)
+    nothing = torch.zeros(rows, columns, dtype=torch.bool)
+    return SolvedWeight(codes, scales, zeros, None, nothing, torch.zeros(rows, columns), W)
+
+
 def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSettings) -> SolvedWeight:
     """Quantize `weight` (out, in) given the Hessian of its inputs (in, in); None or RTN settings: no feedback."""
     W = weight.detach().float().clone()
@@ -143,6 +173,12 @@ def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSe
     dead = H.diagonal() == 0  # inputs never active: their weights cannot matter
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
+    group = settings.group_size or columns
+    static = None
+    if settings.static_groups and settings.error_feedback:
+        unmasked = torch.zeros(rows, group, dtype=torch.bool)
+        static = [_group_statistics(W[:, start:start + group], unmasked[:, : min(group, columns - start)], settings)
+                  for start in range(0, columns, group)]
     permutation = None
     if settings.act_order and settings.error_feedback:
         permutation = torch.argsort(H.diagonal(), descending=True)
@@ -153,7 +189,8 @@ def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSe
     if settings.outlier_threshold is not None:
         threshold = settings.outlier_threshold * (W.var(dim=0) / diagonal.square()).mean().item()
 
-    group = settings.group_size or columns
+    if not settings.error_feedback and threshold is None:
+        return _round_to_nearest(W, group, settings)
     # Every group must start on a block boundary or lie inside one block, so that it is fitted on columns that
     # have already received all earlier columns' feedback.
     block = max(group, settings.block_size // group * group) if group <= settings.block_size else group
@@ -166,7 +203,9 @@ def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSe
         end = min(start + block, columns)
         errors = torch.zeros(rows, end - start)
         for j in range(start, end):
-            if j % group == 0:
+            if static is not None:  # the group of the column's original position, fitted before solving
+                scale, zero = static[(int(permutation[j]) if permutation is not None else j) // group]
+            elif j % group == 0:
                 stop = min(j + group, columns)
                 if threshold is not None:
                     outliers[:, j:stop] |= _leave_one_out_outliers(W[:, j:stop], diagonal[j:stop], settings.bits,
@@ -188,7 +227,16 @@ def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSe
             errors[:, j - start] = error
         W[:, end:] -= errors @ U[start:end, end:]
     if permutation is not None:
-        restored = torch.empty_like(W)
-        restored[:, permutation] = W
-        W = restored
+        W = _original_order(W, permutation)
+    if static is not None:  # groups already lie on the original columns: store the codes there, unpermuted
+        scales, zeros = [scale for scale, _ in static], [zero for _, zero in static]
+        if permutation is not None:
+            codes, outliers, residuals = (_original_order(t, permutation) for t in (codes, outliers, residuals))
+            permutation = None
     return SolvedWeight(codes, scales, zeros, permutation, outliers, residuals, W)
+
+
+def _original_order(permuted: torch.Tensor, permutation: torch.Tensor) -> torch.Tensor:
+    restored = torch.empty_like(permuted)
+    restored[:, permutation] = permuted
+    return restored

@@ -1,7 +1,14 @@
-"""Min-max (asymmetric) quantization, the quantizer of GPTQ's groups and of both levels of SpQR's statistics:
+"""The group grids of GPTQ / RTN and of both levels of SpQR's statistics. Every grid is
 
-    scale = (max - min) / (2^b - 1),  zero = -min / scale  (fractional: SpQR quantizes it again, GPTQ keeps it)
     q = clamp(round(x / scale + zero), 0, 2^b - 1),  x_hat = scale * (q - zero)
+
+and they differ in how (scale, zero) are fitted to a group:
+- min-max (asymmetric): scale = (max - min) / (2^b - 1), zero = -min / scale (fractional: SpQR quantizes it
+  again, GPTQ keeps it);
+- symmetric: zero = 2^(b-1) exactly and scale = (the value of largest magnitude) / -2^(b-1), llama.cpp's rule
+  for Q4_0 and Q8_0, so that value lands on the end code and all 2^b codes are used (the scale is negative when
+  that value is positive). With float16 scales and groups of 32 this is GGUF's Q4_0 (b = 4) / Q8_0 (b = 8)
+  block, value for value.
 
 Statistics are taken along the last dimension. A constant slice (max == min) gets the range [min - 1, min + 1]
 so that its scale stays finite and its values are still represented exactly enough.
@@ -19,6 +26,17 @@ def fit_minmax(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     low, high = torch.where(flat, low - 1, low), torch.where(flat, high + 1, high)
     scale = (high - low) / (2**bits - 1)
     return scale, -low / scale
+
+
+def fit_symmetric(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) of the symmetric grid, each of shape x.shape[:-1]; an all-zero slice gets scale 0."""
+    half = 2 ** (bits - 1)
+    extreme = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    scale = extreme / -half
+    return scale, torch.full_like(scale, float(half))
+
+
+GRIDS = {"minmax": fit_minmax, "symmetric": fit_symmetric}  # grid name -> (x, bits) -> (scale, zero)
 
 
 def quantize_minmax(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:

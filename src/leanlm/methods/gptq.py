@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from leanlm.errors import ConfigError
 from leanlm.formats.gptq import SolverSettings, solve
+from leanlm.formats.minmax import GRIDS
 from leanlm.methods.blocks import observe_inputs, walk_blocks
 from leanlm.methods.quantize import QuantRun, method_spec, register_method
 from leanlm.settings import option
@@ -32,15 +33,24 @@ class _SolverChecks:
             raise ConfigError(f"calibration_samples must be at least 1, got {self.calibration_samples}")
 
 
+def _grid_option():
+    """RTN's and GPTQ's `grid` field (one text for both)."""
+    return option("minmax", "group grid: minmax (fractional zero) or symmetric (zero 2^(bits-1): with --group-size "
+                  "32, GGUF's Q4_0 / Q8_0 blocks; exportable when groups are consecutive columns)",
+                  choices=tuple(GRIDS))
+
+
 @dataclass(frozen=True)
 class RTNConfig(_SolverChecks):
     """Round to nearest: min-max groups, no calibration (the baseline of GPTQ and SpQR)."""
 
     bits: int = option(4, "bits per weight code (2-8)")
     group_size: int | None = option(128, "input columns per scale and zero, or the whole row", none_word="0")
+    grid: str = _grid_option()
 
     def solver(self) -> SolverSettings:
-        return SolverSettings(bits=self.bits, group_size=self.group_size, act_order=False, error_feedback=False)
+        return SolverSettings(bits=self.bits, group_size=self.group_size, act_order=False, error_feedback=False,
+                              grid=self.grid)
 
 
 @dataclass(frozen=True)
@@ -53,10 +63,13 @@ class GPTQConfig(_SolverChecks):
     damping: float = option(0.01, "lambda: Hessian damping as a fraction of its mean diagonal")
     calibration_samples: int = option(128, "calibration windows (GPTQ: 128 random segments)",
                                       flag="--calib-samples")
+    grid: str = _grid_option()
+    static_groups: bool = option(False, "fit every group before solving, on consecutive columns, so act-order keeps "
+                                        "groups contiguous (for GGUF / compressed-tensors export with act-order)")
 
     def solver(self) -> SolverSettings:
         return SolverSettings(bits=self.bits, group_size=self.group_size, act_order=self.act_order,
-                              damping=self.damping)
+                              damping=self.damping, grid=self.grid, static_groups=self.static_groups)
 
 
 @dataclass(frozen=True)

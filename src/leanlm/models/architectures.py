@@ -60,6 +60,10 @@ class ArchitectureTable:
     weight_layout: Literal["out_in", "in_out"] = "out_in"
     # Gemma's RMSNorm multiplies by (1 + weight): a scale folded into it must respect the offset.
     norm_weight_offset: float = 0.0
+    # GGUF: the `general.architecture` llama.cpp knows this family by (None: no GGUF export), and whether q / k
+    # rows are stored in llama.cpp's interleaved rotary order (Llama's converter permutes them; Gemma's does not).
+    gguf_architecture: str | None = None
+    gguf_interleaved_qk: bool = False
     # Returns why a particular config of this family is unsupported, or None.
     config_problem: Callable[[object], str | None] = field(default=lambda config: None, compare=False)
 
@@ -74,7 +78,8 @@ class ArchitectureTable:
         return (*self.attention_inputs, self.attention_output, *self.mlp_inputs, self.mlp_output)
 
 
-def _llama_like(family: str, model_types: tuple[str, ...]) -> ArchitectureTable:
+def _llama_like(family: str, model_types: tuple[str, ...], gguf_architecture: str = "llama",
+                gguf_interleaved_qk: bool = True) -> ArchitectureTable:
     return ArchitectureTable(
         family=family,
         model_types=model_types,
@@ -96,6 +101,8 @@ def _llama_like(family: str, model_types: tuple[str, ...]) -> ArchitectureTable:
         final_norm="model.norm",
         never_quantize=("model.embed_tokens", "lm_head"),
         rotary_embedding="model.rotary_emb",
+        gguf_architecture=gguf_architecture,
+        gguf_interleaved_qk=gguf_interleaved_qk,
     )
 
 
@@ -110,11 +117,11 @@ def _opt_problem(config) -> str | None:
 TABLES: tuple[ArchitectureTable, ...] = (
     # SmolLM and SmolLM2 are `llama` models.
     _llama_like("llama", ("llama",)),
-    _llama_like("mistral", ("mistral",)),
-    _llama_like("qwen2", ("qwen2",)),
+    _llama_like("mistral", ("mistral",)),  # llama.cpp reads Mistral as a Llama
+    _llama_like("qwen2", ("qwen2",), "qwen2", gguf_interleaved_qk=False),
     # Gemma 3 normalises both before and after each sub-block; the *pre* norms feed the linears.
     replace(
-        _llama_like("gemma3", ("gemma3_text",)),
+        _llama_like("gemma3", ("gemma3_text",), "gemma3", gguf_interleaved_qk=False),
         mlp_activation="geglu",
         norm_feeds=(
             NormFeeds("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),

@@ -1,0 +1,208 @@
+"""leanlm's GGUF exports measured inside llama.cpp, beside llama.cpp's own quantizer (issue 25): WikiText-2
+perplexity computed by llama.cpp on exactly the windows `leanlm eval` scores (leanlm's token ids, one fresh
+context per window), each file's size and tensor types, and for every leanlm row leanlm's own perplexity of the
+same checkpoint. (llama.cpp's scoring speed is saved too but not reported: files of the same tensor types run the
+same llama.cpp kernels, and decode speed is measured on a quiet machine by its own benchmark.) Writes benchmarks/results/gguf_llama_cpp_<model>.json + .png.
+
+    pip install llama-cpp-python==0.3.36     # optional extra `llama`: compiles llama.cpp, 15-35 min on 2 cores
+    python benchmarks/gguf_llama_cpp.py                    # first 8 windows of 512 tokens
+    python benchmarks/gguf_llama_cpp.py --windows 0        # the full test set (about 10 min a row in each engine)
+    python benchmarks/gguf_llama_cpp.py --report
+
+Rows: the float model as F32; llama.cpp's own Q8_0 and Q4_0 of that F32 file (`llama_model_quantize`), and its
+Q4_0 weighted by an importance matrix (each block linear's mean squared input per column over the same
+calibration windows GPTQ uses: what llama.cpp's `llama-imatrix` accumulates, computed here by leanlm on the float
+model and handed to the quantizer through the bindings); leanlm RTN and GPTQ on the symmetric grid in groups of
+32 (`--grid symmetric --group-size 32`, in column order or act-order with `--static-groups`), exported as their
+exact Q4_0 blocks. Tensors that are
+not block linears take the type llama.cpp's Q4_0 gives them (token_embd Q8_0, norms F32), so files of one block
+type have the same size. SmolLM2's weights are de-quantized Q4_1 (asymmetric groups of 32): Q4_0's symmetric
+grid does not contain them, so every Q4_0 row re-rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+from collections import Counter
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import gguf  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
+from leanlm.bench.harness import peak_memory  # noqa: E402
+from leanlm.bench.llama_cpp import LlamaCpp, llama_cpp_version, quantize_gguf, with_q8_0_activations  # noqa: E402
+from leanlm.data import datasets  # noqa: E402
+from leanlm.evaluation.perplexity import perplexity_windows, windows_perplexity  # noqa: E402
+from leanlm.export import export_gguf  # noqa: E402
+from leanlm.export.to_gguf import gguf_tensor_names  # noqa: E402
+from leanlm.methods import Calibration, GPTQConfig, RTNConfig, quantize_, save_quantized  # noqa: E402
+from leanlm.methods.blocks import observe_inputs  # noqa: E402
+from leanlm.models import architecture_for, iter_quantizable_linears  # noqa: E402
+from leanlm.report import format_table, save_figure  # noqa: E402
+
+# What llama.cpp's Q4_0 gives the tensors that are not block linears (token_embd, as the tied output: Q6_K, which
+# falls back to Q8_0 where a row is not a multiple of 256, as on both models here); each row records its own.
+FLOAT_TYPE_OF_Q4_0 = "q8_0"
+
+
+def rows(calibration_samples: int) -> dict:
+    """Row name -> what makes its file: ("llama.cpp", type, imatrix?) or a leanlm config (None: the F32 export)."""
+    grid = dict(group_size=32, grid="symmetric")
+    return {
+        "F32": None,
+        "llama.cpp Q8_0": ("llama.cpp", "q8_0", False),
+        "llama.cpp Q4_0": ("llama.cpp", "q4_0", False),
+        "llama.cpp Q4_0 + imatrix": ("llama.cpp", "q4_0", True),
+        "leanlm RTN Q4_0": RTNConfig(bits=4, **grid),
+        "leanlm GPTQ Q4_0": GPTQConfig(bits=4, act_order=False, calibration_samples=calibration_samples, **grid),
+        "leanlm GPTQ Q4_0, act-order": GPTQConfig(bits=4, static_groups=True, calibration_samples=calibration_samples,
+                                                  **grid),
+    }
+
+
+def importance_matrix(model, batches: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{GGUF tensor name: mean over calibration tokens of each input column's square} for every block linear of
+    the float model, the statistic llama.cpp's imatrix tool collects."""
+    table = architecture_for(model)
+    names = gguf_tensor_names(model)
+    sums, counts = {}, Counter()
+
+    def add(name: str, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        sums[name] = sums.get(name, 0) + x.square().sum(dim=0)
+        counts[name] += x.shape[0]
+
+    with observe_inputs(iter_quantizable_linears(model, table), add), torch.inference_mode():
+        for window in batches:
+            model(input_ids=window[None], use_cache=False)
+    return {f"{names.get_name(name)}.weight": (sums[name] / counts[name]).numpy() for name in sums}
+
+
+def describe_file(path: Path) -> dict:
+    reader = gguf.GGUFReader(path)
+    types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
+    return {"file_bytes": path.stat().st_size, "tensor_types": dict(Counter(types.values())),
+            "token_embd_type": types["token_embd.weight"]}
+
+
+def report(payload: dict) -> str:
+    table = payload.get("rows", {})
+    settings = payload["settings"]
+    float_ppl = table.get("F32", {}).get("llama_cpp", {}).get("perplexity")
+    lines = []
+    for name, row in table.items():
+        engine = row["llama_cpp"]
+        ours = row.get("leanlm")
+        emulated = (ours or {}).get("with_q8_0_activations")
+        lines.append([
+            name, f"{engine['perplexity']:.3f}",
+            f"{100 * (engine['perplexity'] / float_ppl - 1):+.1f}%" if float_ppl else "",
+            f"{ours['perplexity']:.3f}" if ours else "",
+            f"{emulated:.3f}" if emulated else "",
+            f"{100 * (engine['perplexity'] / ours['perplexity'] - 1):+.2f}%" if ours else "",
+            f"{row['file_bytes'] / 2**20:.1f}", ", ".join(f"{k} {v}" for k, v in sorted(row["tensor_types"].items())),
+        ])
+    windows = settings["windows"] or "all"
+    head = (f"WikiText-2 test, {windows} windows of {settings['seq_len']} tokens, scored by llama.cpp "
+            f"{payload.get('llama_cpp_version', '')} ({settings['threads']} threads)")
+    return head + "\n\n" + format_table(
+        ["file", "llama.cpp ppl", "vs F32", "leanlm ppl", "leanlm, Q8_0 inputs", "llama.cpp vs leanlm", "MiB",
+         "tensor types"], lines, markdown=True)
+
+
+def plot_rows(payload: dict, path: Path) -> None:
+    table = payload.get("rows", {})
+    if not table:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = list(table)
+    for index, name in enumerate(names):
+        row = table[name]
+        ax.scatter(row["file_bytes"] / 2**20, row["llama_cpp"]["perplexity"], s=40)
+        ax.annotate(name, (row["file_bytes"] / 2**20, row["llama_cpp"]["perplexity"]), fontsize=8,
+                    xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("file MiB")
+    ax.set_ylabel("WikiText-2 perplexity in llama.cpp")
+    save_figure(fig, path, titled(payload, "GGUF files in llama.cpp"))
+
+
+def main() -> None:
+    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser.add_argument("--windows", type=int, default=8, help="first N windows of the test set (0: all)")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--calib-samples", type=int, default=128)
+    parser.add_argument("--calib-seq-len", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-gguf",
+                        help="where the GGUF files and checkpoints are written (not kept in results)")
+    args = parser.parse_args()
+    name = results_name("gguf_llama_cpp", args.model) + ("" if args.windows == 8 else f"_windows{args.windows}")
+    if args.report:
+        return print_report(name, report)
+
+    settings = {"windows": args.windows, "seq_len": args.seq_len, "calibration_samples": args.calib_samples,
+                "calibration_seq_len": args.calib_seq_len, "threads": args.threads}
+    study = Study(name, settings, args, plot=plot_rows)
+    study.payload["llama_cpp_version"] = llama_cpp_version()
+    loaded = study.load_model(args.model)
+    windows = perplexity_windows(loaded.tokenizer, datasets.wikitext2_test_text(), seq_len=args.seq_len)
+    windows = windows[: args.windows or None]
+    work = args.workdir / args.model
+    work.mkdir(parents=True, exist_ok=True)
+    calibration = Calibration(loaded.tokenizer, samples=args.calib_samples, seq_len=args.calib_seq_len)
+    float_file = work / "f32.gguf"
+    if not float_file.exists():
+        export_gguf(args.model, float_file, "f32")
+
+    def leanlm_perplexity(model, quantized: bool = True) -> dict:
+        """leanlm's perplexity of the model, and (quantized rows) of the same model with llama.cpp's Q8_0 rounding
+        of every block linear's input and of the embedding: what llama.cpp's arithmetic adds to the weights'."""
+        result = {"perplexity": windows_perplexity(model, windows).perplexity}
+        if quantized:
+            emulated = with_q8_0_activations(model)
+            result["with_q8_0_activations"] = windows_perplexity(emulated, windows).perplexity
+            del emulated
+        return result
+
+    recipes = rows(args.calib_samples)
+    for row in study.todo("rows", recipes):
+        recipe = recipes[row]
+        with peak_memory() as memory:
+            ours = None
+            if recipe is None:
+                path = float_file
+                ours = leanlm_perplexity(loaded.model, quantized=False)
+            elif isinstance(recipe, tuple):
+                _, kind, weighted = recipe
+                importance = importance_matrix(loaded.model, calibration.batches()) if weighted else None
+                path = quantize_gguf(float_file, work / f"{row.replace(' ', '_')}.gguf", kind, threads=args.threads,
+                                     importance=importance)
+            else:
+                model = copy.deepcopy(loaded.model)
+                record = quantize_(model, recipe, calibration=calibration)
+                ours = leanlm_perplexity(model)
+                checkpoint = save_quantized(loaded, model, record, work / row.replace(" ", "_"))
+                del model
+                path = Path(export_gguf(checkpoint, work / f"{row.replace(' ', '_')}.gguf",
+                                        FLOAT_TYPE_OF_Q4_0)["path"])
+        engine = LlamaCpp(path, context=args.seq_len, threads=args.threads)
+        scored = engine.perplexity(windows)
+        del engine
+        value = {**describe_file(path), "llama_cpp": scored, "peak_rss_bytes": memory.peak_bytes}
+        if ours is not None:
+            value["leanlm"] = ours
+        study.record("rows", row, value, summary=lambda v: f"llama.cpp {v['llama_cpp']['perplexity']:.3f}" + (
+            f", leanlm {v['leanlm']['perplexity']:.3f}" if "leanlm" in v else "") + f", {v['file_bytes']:,} bytes")
+    print(report(study.payload))
+    print(f"wrote {study.path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""llama.cpp as a peer, through its Python bindings (`llama-cpp-python`, the `llama` extra: pip compiles llama.cpp
+from source, 15-35 minutes on 2 cores, so it is a benchmark dependency, never a test one).
+
+- `LlamaCpp(path).perplexity(windows)`: llama.cpp's own forward pass scores exactly the windows leanlm scores
+  (`leanlm.evaluation.perplexity.perplexity_windows`), one context per window, so the two perplexities compare
+  token for token.
+- `quantize_gguf(source, out, kind, importance=...)`: llama.cpp's own quantizer (`llama_model_quantize`), with an
+  importance matrix (per tensor, the mean square of each input column over calibration tokens, which is what
+  llama.cpp's `llama-imatrix` tool accumulates) when one is given.
+- `with_q8_0_activations(model)`: the same model in PyTorch with the one rounding llama.cpp's CPU matmuls add to
+  a quantized weight: each input row cut into blocks of 32, rounded to int8 with a float16 scale (its Q8_0
+  `vec_dot` type), so a leanlm perplexity can be split into the weights' part and this one.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+INSTALL = "pip install llama-cpp-python==0.3.36 (or the `llama` extra; it compiles llama.cpp, 15-35 min on 2 cores)"
+QUANTIZE_TYPES = ("q4_0", "q4_1", "q8_0")
+
+
+def llama_cpp_module():
+    """The bindings, or SystemExit with how to install them."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemExit(f"llama.cpp's Python bindings are not installed: {INSTALL}") from None
+    return llama_cpp
+
+
+def llama_cpp_version() -> str:
+    return llama_cpp_module().__version__
+
+
+class LlamaCpp:
+    """One GGUF loaded by llama.cpp on the CPU, scoring whole windows of at most `context` tokens."""
+
+    def __init__(self, path: str | os.PathLike, *, context: int = 512, threads: int = 2):
+        llama_cpp = llama_cpp_module()
+        self.path = Path(path)
+        self.model = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_batch=context, n_ubatch=context,
+                                     n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
+
+    def window_nll(self, ids: list[int]) -> float:
+        """Sum over positions of -log P(ids[t+1] | ids[..t]), from llama.cpp's logits of one fresh context."""
+        self.model.reset()  # the next eval starts at position 0 and clears the KV cache past it
+        self.model.eval(ids)
+        logits = torch.from_numpy(np.asarray(self.model.scores[: len(ids) - 1], dtype=np.float32))
+        return F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum").item()
+
+    def perplexity(self, windows: list[list[int]]) -> dict:
+        """The protocol of `leanlm.evaluation.perplexity` on llama.cpp: the mean NLL over every predicted token."""
+        total, predicted, seconds = 0.0, 0, 0.0
+        for ids in windows:
+            started = time.perf_counter()
+            total += self.window_nll(ids)
+            seconds += time.perf_counter() - started
+            predicted += len(ids) - 1
+        return {"perplexity": math.exp(total / predicted), "tokens": predicted, "windows": len(windows),
+                "seconds": seconds, "tokens_per_second": sum(map(len, windows)) / seconds}
+
+
+def round_trip_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x as llama.cpp's quantize_row_q8_0 leaves it: blocks of 32 along the last dimension, d = absmax / 127,
+    q = round(x / d) (with the float32 d), values q * float16(d)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.round(torch.where(d > 0, blocks / d, 0.0))
+    return (q * d.half().float()).reshape(x.shape).to(x.dtype)
+
+
+def with_q8_0_activations(model: torch.nn.Module, *, embedding_q8_0: bool = True) -> torch.nn.Module:
+    """A copy of `model` whose linear layers (every module with `in_features`, the output projection included)
+    see Q8_0-rounded inputs, and (`embedding_q8_0`) whose tied embedding is rounded to Q8_0 as the GGUF stores it."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    copied = copy.deepcopy(model)
+    if embedding_q8_0:
+        embedding = copied.get_input_embeddings()
+        weights = embedding.weight.detach().float().numpy()
+        rounded = dequantize(quantize(weights, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+        embedding.weight = torch.nn.Parameter(torch.from_numpy(rounded.copy()), requires_grad=False)
+        if getattr(copied.config, "tie_word_embeddings", False):
+            copied.get_output_embeddings().weight = embedding.weight
+    for module in copied.modules():
+        if hasattr(module, "in_features") and module.in_features % 32 == 0:
+            module.register_forward_pre_hook(lambda module, args: (round_trip_q8_0(args[0]), *args[1:]))
+    return copied
+
+
+def quantize_gguf(source: str | os.PathLike, out: str | os.PathLike, kind: str, *, threads: int = 2,
+                  importance: dict[str, np.ndarray] | None = None) -> Path:
+    """llama.cpp's own quantization of the GGUF `source` to `kind` (one of QUANTIZE_TYPES), optionally weighted by
+    an importance matrix {GGUF tensor name: (input columns,) mean squared activation}; written atomically."""
+    llama_cpp = llama_cpp_module()
+    if kind not in QUANTIZE_TYPES:
+        raise ValueError(f"kind must be one of {', '.join(QUANTIZE_TYPES)}, got {kind!r}")
+    out = Path(out)
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread = threads
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind.upper()}")
+    keep_alive = []  # the C side reads these arrays during the call
+    if importance:
+        entries = (llama_cpp.llama_cpp.llama_model_imatrix_data * (len(importance) + 1))()  # NULL-terminated
+        for entry, (name, values) in zip(entries, importance.items()):
+            values = np.ascontiguousarray(values, dtype=np.float32)
+            keep_alive.append(values)
+            entry.name = name.encode()
+            entry.data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entry.size = values.size
+        params.imatrix = entries
+    status = llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params))
+    if status != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {kind} (status {status})")
+    os.replace(partial, out)
+    return out
