@@ -64,6 +64,8 @@ def rows(calibration_samples: int) -> dict:
         "leanlm GPTQ Q4_0": GPTQConfig(bits=4, act_order=False, calibration_samples=calibration_samples, **grid),
         "leanlm GPTQ Q4_0, act-order": GPTQConfig(bits=4, static_groups=True, calibration_samples=calibration_samples,
                                                   **grid),
+        "leanlm GPTQ Q4_0, act-order, scale search": GPTQConfig(
+            bits=4, static_groups=True, scale_search=True, calibration_samples=calibration_samples, **grid),
     }
 
 
@@ -121,15 +123,15 @@ def plot_rows(payload: dict, path: Path) -> None:
     table = payload.get("rows", {})
     if not table:
         return
-    fig, ax = plt.subplots(figsize=(8, 4))
-    names = list(table)
+    names = list(table)[::-1]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.5))
+    values = [table[name]["llama_cpp"]["perplexity"] for name in names]
+    ax.barh(names, values, color=["tab:blue" if name.startswith("leanlm") else "tab:gray" for name in names])
     for index, name in enumerate(names):
-        row = table[name]
-        ax.scatter(row["file_bytes"] / 2**20, row["llama_cpp"]["perplexity"], s=40)
-        ax.annotate(name, (row["file_bytes"] / 2**20, row["llama_cpp"]["perplexity"]), fontsize=8,
-                    xytext=(4, 4), textcoords="offset points")
-    ax.set_xlabel("file MiB")
-    ax.set_ylabel("WikiText-2 perplexity in llama.cpp")
+        ax.text(values[index], index, f" {values[index]:.2f}  ({table[name]['file_bytes'] / 2**20:.0f} MiB)",
+                va="center", fontsize=8)
+    ax.set_xlim(min(values) * 0.9, max(values) * 1.15)
+    ax.set_xlabel("WikiText-2 perplexity, computed by llama.cpp")
     save_figure(fig, path, titled(payload, "GGUF files in llama.cpp"))
 
 

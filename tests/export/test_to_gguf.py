@@ -31,7 +31,8 @@ def _solved_module(bits=4, seed=0, **settings):
 @pytest.mark.parametrize("bits, block_type, settings", [
     (4, "Q4_0", {}), (8, "Q8_0", {}),
     (4, "Q4_0", {"error_feedback": True, "act_order": True, "static_groups": True}),  # GPTQ, act-order
-], ids=["q4_0", "q8_0", "gptq-act-order-static-groups"])
+    (4, "Q4_0", {"error_feedback": True, "act_order": True, "static_groups": True, "scale_search": True}),
+], ids=["q4_0", "q8_0", "gptq-act-order-static-groups", "gptq-scale-search"])
 def test_symmetric_groups_of_32_are_gguf_blocks_value_for_value(bits, block_type, settings):
     module = _solved_module(bits, **settings)
     blocks, kind = gguf_blocks(module)

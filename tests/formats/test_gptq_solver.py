@@ -3,7 +3,8 @@ import torch
 
 from leanlm.errors import ConfigError
 from leanlm.formats.gptq import SolverSettings, solve
-from leanlm.formats.minmax import dequantize_minmax, fit_minmax, quantize_minmax, round_trip_minmax
+from leanlm.formats.minmax import (dequantize_minmax, fit_minmax, fit_symmetric, quantize_minmax,
+                                   round_trip_minmax, search_symmetric)
 from leanlm.kernels.kbit_gemm import avx2_available
 from leanlm.nn import SpQRLinear
 
@@ -74,6 +75,25 @@ def test_the_symmetric_grid_puts_zero_at_the_middle_code_and_the_largest_value_o
         weight, inputs, solved.weight)
 
 
+def test_the_scale_search_never_does_worse_than_the_rule_and_gptq_gains_from_it():
+    weight, inputs, hessian = _layer()
+    groups = weight.reshape(96, 8, 32)
+    importance = hessian.diagonal().reshape(8, 32)[None]  # each group's own columns
+    rule_scale, zero = fit_symmetric(groups, 4)
+    searched_scale, searched_zero = search_symmetric(groups, 4, importance)
+    assert torch.equal(searched_zero, zero)
+
+    def weighted_error(scale):
+        restored = dequantize_minmax(quantize_minmax(groups, scale, zero, 4), scale, zero)
+        return (importance * (groups - restored).square()).sum(-1)
+
+    assert bool((weighted_error(searched_scale) <= weighted_error(rule_scale) * (1 + 1e-5)).all())
+    searched = SolverSettings(bits=4, group_size=32, grid="symmetric", static_groups=True, scale_search=True)
+    plain = SolverSettings(bits=4, group_size=32, grid="symmetric", static_groups=True)
+    assert _output_error(weight, inputs, solve(weight, hessian, searched).weight) < 0.97 * _output_error(
+        weight, inputs, solve(weight, hessian, plain).weight)
+
+
 def test_static_groups_keep_act_order_groups_on_consecutive_columns():
     weight, inputs, hessian = _layer()
     static = SolverSettings(bits=4, group_size=32, grid="symmetric", static_groups=True)
@@ -88,8 +108,10 @@ def test_static_groups_keep_act_order_groups_on_consecutive_columns():
 
 
 @pytest.mark.parametrize("settings", [RTN, GPTQ, SPQR, SPQR4, SolverSettings(bits=4, group_size=None), SYMMETRIC,
-                                      SolverSettings(bits=4, group_size=32, grid="symmetric", static_groups=True)],
-                         ids=["rtn", "gptq", "spqr", "spqr-4bit", "per-row", "symmetric", "static-groups"])
+                                      SolverSettings(bits=4, group_size=32, grid="symmetric", static_groups=True),
+                                      SolverSettings(bits=4, group_size=32, grid="symmetric", scale_search=True)],
+                         ids=["rtn", "gptq", "spqr", "spqr-4bit", "per-row", "symmetric", "static-groups",
+                              "scale-search"])
 def test_stored_form_reproduces_the_solver_and_counts_every_bit(settings):
     weight, _, hessian = _layer()
     solved = solve(weight, hessian, settings)
@@ -129,6 +151,8 @@ def test_bad_settings_are_named():
         solve(torch.randn(4, 8), torch.eye(6), GPTQ)
     with pytest.raises(ConfigError, match="grid must be one of minmax, symmetric"):
         SolverSettings(grid="nf4")
+    with pytest.raises(ConfigError, match="scale search chooses the symmetric grid"):
+        SolverSettings(scale_search=True)
     with pytest.raises(ConfigError, match="static groups are fitted once"):
         SolverSettings(static_groups=True, outlier_threshold=0.2)
     with pytest.raises(ConfigError, match="min-max only"):

@@ -83,8 +83,9 @@ def gguf_blocks(module: nn.Module) -> tuple[np.ndarray, gguf.GGMLQuantizationTyp
     ConfigError naming why no block type does."""
     kind = type(module).__name__
     if not isinstance(module, SpQRLinear):
-        raise ConfigError(f"{kind} has no GGUF block type (k-bit codebooks, NF4 and per-channel int8 are not "
-                          "llama.cpp grids); export RTN or GPTQ quantized with --grid symmetric --group-size 32")
+        raise ConfigError(f"{kind} has no GGUF block type (NF4 / FP4 / dynamic codebooks are not uniform grids; "
+                          "k-bit int blocks keep a float32 absmax, not Q4_0's float16 scale; int8 W8A8 is per "
+                          "channel): quantize with rtn or gptq --grid symmetric --group-size 32")
     problems = []
     if module.statistic_bits is not None or module.outlier_count:
         problems.append("SpQR's quantized statistics and outliers")

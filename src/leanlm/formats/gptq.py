@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.errors import ConfigError
-from leanlm.formats.minmax import GRIDS, dequantize_minmax, fit_minmax, quantize_minmax, round_trip_minmax
+from leanlm.formats.minmax import (GRIDS, dequantize_minmax, fit_minmax, quantize_minmax, round_trip_minmax,
+                                   search_symmetric)
 
 FLOAT16_MAX = 65504.0
 
@@ -45,6 +46,9 @@ class SolverSettings:
     # permutation leaves groups contiguous (what GGUF blocks and compressed-tensors groups are); else each group
     # is fitted when the solver reaches it, on the feedback-updated weights, in the permuted order.
     static_groups: bool = False
+    # Symmetric grid: choose each group's scale by its squared error weighted by the Hessian's diagonal (llama.cpp's
+    # importance-matrix search, `search_symmetric`) instead of the rounding rule's.
+    scale_search: bool = False
 
     def __post_init__(self):
         if not 2 <= self.bits <= 8:
@@ -61,6 +65,8 @@ class SolverSettings:
             raise ConfigError(f"damping must be 0 or more, got {self.damping}")
         if self.grid not in GRIDS:
             raise ConfigError(f"grid must be one of {', '.join(GRIDS)}, got {self.grid!r}")
+        if self.scale_search and self.grid != "symmetric":
+            raise ConfigError("scale search chooses the symmetric grid's scale (grid='symmetric')")
         if self.static_groups and self.outlier_threshold is not None:
             raise ConfigError("static groups are fitted once, before solving; SpQR's outlier search refits them")
         if self.grid != "minmax" and (self.statistic_bits is not None or self.outlier_threshold is not None):
@@ -121,14 +127,18 @@ def _leave_one_out_outliers(group: torch.Tensor, diagonal: torch.Tensor, bits: i
     return (base - loo) > threshold
 
 
-def _group_statistics(group: torch.Tensor, outliers: torch.Tensor, settings: SolverSettings
-                      ) -> tuple[QuantizedStatistic, QuantizedStatistic]:
-    """Min-max statistics of a group, fitted without its outliers (replaced by the mean of the row's others)."""
+def _group_statistics(group: torch.Tensor, outliers: torch.Tensor, settings: SolverSettings,
+                      importance: torch.Tensor | None = None) -> tuple[QuantizedStatistic, QuantizedStatistic]:
+    """Statistics of a group, fitted without its outliers (replaced by the mean of the row's others);
+    `importance` (one weight per column: the Hessian's diagonal) weighs the scale search."""
     if outliers.any():
         kept = (~outliers).float()
         row_mean = (group * kept).sum(dim=1, keepdim=True) / kept.sum(dim=1, keepdim=True).clamp(min=1)
         group = torch.where(outliers, row_mean, group)
-    scale, zero = GRIDS[settings.grid](group, settings.bits)
+    if settings.scale_search:
+        scale, zero = search_symmetric(group, settings.bits, importance)
+    else:
+        scale, zero = GRIDS[settings.grid](group, settings.bits)
     return quantize_statistic(scale, settings), quantize_statistic(zero, settings)
 
 
@@ -177,8 +187,8 @@ def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSe
     static = None
     if settings.static_groups and settings.error_feedback:
         unmasked = torch.zeros(rows, group, dtype=torch.bool)
-        static = [_group_statistics(W[:, start:start + group], unmasked[:, : min(group, columns - start)], settings)
-                  for start in range(0, columns, group)]
+        static = [_group_statistics(W[:, start:start + group], unmasked[:, : min(group, columns - start)], settings,
+                                    H.diagonal()[start:start + group]) for start in range(0, columns, group)]
     permutation = None
     if settings.act_order and settings.error_feedback:
         permutation = torch.argsort(H.diagonal(), descending=True)
@@ -210,7 +220,7 @@ def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSe
                 if threshold is not None:
                     outliers[:, j:stop] |= _leave_one_out_outliers(W[:, j:stop], diagonal[j:stop], settings.bits,
                                                                    threshold)
-                scale, zero = _group_statistics(W[:, j:stop], outliers[:, j:stop], settings)
+                scale, zero = _group_statistics(W[:, j:stop], outliers[:, j:stop], settings, H.diagonal()[j:stop])
                 scales.append(scale)
                 zeros.append(zero)
             w = W[:, j]

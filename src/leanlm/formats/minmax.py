@@ -36,6 +36,29 @@ def fit_symmetric(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     return scale, torch.full_like(scale, float(half))
 
 
+def search_symmetric(x: torch.Tensor, bits: int, importance: torch.Tensor | None = None,
+                     steps: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) of the symmetric grid with each slice's scale chosen by weighted squared error, as
+    llama.cpp's importance-matrix quantizer chooses a block's: for 2 * steps + 1 candidate rounding scales
+    (the rule's -2^(b-1) / extreme, moved by tenths of a code), round, take the least-squares scale of those codes
+    (sum w x q / sum w q^2) and keep the candidate whose error sum w (x - scale q)^2 is smallest. `importance`:
+    one weight per position of the last dimension (a Hessian's diagonal); None weighs all alike."""
+    half = 2 ** (bits - 1)
+    weights = torch.ones(x.shape[-1]) if importance is None else importance.float()
+    extreme = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))  # (..., 1)
+    safe = torch.where(extreme == 0, 1.0, extreme)
+    best_scale = extreme.squeeze(-1) / -half
+    best_error = torch.full_like(best_scale, float("inf"))
+    for step in range(-steps, steps + 1):
+        codes = torch.clamp(torch.round(x * (-(half + 0.1 * step) / safe)), -half, half - 1)
+        denominator = (weights * codes.square()).sum(dim=-1)
+        scale = (weights * x * codes).sum(dim=-1) / torch.where(denominator > 0, denominator, 1.0)
+        error = (weights * (x - scale[..., None] * codes).square()).sum(dim=-1)
+        better = error < best_error
+        best_scale, best_error = torch.where(better, scale, best_scale), torch.where(better, error, best_error)
+    return best_scale, torch.full_like(best_scale, float(half))
+
+
 GRIDS = {"minmax": fit_minmax, "symmetric": fit_symmetric}  # grid name -> (x, bits) -> (scale, zero)
 
 

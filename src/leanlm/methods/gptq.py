@@ -33,6 +33,12 @@ class _SolverChecks:
             raise ConfigError(f"calibration_samples must be at least 1, got {self.calibration_samples}")
 
 
+def _scale_search_option():
+    """RTN's and GPTQ's `scale_search` field (one text for both)."""
+    return option(False, "symmetric grid: choose each group's scale among 19 candidates by its squared error "
+                  "(GPTQ: weighted by the Hessian's diagonal), as llama.cpp's importance-matrix quantizer does")
+
+
 def _grid_option():
     """RTN's and GPTQ's `grid` field (one text for both)."""
     return option("minmax", "group grid: minmax (fractional zero) or symmetric (zero 2^(bits-1): with --group-size "
@@ -47,10 +53,11 @@ class RTNConfig(_SolverChecks):
     bits: int = option(4, "bits per weight code (2-8)")
     group_size: int | None = option(128, "input columns per scale and zero, or the whole row", none_word="0")
     grid: str = _grid_option()
+    scale_search: bool = _scale_search_option()
 
     def solver(self) -> SolverSettings:
         return SolverSettings(bits=self.bits, group_size=self.group_size, act_order=False, error_feedback=False,
-                              grid=self.grid)
+                              grid=self.grid, scale_search=self.scale_search)
 
 
 @dataclass(frozen=True)
@@ -66,10 +73,12 @@ class GPTQConfig(_SolverChecks):
     grid: str = _grid_option()
     static_groups: bool = option(False, "fit every group before solving, on consecutive columns, so act-order keeps "
                                         "groups contiguous (for GGUF / compressed-tensors export with act-order)")
+    scale_search: bool = _scale_search_option()
 
     def solver(self) -> SolverSettings:
         return SolverSettings(bits=self.bits, group_size=self.group_size, act_order=self.act_order,
-                              damping=self.damping, grid=self.grid, static_groups=self.static_groups)
+                              damping=self.damping, grid=self.grid, static_groups=self.static_groups,
+                              scale_search=self.scale_search)
 
 
 @dataclass(frozen=True)
