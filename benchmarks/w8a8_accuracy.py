@@ -7,24 +7,41 @@ Writes benchmarks/results/w8a8_accuracy_<model>.json + .png (`_first<N>` appende
 rows are saved as they finish and `--resume` keeps the finished ones of a run with the same settings; `--report`
 prints the table from the saved file.
 
+The part "runtime" gives every row of the main table its speed and memory, in exactly the row's configuration
+(the same calibration, the attention matmuls' simulated int8 inputs included): each row is written as a
+checkpoint, `leanlm eval CKPT` scores one 2048-token window in a fresh process (its peak resident memory is the
+row's), and the rows' forwards over one window are timed in one process, interleaved round by round with the
+float model in float32 and in bfloat16 (the best float path where the CPU has bf16 instructions).
+
     python benchmarks/w8a8_accuracy.py --limit 50 --resume              # full WikiText-2 (about 4 h here)
+    python benchmarks/w8a8_accuracy.py --limit 50 --resume --only runtime   # speed + memory of each row
     python benchmarks/w8a8_accuracy.py --max-tokens 16384 --limit 10    # a quick subset
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
+import torch  # noqa: E402
+
+from leanlm.bench import Study, print_report, results_name, study_arguments, time_prefill, titled  # noqa: E402
+from leanlm.bench.harness import cpu_description  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
-from leanlm.methods import ZEROQUANT, Calibration, SmoothQuantConfig, W8A8Config, calibrate  # noqa: E402
+from leanlm.methods import ZEROQUANT, Calibration, SmoothQuantConfig, W8A8Config, calibrate, quantize_  # noqa: E402
+from leanlm.methods.checkpoint import load_any, save_quantized  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -57,12 +74,58 @@ def fp32_perplexity(payload: dict) -> float | None:
     return payload["rows"].get("FP32", {}).get("results", {}).get("wikitext2", {}).get("perplexity")
 
 
+def measure_runtime(loaded, rows_by_name: dict[str, list], calibration: Calibration,
+                    seq_len: int, repeats: int) -> dict:
+    """Speed and resident memory of each row's configuration (see the module's docstring)."""
+    runtime = {"tokens": seq_len, "cpu": cpu_description(), "threads": torch.get_num_threads(), "rows": {}}
+    models = {"fp32": loaded.model, "bf16": load_any(loaded.name).model.to(torch.bfloat16)}
+    with tempfile.TemporaryDirectory(prefix="leanlm-w8a8-runtime-") as work:
+        for index, (name, configs) in enumerate(rows_by_name.items()):
+            source = loaded.name
+            if configs:
+                quantized = load_any(loaded.name).model
+                record = quantize_(quantized, configs, calibration=calibration)
+                source = save_quantized(loaded, quantized, dict(record), Path(work) / f"row{index}")
+                del quantized
+            out = Path(work) / f"row{index}.json"
+            # A fresh process per row: its peak resident memory is what evaluating this row costs a user.
+            subprocess.run([sys.executable, "-m", "leanlm.cli.main", "eval", str(source), "--tasks", "wikitext2",
+                            "--max-tokens", str(seq_len), "--seq-len", str(seq_len), "--json", str(out)],
+                           check=True, stdout=subprocess.DEVNULL, env={**os.environ, "TQDM_DISABLE": "1"})
+            evaluated = json.loads(out.read_text())
+            runtime["rows"][name] = {"peak_rss_bytes": evaluated["peak_rss_bytes"],
+                                     "weights_bytes": evaluated["weights_bytes"],
+                                     "perplexity_first_window": evaluated["results"]["wikitext2"]["perplexity"]}
+            models[name] = load_any(source).model
+            print(f"runtime {name}: peak RSS {evaluated['peak_rss_bytes'] / 2**20:.0f} MiB", flush=True)
+        ids = torch.randint(0, loaded.tokenizer.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
+        timings = time_prefill(models, ids, repeats)
+    runtime["float_paths"] = {name: timings[name] for name in ("fp32", "bf16")}
+    for name, row in runtime["rows"].items():
+        row.update(timings[name])
+    return runtime
+
+
 def report(payload: dict) -> str:
     fp32, table = fp32_perplexity(payload), []
+    runtime = payload.get("runtime", {})
     for name, row in payload["rows"].items():
         ppl = row["results"]["wikitext2"]["perplexity"]
-        table.append([name, ppl, f"{100 * (ppl / fp32 - 1):+.1f}%" if fp32 else "-", row["zero_shot_average"]])
-    return format_table(["setting", "wikitext2 ppl", "vs FP32", "zero-shot avg"], table, markdown=True)
+        line = [name, ppl, f"{100 * (ppl / fp32 - 1):+.1f}%" if fp32 else "-", row["zero_shot_average"]]
+        if runtime:
+            run = runtime["rows"][name]
+            line += [f"{run['tokens_per_second']:.0f} ({run['speedup_vs_best_float']:.2f}x)",
+                     f"{run['peak_rss_bytes'] / 2**20:.0f}", f"{run['weights_bytes'] / 2**20:.0f}"]
+        table.append(line)
+    header = ["setting", "wikitext2 ppl", "vs FP32", "zero-shot avg"]
+    if not runtime:
+        return format_table(header, table, markdown=True)
+    floats = runtime["float_paths"]
+    header += [f"tokens/s, {runtime['tokens']}-token forward (vs best float)", "peak RSS MiB", "stored MiB"]
+    return (f"Forward of one {runtime['tokens']}-token window on {runtime['cpu']}, {runtime['threads']} threads; "
+            f"the float model runs {floats['fp32']['tokens_per_second']:.0f} tokens/s in float32 and "
+            f"{floats['bf16']['tokens_per_second']:.0f} in bfloat16 in the same interleaved rounds.\n\n"
+            + format_table(header, table, markdown=True))
 
 
 def plot_accuracy(payload: dict, path) -> None:
@@ -96,6 +159,7 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, nargs=3, default=(0.5, 0.7, 0.7), metavar=("O1", "O2", "O3"),
                         help="migration strength per level (from the sweep)")
     parser.add_argument("--sweep-tokens", type=int, default=8192, help="WikiText-2 tokens per alpha of the sweep")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds of the runtime part")
     args = parser.parse_args()
     name = results_name("w8a8_accuracy", args.model) + (f"_first{args.max_tokens}" if args.max_tokens else "")
     if args.report:
@@ -115,6 +179,9 @@ def main() -> None:
     study.payload.setdefault("calibration", {"seconds": time.perf_counter() - started})
     calibration = Calibration(tokenizer, samples=args.calib_samples, int8_stats=stats)
 
+    if study.pending("runtime"):
+        study.set("runtime", measure_runtime(loaded, rows(alpha_by_level), calibration, args.seq_len,
+                                             args.repeats))
     study.quantized_rows("rows", model, rows(alpha_by_level), lambda quantized, record: {
         "config": record, **evaluate(quantized, tokenizer, settings)}, calibration=calibration,
         summary=lambda row: f"wikitext2 {row['results']['wikitext2']['perplexity']:.3f}, "

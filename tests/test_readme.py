@@ -23,6 +23,7 @@ REPORTED = {
     "kbit_sweep": ["kbit_sweep_smollm2-135m", "kbit_sweep_gemma3-270m"],
     "llm_int8": ["llm_int8"],
     "qlora": ["qlora_smollm2-135m"],
+    "serve": ["serve_smollm2-135m"],
     "sink_pretraining": ["sink_pretraining"],
     "streaming": ["streaming_smollm2-135m"],
     "swarm": ["swarm"],

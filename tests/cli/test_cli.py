@@ -41,6 +41,8 @@ def test_eval_writes_the_contract_json(tiny_llama_dir, tmp_path, capsys):
         (["finetune", "m", "--data", "d", "--out", "o", "--optimizer-bits", "16"], "--optimizer-bits '16': choose"),
         (["finetune", "m", "--method", "lora", "--base", "nf4", "--data", "d", "--out", "o"], "use --method qlora"),
         (["chat", "--temperature", "-1"], "--temperature: temperature must be 0 or more, got -1.0"),
+        (["serve", "smollm2-135m", "--port", "70000"], "--port: port must be at most 65535, got 70000"),
+        (["serve", "smollm2-135m", "--max-batch", "0"], "--max-batch: max_batch must be positive, got 0"),
     ],
 )
 def test_bad_input_gets_a_one_line_error(argv, message, capsys):

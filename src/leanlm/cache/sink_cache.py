@@ -125,6 +125,27 @@ class SinkCache(Cache):
     def evicted(self) -> int:
         return self.layers[0].evicted if self.layers else 0
 
+    def droppable(self) -> int:
+        """How many of the latest tokens `drop_last` can take back: the window's (the sinks stay)."""
+        self.settle()
+        return max(0, self.get_seq_length() - self.sinks) if self.layers else 0
+
+    def drop_last(self, count: int) -> None:
+        """Forget the latest `count` tokens, as if they had not been read (tokens they pushed out of the window
+        stay out). A conversation whose last turn is rewritten continues from the part both share."""
+        if not 0 <= count <= self.droppable():
+            raise ConfigError(f"cannot drop {count} tokens: only the window's {self.droppable()} can be dropped")
+        if count:
+            for layer in self.layers:
+                layer.keys, layer.values = layer.keys[..., :-count, :], layer.values[..., :-count, :]
+
+    def settle(self) -> None:
+        """Carry out the eviction pending since the last update (a layer evicts lazily, before it next grows), so
+        that every layer's keys and values are exactly what the next token will attend to."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer._evict_overflow()
+
     @property
     def capacity(self) -> int | None:
         return None if self.window is None else self.sinks + self.window

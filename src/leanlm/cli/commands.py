@@ -206,6 +206,16 @@ def command_chat(args) -> None:
         print(flush=True)
 
 
+def command_serve(args) -> None:
+    from dataclasses import asdict
+
+    from leanlm.methods.streaming import StreamingConfig
+    from leanlm.serve import ServeSettings, serve
+
+    streaming = settings_from_args(StreamingConfig, args, asdict(ServeSettings().streaming))
+    serve(args.model, settings_from_args(ServeSettings, args, {"streaming": streaming}))
+
+
 def command_finetune(args) -> None:
     import torch
 

@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     from leanlm.export import FILE_TYPES
     from leanlm.methods import LoRAConfig
     from leanlm.methods.streaming import StreamingConfig
+    from leanlm.serve.server import ServeSettings
     from leanlm.showcase import QUICK_SETTINGS
     from leanlm.swarm import SwarmModelConfig, SwarmRun, SwarmSettings
     from leanlm.training import FinetuneSettings
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     _command(sub, "chat", "multi-round chat that never runs out of context (StreamingLLM); reads one message per "
              "line from stdin when it is not a terminal", commands.command_chat, model=DEFAULT_MODEL,
              settings=(StreamingConfig, ChatSettings), defaults=asdict(ChatSettings().streaming), json=None)
+
+    _command(sub, "serve", "an OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, "
+             "/health) whose conversations never run out of context: each lives in a sink cache", commands.command_serve,
+             settings=(StreamingConfig, ServeSettings), defaults=asdict(ServeSettings().streaming), json=None)
 
     finetune = _command(sub, "finetune", "LoRA / QLoRA fine-tuning; writes a PEFT adapter", commands.command_finetune,
                         settings=(FinetuneSettings, LoRAConfig), interrupted=_finetune_interrupted)

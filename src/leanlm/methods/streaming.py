@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from leanlm.cache.prefix import attached_cushion
 from leanlm.cache.sink_cache import SinkCache, cache_positions_hook, rope_key_shift
 from leanlm.errors import ConfigError, UnsupportedArchitectureError
 from leanlm.models.architectures import architecture_for
@@ -43,16 +44,24 @@ class StreamingConfig:
 
 
 def sink_cache(model: nn.Module, config: StreamingConfig = StreamingConfig()) -> SinkCache:
-    """A fresh SinkCache for one stream (or one batch of equal-length streams) through `model`."""
+    """A fresh SinkCache for one stream through `model`. A model with a CushionCache prefix gets it in front of
+    the sinks, kept like them (without it the prefix hook would give the stream a cache that never evicts)."""
     key_shift = _key_shift(model)
+    cushion = attached_cushion(model)
+    prefix = cushion.length if cushion is not None else 0
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and config.cache_size >= limit:
+    if limit is not None and config.cache_size + prefix >= limit:
         raise ConfigError(
-            f"cache of {config.cache_size} tokens (sinks {config.sinks} + window {config.window}) reaches the model's "
-            f"trained context of {limit}; StreamingLLM keeps the cache inside it (the thesis uses half of it)"
+            f"cache of {config.cache_size + prefix} tokens (sinks {config.sinks} + window {config.window}"
+            f"{f' + a cushion of {prefix}' if prefix else ''}) reaches the model's trained context of {limit}; "
+            "StreamingLLM keeps the cache inside it (the thesis uses half of it)"
         )
     _install_position_hook(model)
-    return SinkCache(config.sinks, config.window, key_shift)
+    cache = SinkCache(config.sinks + prefix, config.window, key_shift)
+    if prefix:
+        for layer, (keys, values) in enumerate(zip(cushion.keys, cushion.values)):
+            cache.update(keys, values, layer)
+    return cache
 
 
 def _key_shift(model: nn.Module):

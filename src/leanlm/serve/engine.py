@@ -1,0 +1,272 @@
+"""The generation engine behind `leanlm serve`: one thread owns the model and advances every request in flight.
+
+Each round gives every active request one step: a chunk of its prompt (prefill in pieces no longer than the
+cache window, so a long prompt delays the others by one chunk per round, not by its whole length) or one new
+token. The new tokens of a round go through the model together, as one batch (continuous batching): each
+request's cache is left-padded to the longest, the padding masked out, each token placed at its own cache
+position, and each request's new keys and values go back into its own cache. Requests join at the next round
+and leave when they finish or their client goes away; at most `max_batch` are active, the rest wait in order.
+
+Every request reads its prompt into a sink cache, so a conversation of any length is answered in bounded memory
+(the middle is evicted, the sinks stay). A prompt that extends an idle conversation's tokens continues that
+conversation's cache (`ConversationStore`) and reads only the new tokens; `cached_tokens` in the usage says how
+many it was spared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+from leanlm.cache.sink_cache import SinkCache
+from leanlm.methods.streaming import StreamingConfig, sink_cache
+from leanlm.serve.conversations import Conversation, ConversationStore
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens a stored conversation's cache had already read
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+Emit = Callable[[tuple], None]  # ("text", piece) / ("done", finish_reason, usage) / ("error", message)
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    sampling: Sampling
+    emit: Emit
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # Filled in by the engine:
+    conversation: Conversation | None = None
+    fed: int = 0  # prompt tokens read so far (a reused conversation's count from the start)
+    generated: list[int] = field(default_factory=list)
+    shown: str = ""  # text already emitted
+    logits: torch.Tensor | None = None
+    generator: torch.Generator | None = None
+    usage: Usage = field(default_factory=Usage)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def stop_token_ids(tokenizer) -> set[int]:
+    """End of sequence, and the end-of-turn tokens of the common chat templates."""
+    ids = {tokenizer.eos_token_id}
+    for token in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    return {i for i in ids if isinstance(i, int)}
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could be the start of a stop string (not to be shown yet)."""
+    return max((n for stop in stops for n in range(min(len(stop) - 1, len(text)), 0, -1)
+                if text.endswith(stop[:n])), default=0)
+
+
+class Engine:
+    """Owns the model; `submit` queues a request, whose events `emit` receives from the engine's thread."""
+
+    def __init__(self, model, tokenizer, streaming: StreamingConfig, *, max_batch: int = 8,
+                 cache_budget_bytes: int = 1 << 30):
+        self.model, self.tokenizer, self.streaming = model, tokenizer, streaming
+        self.max_batch = max_batch
+        self.conversations = ConversationStore(cache_budget_bytes)
+        self.stop_ids = stop_token_ids(tokenizer)
+        sink_cache(model, streaming)  # refuses a model or sizes the sink cache cannot serve, before any request
+        self._waiting: queue.Queue[Request] = queue.Queue()
+        self._active: list[Request] = []
+        self._thread = threading.Thread(target=self._run, name="leanlm-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        self._waiting.put(request)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def _run(self) -> None:
+        while True:
+            self._admit()
+            decoding: list[tuple[Request, int]] = []
+            for request in list(self._active):
+                try:
+                    step = self._step(request)
+                except Exception as error:  # one request's failure ends it, never the engine or the others
+                    step = self._fail(request, error)
+                if isinstance(step, str):
+                    self._end(request, step)
+                elif step is not None:
+                    decoding.append((request, step))
+            if not decoding:
+                continue
+            try:
+                self._feed_tokens(decoding)
+            except Exception:  # a batch that fails in the model is retried one by one, so only the culprit ends
+                for request, token in decoding:
+                    try:
+                        self._feed(request, [token])
+                    except Exception as single_error:
+                        self._end(request, self._fail(request, single_error))
+
+    def _fail(self, request: Request, error: Exception) -> str:
+        request.emit(("error", f"generation failed: {error}"))
+        return "error"
+
+    def _end(self, request: Request, finish: str) -> None:
+        self._active.remove(request)
+        self._retire(request, finish)
+
+    def _admit(self) -> None:
+        """Move waiting requests in (blocking while there is nothing to do)."""
+        while len(self._active) < self.max_batch:
+            try:
+                request = self._waiting.get(block=not self._active)
+            except queue.Empty:
+                return
+            if not request.cancelled.is_set():
+                self._start(request)
+                self._active.append(request)
+
+    def _start(self, request: Request) -> None:
+        conversation = self.conversations.take(request.prompt)
+        if conversation is None:
+            conversation = Conversation([], sink_cache(self.model, self.streaming))
+        request.conversation = conversation
+        request.fed = len(conversation.ids)
+        request.usage = Usage(prompt_tokens=len(request.prompt), cached_tokens=len(conversation.ids))
+        seed = request.sampling.seed
+        request.generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+
+    def _feed(self, request: Request, ids: list[int]) -> None:
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([ids]), past_key_values=request.conversation.cache,
+                             use_cache=True, logits_to_keep=1)
+        request.conversation.ids.extend(ids)
+        request.logits = out.logits[0, -1].float()
+
+    def _feed_tokens(self, decoding: list[tuple[Request, int]]) -> None:
+        """One new token for each request, through the model as one batch."""
+        if len(decoding) == 1:  # no padding needed: the request's own sink cache
+            request, token = decoding[0]
+            return self._feed(request, [token])
+        logits = forward_batch(self.model, [request.conversation.cache for request, _ in decoding],
+                               [token for _, token in decoding])
+        for row, (request, token) in enumerate(decoding):
+            request.conversation.ids.append(token)
+            request.logits = logits[row]
+
+    def _step(self, request: Request) -> str | int | None:
+        """One step of `request`: a prompt chunk (None), or its next token (to be fed with the round's batch), or
+        its finish reason when it is done."""
+        if request.cancelled.is_set():
+            return "cancelled"
+        if request.fed < len(request.prompt):
+            end = min(len(request.prompt), request.fed + self.streaming.window)
+            self._feed(request, request.prompt[request.fed:end])
+            request.fed = end
+            return None
+        token = self._pick(request)
+        if token in self.stop_ids:
+            return "stop"
+        request.generated.append(token)
+        request.usage.completion_tokens = len(request.generated)
+        text = self.tokenizer.decode(request.generated, skip_special_tokens=True)
+        stops = request.sampling.stop
+        hits = [text.find(stop) for stop in stops if stop in text]
+        if hits:
+            self._show(request, text[:min(hits)])
+            return "stop"
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            self._show(request, text[:len(text) - held_back(text, stops)])
+        if len(request.generated) >= request.sampling.max_tokens:
+            self._show(request, text)
+            return "length"
+        return token
+
+    def _show(self, request: Request, text: str) -> None:
+        if len(text) > len(request.shown):
+            request.emit(("text", text[len(request.shown):]))
+            request.shown = text
+
+    def _pick(self, request: Request) -> int:
+        sampling, logits = request.sampling, request.logits
+        if sampling.temperature == 0:
+            return int(logits.argmax())
+        probabilities = torch.softmax(logits / sampling.temperature, dim=-1)
+        if sampling.top_p < 1.0:  # nucleus: the smallest set of most likely tokens holding top_p of the mass
+            sorted_probabilities, order = probabilities.sort(descending=True)
+            outside = sorted_probabilities.cumsum(0) - sorted_probabilities >= sampling.top_p
+            sorted_probabilities[outside] = 0.0
+            probabilities = torch.zeros_like(probabilities).scatter_(0, order, sorted_probabilities)
+        return int(torch.multinomial(probabilities, 1, generator=request.generator))
+
+    def _retire(self, request: Request, finish: str) -> None:
+        """A finished request's conversation goes back to the store (what its cache read identifies it), and its
+        client hears the end."""
+        conversation = request.conversation
+        if conversation is not None and finish in ("stop", "length") and conversation.ids:
+            self.conversations.put(conversation)
+        if finish in ("stop", "length"):
+            request.emit(("done", finish, request.usage))
+
+
+def forward_batch(model, caches: list[SinkCache], tokens: list[int]) -> torch.Tensor:
+    """One token per cache through `model` as one batch: the caches (of any lengths) are left-padded to the
+    longest, the padding masked out, each token placed at its own cache position; each cache then receives its
+    own new keys and values (evicting as it would alone). Returns the float32 logits, one row per cache."""
+    for cache in caches:
+        cache.settle()
+    lengths = [cache.get_seq_length() for cache in caches]
+    longest = max(lengths)
+    batch = DynamicCache()
+    for layer in range(len(caches[0].layers)):
+        batch.update(torch.cat([_left_pad(cache.layers[layer].keys, longest) for cache in caches]),
+                     torch.cat([_left_pad(cache.layers[layer].values, longest) for cache in caches]), layer)
+    mask = torch.zeros(len(caches), longest + 1, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, longest - length:] = 1
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([[token] for token in tokens]), attention_mask=mask,
+                    position_ids=torch.tensor(lengths)[:, None], past_key_values=batch, use_cache=True,
+                    logits_to_keep=1)
+        for row, cache in enumerate(caches):
+            for layer, stored in enumerate(batch.layers):
+                cache.update(stored.keys[row:row + 1, :, -1:], stored.values[row:row + 1, :, -1:], layer)
+    return out.logits[:, -1].float()
+
+
+def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """(1, heads, n, dim) -> (1, heads, length, dim), zeros in front (masked out)."""
+    missing = length - tensor.shape[-2]
+    return tensor if missing == 0 else torch.nn.functional.pad(tensor, (0, 0, missing, 0))
+
+
+def asyncio_emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> Emit:
+    """An `emit` that hands the engine thread's events to a coroutine waiting on `events` in `loop`."""
+    return lambda event: loop.call_soon_threadsafe(events.put_nowait, event)

@@ -1,0 +1,82 @@
+"""Settings and start-up of `leanlm serve`: load the model, build the engine and the app, run uvicorn."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from dataclasses import dataclass
+
+from leanlm.errors import ConfigError
+from leanlm.methods.streaming import StreamingConfig
+from leanlm.settings import option
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    host: str = option("127.0.0.1", "address to listen on (loopback by default; anything else is reachable from "
+                                    "other machines)")
+    port: int = option(8000, "TCP port")
+    streaming: StreamingConfig = option(StreamingConfig(sinks=4, window=2000), "each conversation's cache",
+                                        cli=False)
+    max_batch: int = option(8, "requests generated at once; more wait in order")
+    max_tokens: int = option(256, "tokens an answer takes when a request sets no max_tokens")
+    cache_budget_mb: int = option(1024, "MiB of idle conversations' caches kept for their next turn (least "
+                                        "recently used dropped first)")
+    max_body_kb: int = option(1024, "largest request body accepted, KiB")
+
+    def __post_init__(self):
+        for name in ("port", "max_batch", "max_tokens", "cache_budget_mb", "max_body_kb"):
+            if getattr(self, name) < (0 if name == "cache_budget_mb" else 1):
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.port > 65535:
+            raise ConfigError(f"port must be at most 65535, got {self.port}")
+
+    @property
+    def loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+def build_app(model, tokenizer, model_name: str, settings: ServeSettings = ServeSettings()):
+    """The app serving `model` (any model leanlm loads), with its engine."""
+    from leanlm.serve.api import create_app
+    from leanlm.serve.engine import Engine
+
+    engine = Engine(model, tokenizer, settings.streaming, max_batch=settings.max_batch,
+                    cache_budget_bytes=settings.cache_budget_mb << 20)
+    return create_app(engine, model_name, default_max_tokens=settings.max_tokens,
+                      max_body_bytes=settings.max_body_kb << 10)
+
+
+def _check_address(host: str, port: int) -> None:
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as error:
+        raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}; choose another --port or "
+                          "--host") from None
+
+
+def serve(model_name: str, settings: ServeSettings = ServeSettings()) -> None:
+    """Load `model_name` and serve it until interrupted."""
+    import uvicorn
+
+    from leanlm.methods import load_any
+
+    _check_address(settings.host, settings.port)  # before the model loads, which takes a while
+    if not settings.loopback:
+        log.warning("listening on %s: the API has no authentication and anyone who can reach this address can use "
+                    "it", settings.host)
+    loaded = load_any(model_name)
+    app = build_app(loaded.model, loaded.tokenizer, model_name, settings)
+    print(f"serving {model_name} on http://{settings.host}:{settings.port}/v1 (OpenAI API; cache per conversation: "
+          f"{settings.streaming.sinks} sinks + {settings.streaming.window} recent tokens); Ctrl-C stops", flush=True)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")

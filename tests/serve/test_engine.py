@@ -1,0 +1,77 @@
+"""The engine's batched decode step against each conversation fed alone."""
+
+import copy
+
+import pytest
+import torch
+
+from leanlm.methods.streaming import StreamingConfig, sink_cache
+from leanlm.serve.conversations import Conversation, ConversationStore, cache_bytes
+from leanlm.serve.engine import forward_batch, held_back
+from tiny import tiny_model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_a_batched_step_equals_each_cache_fed_alone(family):
+    """Caches of different lengths, one of them past its window (evicting, keys re-rotated): the batched step's
+    logits and the caches it leaves equal a one-token forward of each alone."""
+    model = tiny_model(family)
+    config = StreamingConfig(sinks=2, window=12)
+    generator = torch.Generator().manual_seed(0)
+    caches = []
+    with torch.inference_mode():
+        for length in (3, 9, 30):
+            cache = sink_cache(model, config)
+            for start in range(0, length, 6):
+                ids = torch.randint(0, 128, (1, min(6, length - start)), generator=generator)
+                model(input_ids=ids, past_key_values=cache, use_cache=True)
+            caches.append(cache)
+    alone = copy.deepcopy(caches)
+    tokens = [5, 17, 99]
+    batched = forward_batch(model, caches, tokens)
+    with torch.inference_mode():
+        for row, (cache, token) in enumerate(zip(alone, tokens)):
+            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            torch.testing.assert_close(batched[row], logits, rtol=1e-4, atol=1e-5)
+    for together, single in zip(caches, alone):
+        together.settle()
+        single.settle()
+        for a, b in zip(together.layers, single.layers):
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-6)
+
+
+def test_the_store_continues_the_longest_prefix_and_keeps_to_its_budget():
+    model = tiny_model("llama")
+    with torch.inference_mode():
+        filled = []
+        for ids in ([1, 2, 3], [1, 2, 3, 4, 5], [7, 8]):
+            cache = sink_cache(model, StreamingConfig(sinks=2, window=16))
+            model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+            filled.append(Conversation(list(ids), cache))
+    size = cache_bytes(filled[0].cache)
+    store = ConversationStore(budget_bytes=10 * size)
+    for conversation in filled:
+        store.put(conversation)
+    assert store.take([1, 2, 3, 4, 5, 6]) is filled[1]  # continued exactly: it leaves the store
+    # Sharing only [1, 2] with [1, 2, 3]: a copy cut back to them, the original stays for its own next turn.
+    cut = store.take([1, 2, 9, 9])
+    assert cut.ids == [1, 2] and cut.cache.get_seq_length() == 2 and len(store) == 2
+    with torch.inference_mode():
+        fresh = sink_cache(model, StreamingConfig(sinks=2, window=16))
+        model(input_ids=torch.tensor([[1, 2]]), past_key_values=fresh, use_cache=True)
+    torch.testing.assert_close(cut.cache.layers[0].keys, fresh.layers[0].keys)
+    assert filled[0].cache.get_seq_length() == 3
+    assert store.take([9]) is None
+    small = ConversationStore(budget_bytes=int(size * 2.5))  # room for two of these: the oldest leaves
+    for conversation in filled:
+        small.put(conversation)
+    assert len(small) == 2
+    taken = small.take([1, 2, 3, 9])  # [1, 2, 3] itself left; what matches now is [1, .., 5] cut back (a copy)
+    assert taken is not filled[0] and taken.ids == [1, 2, 3] and len(small) == 2
+
+
+def test_held_back_text_is_the_part_a_stop_string_could_still_begin():
+    assert held_back("hello wor", ("world",)) == 3
+    assert held_back("hello", ("xyz",)) == 0
+    assert held_back("ab", ("b!", "ab?")) == 2

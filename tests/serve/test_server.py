@@ -1,0 +1,223 @@
+"""`leanlm serve` through the official `openai` client, against a server on a free loopback port (tiny random
+Llama with SmolLM2's tokenizer and chat template)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+import uvicorn
+
+from leanlm.methods.streaming import StreamingConfig
+from leanlm.serve import ServeSettings, build_app
+from leanlm.serve.conversations import cache_bytes
+from tiny import tiny_model
+
+MODEL = "tiny-llama"
+WINDOW = 48  # the tiny model's context is 256: a 50-turn conversation runs far past both
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_tokenizer):
+    model = tiny_model("llama", vocab_size=len(smollm2_tokenizer), seed=1)
+    settings = ServeSettings(streaming=StreamingConfig(sinks=4, window=WINDOW), max_batch=8, max_tokens=16,
+                             cache_budget_mb=64, max_body_kb=64)
+    app = build_app(model, smollm2_tokenizer, MODEL, settings)
+    port = free_port()
+    instance = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=instance.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not instance.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", app
+    instance.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def post(url: str, body: bytes, content_type: str = "application/json") -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_models_and_health(server, client):
+    assert [model.id for model in client.models.list().data] == [MODEL]
+    assert get(server[0] + "/health")["status"] == "ok"
+
+
+def test_chat_completion_whole_and_streamed_give_the_same_greedy_answer(client):
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    answer = whole.choices[0].message.content
+    assert whole.choices[0].finish_reason in ("length", "stop")
+    assert whole.usage.completion_tokens <= 12 and whole.usage.prompt_tokens > 5
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == answer
+    assert finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions_seed_and_stop(client):
+    first = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0,
+                                      top_p=0.9, seed=7)
+    again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0,
+                                      top_p=0.9, seed=7)
+    assert first.choices[0].text == again.choices[0].text  # a seed makes sampling repeatable
+    greedy = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0)
+    text = greedy.choices[0].text
+    assert len(text) > 2
+    stop = text[1:3]  # a stop string the greedy answer contains: the answer ends before it
+    stopped = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0,
+                                        stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[:text.find(stop)]
+
+
+def test_a_conversation_continues_its_cache_and_outlives_the_context(server, client):
+    """50 turns, each resending the whole history as front ends do: every turn after the first reads only its new
+    tokens from the stored conversation, the history grows far past the model's 256 positions and the window, and
+    the cache stays at sinks + window tokens."""
+    messages, read = [], []
+    for turn in range(50):
+        messages.append({"role": "user", "content": f"Turn {turn}: what comes next?"})
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        read.append(reply.usage.prompt_tokens - reply.usage.prompt_tokens_details.cached_tokens)
+    assert reply.usage.prompt_tokens > 4 * 256
+    # A turn adds about 20 tokens (the answer as text, the template's markers, the new question); the answer's
+    # tokens as resent may differ from those generated, and the cache takes back that tail.
+    assert max(read[1:]) <= 30, read
+    health = get(server[0] + "/health")
+    assert health["idle_conversations"] >= 1
+    # Each idle conversation's cache holds at most sinks + window tokens, plus the chunk it read last (evicted at
+    # its next step): keys + values x 2 KV heads x head_dim 16 x float32 per token and layer, 2 layers.
+    per_conversation = (4 + WINDOW + WINDOW) * (2 * 2 * 16 * 4) * 2
+    assert health["conversation_cache_bytes"] <= health["idle_conversations"] * per_conversation
+
+
+def test_eight_concurrent_streams_all_finish(client):
+    results: dict[int, str] = {}
+
+    def talk(index: int) -> None:
+        stream = client.chat.completions.create(model=MODEL, stream=True, max_tokens=8, temperature=0,
+                                                messages=[{"role": "user", "content": f"client {index}"}])
+        results[index] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    threads = [threading.Thread(target=talk, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sorted(results) == list(range(8))
+    # Greedy answers do not depend on what else ran in the same rounds.
+    alone = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
+                                           messages=[{"role": "user", "content": "client 3"}])
+    assert results[3] == alone.choices[0].message.content
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(server, client):
+    stream = client.chat.completions.create(model=MODEL, stream=True, max_tokens=5000, temperature=0,
+                                            messages=[{"role": "user", "content": "a long answer please"}])
+    for index, _ in enumerate(stream):
+        if index == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 20
+    while get(server[0] + "/health")["active_requests"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert get(server[0] + "/health")["active_requests"] == 0
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    (b"{not json", 400, "not valid JSON"),
+    (json.dumps({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "does not exist"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}).encode(), 400,
+     "max_tokens"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}).encode(), 400,
+     "max_tokens"),
+    (json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, "messages"),
+    (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "messages"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400, "role"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 9}).encode(), 400,
+     "temperature"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [""]}).encode(), 400, "stop"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 100_000}]}).encode(), 413, "larger"),
+    (json.dumps([1, 2, 3]).encode(), 400, ""),
+])
+def test_bad_requests_get_openai_style_errors_and_the_server_lives_on(server, client, body, status, fragment):
+    code, payload = post(server[0] + "/v1/chat/completions", body)
+    assert code == status
+    assert fragment in payload["error"]["message"]
+    assert payload["error"]["type"]
+    assert client.models.list().data[0].id == MODEL  # still serving
+
+
+def test_the_openai_client_raises_its_own_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+
+
+def test_a_cushion_model_keeps_its_prefix_in_a_bounded_cache():
+    from leanlm.cache.prefix import Cushion, attach_cushion
+    from leanlm.methods.streaming import sink_cache
+
+    model = tiny_model("llama")
+    keys = [torch.randn(1, 2, 3, 16) for _ in range(2)]
+    attach_cushion(model, Cushion([1, 2, 3], keys, [k.clone() for k in keys]))
+    cache = sink_cache(model, StreamingConfig(sinks=2, window=8))
+    with torch.inference_mode():
+        for _ in range(5):
+            model(input_ids=torch.randint(0, 128, (1, 6)), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 3 + 2 + 8
+    assert torch.equal(cache.layers[0].keys[:, :, :3], keys[0])  # the cushion is never evicted
+    assert cache_bytes(cache) > 0
+
+
+def test_a_busy_port_is_one_line_before_the_model_loads(capsys):
+    from leanlm.cli.main import main
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        started = time.monotonic()
+        code = main(["serve", "smollm2-135m", "--port", str(port)])
+    assert code == 2 and time.monotonic() - started < 5
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
