@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from leanlm.errors import ConfigError
-from leanlm.nn import QUANTIZED_MODULES, SpQRLinear, W8A8Linear
+from leanlm.nn import QUANTIZED_MODULES, SpQRLinear, W8A8Linear, use_gemv_
 
 FORMATS = {W8A8Linear: "int-quantized", SpQRLinear: "pack-quantized"}
 
@@ -131,6 +131,7 @@ def _write(loaded, quantized: dict, scheme: dict, form: str, out: Path) -> dict:
     group = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**scheme["weights"]),
                                input_activations=QuantizationArgs(**scheme["input_activations"])
                                if "input_activations" in scheme else None)
+    use_gemv_(model, use=False)  # compressed-tensors targets modules by class name ("Linear")
     left_float = [name for name, module in model.named_modules()  # lm_head and anything else leanlm kept float
                   if isinstance(module, nn.Linear) and name not in quantized]
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": group}, ignore=left_float))

@@ -46,8 +46,9 @@ def _cache_dir() -> Path:
 
 
 @lru_cache(maxsize=1)
-def _extension():
-    """The compiled kernel, or None (with the reason logged once) where it cannot be built or run."""
+def compiled_kernels():
+    """leanlm's compiled CPU kernels (the 4-bit ones here, the float GEMV of `float_gemv`), or None (with the
+    reason logged once) where they cannot be built or run."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         _log.warning("k-bit kernel: this CPU has no AVX2; using the reference path")
         return None
@@ -71,12 +72,12 @@ def _extension():
 
 
 def avx2_available() -> bool:
-    return _extension() is not None
+    return compiled_kernels() is not None
 
 
 def kernel_isas() -> list[str]:
     """The small-M kernels this machine runs ("in-order" is the fallback for rows not a multiple of 64)."""
-    extension = _extension()
+    extension = compiled_kernels()
     if extension is None:
         return []
     return (["avx512"] if extension.has_avx512() else []) + ["avx2", "in-order"]
@@ -121,7 +122,7 @@ def kbit_linear(
         raise ValueError(f"unknown k-bit backend {backend!r}; choose reference or avx2")
     if isa not in _ISA_CODES:
         raise ConfigError(f"unknown k-bit kernel {isa!r}; choose one of {', '.join(_ISA_CODES)}")
-    extension = _extension()
+    extension = compiled_kernels()
     if extension is None:
         raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
     x = x.contiguous()
@@ -142,7 +143,7 @@ def kbit_linear(
 def dequantize_weight(packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, out_features: int,
                       in_features: int, block_size: int) -> torch.Tensor:
     """The whole (out, in) float32 weight, decoded by the kernel (the backward pass of a frozen k-bit layer)."""
-    extension = _extension()
+    extension = compiled_kernels()
     if extension is None:
         raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
     weight = torch.empty(out_features, in_features, dtype=torch.float32)

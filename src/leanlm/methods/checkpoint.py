@@ -26,7 +26,7 @@ from leanlm.errors import CorruptModelError, ModelNotFoundError
 from leanlm.methods.quantize import after_load, method_names
 from leanlm.models.architectures import architecture_for
 from leanlm.models.loading import LoadedModel, load_model, read_model_config, read_tokenizer
-from leanlm.nn import QUANTIZED_MODULES
+from leanlm.nn import QUANTIZED_MODULES, use_gemv_
 from leanlm.storage import QUANT_FILE, QUANTIZED_MARKER, staged_directory
 
 WEIGHTS_FILE = "model.safetensors"
@@ -175,6 +175,7 @@ def load_quantized(directory: str | os.PathLike) -> tuple[LoadedModel, dict]:
         raise CorruptModelError(f"the weights in {weights} do not fill the model: {(unexpected or left)[:3]}")
     after_load(model, record, directory)  # what the methods derive rather than store
     model.eval()
+    use_gemv_(model)  # what stays float (the lm_head at least) decodes through leanlm's GEMV
     tokenizer = read_tokenizer(directory)
     name = str(directory)
     return LoadedModel(model, tokenizer, name, directory, table, record.get("weights_note")), record

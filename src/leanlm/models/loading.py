@@ -19,6 +19,7 @@ from leanlm.checksums import sha256_of
 from leanlm.errors import CorruptModelError, ModelNotFoundError, UnsupportedArchitectureError
 from leanlm.models.architectures import ArchitectureTable, architecture_for
 from leanlm.models.registry import REGISTRY, gguf_path_of
+from leanlm.nn.float_linear import use_gemv_
 from leanlm.storage import QUANT_FILE, quantized_weights_file, staged_directory
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ def _load_hf_directory(directory: Path, attn_implementation: str):
         raise CorruptModelError(f"the weights in {directory} lack {len(missing)} of the model's tensors "
                                 f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
     model.eval()
+    use_gemv_(model)  # decode steps (at most 8 rows) through leanlm's multi-threaded GEMV
     return model, tokenizer
 
 

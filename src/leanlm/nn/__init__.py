@@ -2,6 +2,7 @@
 calibration or of which model they sit in."""
 
 from leanlm.nn.attention import ATTENTION_NAME, BmmQuantizer, use_int8_bmm_attention
+from leanlm.nn.float_linear import GemvLinear, use_gemv_
 from leanlm.nn.kbit_linear import KbitLinear
 from leanlm.nn.lora import LoRALinear
 from leanlm.nn.spqr_linear import SpQRLinear
@@ -10,4 +11,4 @@ from leanlm.nn.w8a8_linear import SharedInputGemm, W8A8Linear
 # Class name -> class: how a saved checkpoint's module records are turned back into modules.
 QUANTIZED_MODULES = {cls.__name__: cls for cls in (W8A8Linear, BmmQuantizer, KbitLinear, SpQRLinear)}
 
-__all__ = ["ATTENTION_NAME", "BmmQuantizer", "use_int8_bmm_attention", "W8A8Linear", "SharedInputGemm", "KbitLinear", "LoRALinear", "SpQRLinear", "QUANTIZED_MODULES"]
+__all__ = ["GemvLinear", "use_gemv_", "ATTENTION_NAME", "BmmQuantizer", "use_int8_bmm_attention", "W8A8Linear", "SharedInputGemm", "KbitLinear", "LoRALinear", "SpQRLinear", "QUANTIZED_MODULES"]

@@ -181,6 +181,8 @@ struct Ops {
 }  // namespace avx512
 #pragma GCC pop_options
 
+#include "float_gemv.inc"
+
 bool cpu_has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -285,7 +287,38 @@ void dequantize_rows(torch::Tensor packed, torch::Tensor absmax, torch::Tensor t
   });
 }
 
+// y = x @ W^T for M <= 8 rows of x (float32) and W float32 or bfloat16: see float_gemv.inc.
+torch::Tensor float_gemv(torch::Tensor x, torch::Tensor weight, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (M, K)");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
+                  (weight.scalar_type() == torch::kFloat || weight.scalar_type() == torch::kBFloat16),
+              "weight: contiguous float32 or bfloat16 (N, K)");
+  const int64_t rows = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(rows >= 1 && rows <= 8, "float_gemv takes 1 to 8 rows, got ", rows);
+  TORCH_CHECK(weight.size(1) == K, "weight has ", weight.size(1), " columns, x has ", K);
+  if (isa == kAuto) isa = cpu_has_avx512() ? kAvx512 : kAvx2;
+  TORCH_CHECK(isa == kAvx512 || isa == kAvx2, "float_gemv runs avx512 or avx2, got ", isa);
+  TORCH_CHECK(isa != kAvx512 || cpu_has_avx512(), "this CPU has no AVX-512");
+  auto out = torch::empty({rows, N}, x.options());
+  const float* xs = x.data_ptr<float>();
+  float* ys = out.data_ptr<float>();
+  auto run = [&](auto* w) {
+    at::parallel_for(0, N, 64, [&](int64_t first, int64_t last) {
+      if (isa == kAvx512)
+        gemv512::rows_avx512(xs, rows, K, w, N, first, last, ys);
+      else
+        gemv::rows_avx2(xs, rows, K, w, N, first, last, ys);
+    });
+  };
+  if (weight.scalar_type() == torch::kFloat)
+    run(weight.data_ptr<float>());
+  else
+    run(weight.data_ptr<at::BFloat16>());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("float_gemv", &float_gemv, "float32 / bfloat16 weight times at most 8 float32 rows, threads over outputs");
   m.def("kbit4_gemv", &kbit4_gemv, "4-bit weight-only linear, weights decoded in registers");
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernel");
   m.def("dequantize_rows", &dequantize_rows, "4-bit weights of out.size(0) output rows from first_row into out (AVX2)");

@@ -1,0 +1,277 @@
+"""Batch-1 decode and prefill speed and resident memory, leanlm beside llama.cpp on the same model (issue 27).
+
+Every system runs in its own worker process (so that its peak RSS is its own), all loaded at once and driven
+round by round in a rotated order (interleaved rounds, so that a slow spell of this shared machine falls on all
+alike); medians over the rounds. A round: greedy decode of --new-tokens tokens after a --prompt-tokens prompt
+(every token fed back, end-of-sequence ignored, so every system decodes the same count), then one prefill of
+--prefill-tokens tokens computing the last position's logits. leanlm decodes with a manual loop over
+transformers' forward and its DynamicCache (what `leanlm serve` runs); llama.cpp through its Python bindings
+(`Llama.eval`, one token per call). The CPU, the load average before and after, and the threads are recorded.
+Writes benchmarks/results/decode_<model>.json + .png.
+
+    python benchmarks/decode.py                  # leanlm rows; llama.cpp rows where llama-cpp-python is installed
+    python benchmarks/decode.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
+from leanlm.bench.harness import cpu_description  # noqa: E402
+from leanlm.report import format_table, save_figure  # noqa: E402
+
+
+# ---- the worker side: one system, commands on stdin, one JSON line per answer on stdout ----
+
+class LeanlmSystem:
+    def __init__(self, source: str, dtype: str):
+        import torch
+
+        from leanlm.methods import load_any
+
+        torch.set_num_threads(2)
+        self.torch = torch
+        self.model = load_any(source).model
+        if dtype == "bf16":
+            self.model = self.model.to(torch.bfloat16)
+
+    def decode(self, prompt: list[int], new_tokens: int) -> float:
+        """Seconds for `new_tokens` greedy steps after the prompt."""
+        from transformers import DynamicCache
+
+        torch = self.torch
+        with torch.inference_mode():
+            cache = DynamicCache()
+            logits = self.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True,
+                                logits_to_keep=1).logits
+            started = time.perf_counter()
+            for _ in range(new_tokens):
+                token = logits[0, -1].argmax().view(1, 1)
+                logits = self.model(input_ids=token, past_key_values=cache, use_cache=True).logits
+            return time.perf_counter() - started
+
+    def prefill(self, ids: list[int]) -> float:
+        torch = self.torch
+        with torch.inference_mode():
+            started = time.perf_counter()
+            self.model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
+            return time.perf_counter() - started
+
+
+class LlamaCppSystem:
+    def __init__(self, path: str, context: int):
+        from leanlm.bench.llama_cpp import llama_cpp_module
+
+        self.model = llama_cpp_module().Llama(model_path=path, n_ctx=context, n_batch=context, n_ubatch=context,
+                                              n_threads=2, n_threads_batch=2, verbose=False)
+
+    def decode(self, prompt: list[int], new_tokens: int) -> float:
+        import numpy as np
+
+        self.model.reset()
+        self.model.eval(prompt)
+        started = time.perf_counter()
+        for _ in range(new_tokens):
+            token = int(np.argmax(self.model.scores[self.model.n_tokens - 1]))
+            self.model.eval([token])
+        return time.perf_counter() - started
+
+    def prefill(self, ids: list[int]) -> float:
+        self.model.reset()
+        started = time.perf_counter()
+        self.model.eval(ids)
+        return time.perf_counter() - started
+
+
+def worker(kind: str, spec: str, context: int) -> None:
+    system = LlamaCppSystem(spec, context) if kind == "llama.cpp" else LeanlmSystem(*spec.split("|"))
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["do"] == "decode":
+            answer = {"seconds": system.decode(command["prompt"], command["new_tokens"])}
+        elif command["do"] == "prefill":
+            answer = {"seconds": system.prefill(command["ids"])}
+        else:
+            with open("/proc/self/status") as status:
+                fields = dict(line.split(":", 1) for line in status)
+            answer = {"peak_rss_bytes": int(fields["VmHWM"].split()[0]) * 1024}
+        print(json.dumps(answer), flush=True)
+
+
+# ---- the driver ----
+
+class Worker:
+    def __init__(self, kind: str, spec: str, context: int, log: Path):
+        with open(log, "ab") as output:
+            self.process = subprocess.Popen([sys.executable, __file__, "--worker", kind, spec, "--context",
+                                             str(context)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=output, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+        self._answer()
+
+    def ask(self, **command) -> dict:
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def _answer(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited ({self.process.wait()}); see its log")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def systems(model: str, work: Path) -> dict[str, tuple[str, str]]:
+    """Row name -> (kind, spec) of its worker; llama.cpp rows only where its bindings are installed."""
+    rows = {
+        "leanlm FP32": ("leanlm", f"{model}|fp32"),
+        "leanlm BF16": ("leanlm", f"{model}|bf16"),
+        "leanlm NF4+DQ": ("leanlm", f"{work / 'nf4'}|fp32"),
+        "leanlm SmoothQuant O3": ("leanlm", f"{work / 'sq-o3'}|fp32"),
+        "leanlm LLM.int8()": ("leanlm", f"{work / 'llm-int8'}|fp32"),
+    }
+    if importlib.util.find_spec("llama_cpp") is not None:
+        for name in ("F32", "Q8_0", "Q4_0"):
+            rows[f"llama.cpp {name}"] = ("llama.cpp", str(work / f"{name.lower()}.gguf"))
+    return rows
+
+
+def prepare(model: str, work: Path) -> None:
+    """The checkpoints and GGUF files the workers load (made once, kept in the work directory)."""
+    recipes = {"nf4": ["--method", "kbit", "--double-quant"],
+               "sq-o3": ["--method", "smoothquant", "--level", "O3", "--no-bmm", "--calib-samples", "64"],
+               "llm-int8": ["--method", "llm-int8"]}
+    for name, recipe in recipes.items():
+        if not (work / name).exists():
+            subprocess.run([sys.executable, "-m", "leanlm.cli.main", "quantize", model, *recipe, "--out",
+                            str(work / name)], check=True)
+    if importlib.util.find_spec("llama_cpp") is None:
+        return
+    from leanlm.bench.llama_cpp import quantize_gguf
+    from leanlm.export import export_gguf
+
+    if not (work / "f32.gguf").exists():
+        export_gguf(model, work / "f32.gguf", "f32")
+    for kind in ("q8_0", "q4_0"):
+        if not (work / f"{kind}.gguf").exists():
+            quantize_gguf(work / "f32.gguf", work / f"{kind}.gguf", kind)
+
+
+def measure(model: str, work: Path, args) -> dict:
+    from leanlm.data import datasets
+    from leanlm.evaluation.tokens import encode
+    from leanlm.models import load_tokenizer
+
+    ids = encode(load_tokenizer(model), datasets.wikitext2_test_text()[:20_000])
+    prompt, prefill_ids = ids[:args.prompt_tokens], ids[:args.prefill_tokens]
+    context = args.prompt_tokens + args.new_tokens + args.prefill_tokens + 8
+    load_before = os.getloadavg()
+    workers = {name: Worker(kind, spec, context, work / "workers.log") for name, (kind, spec) in
+               systems(model, work).items()}
+    samples = {name: {"decode": [], "prefill": []} for name in workers}
+    try:
+        names = list(workers)
+        for name in names:  # warm-up
+            workers[name].ask(do="decode", prompt=prompt, new_tokens=4)
+            workers[name].ask(do="prefill", ids=prefill_ids)
+        for round_index in range(args.rounds):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                samples[name]["decode"].append(
+                    workers[name].ask(do="decode", prompt=prompt, new_tokens=args.new_tokens)["seconds"])
+                samples[name]["prefill"].append(workers[name].ask(do="prefill", ids=prefill_ids)["seconds"])
+            print(f"round {round_index + 1}/{args.rounds}", flush=True)
+        rows = {}
+        for name, worker_ in workers.items():
+            decode, prefill = statistics.median(samples[name]["decode"]), statistics.median(samples[name]["prefill"])
+            rows[name] = {"decode_tokens_per_second": args.new_tokens / decode,
+                          "decode_ms_per_token": 1e3 * decode / args.new_tokens,
+                          "prefill_tokens_per_second": args.prefill_tokens / prefill,
+                          "peak_rss_bytes": worker_.ask(do="rss")["peak_rss_bytes"], "samples": samples[name]}
+            print(f"{name}: decode {rows[name]['decode_tokens_per_second']:.1f} tok/s, prefill "
+                  f"{rows[name]['prefill_tokens_per_second']:.0f} tok/s", flush=True)
+    finally:
+        for worker_ in workers.values():
+            worker_.close()
+    return {"rows": rows, "cpu": cpu_description(), "load_average_before": load_before,
+            "load_average_after": os.getloadavg()}
+
+
+def report(payload: dict) -> str:
+    run = payload["run"]
+    settings = payload["settings"]
+    head = (f"{run['cpu']}, 2 threads each, load average {run['load_average_before'][0]:.1f} before / "
+            f"{run['load_average_after'][0]:.1f} after; decode of {settings['new_tokens']} tokens after "
+            f"{settings['prompt_tokens']}, prefill of {settings['prefill_tokens']}, medians of {settings['rounds']} "
+            "interleaved rounds")
+    table = [[name, f"{row['decode_tokens_per_second']:.1f}", f"{row['decode_ms_per_token']:.1f}",
+              f"{row['prefill_tokens_per_second']:.0f}", f"{row['peak_rss_bytes'] / 2**20:,.0f}"]
+             for name, row in run["rows"].items()]
+    return head + "\n\n" + format_table(["system", "decode tokens/s", "ms per token", "prefill tokens/s",
+                                         "peak RSS MiB"], table, markdown=True)
+
+
+def plot(payload: dict, path) -> None:
+    rows = payload.get("run", {}).get("rows")
+    if not rows:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    names = list(rows)
+    colors = ["C0" if name.startswith("leanlm") else "C1" for name in names]
+    left.barh(names, [rows[n]["decode_tokens_per_second"] for n in names], color=colors)
+    left.set_xlabel("batch-1 decode tokens/s")
+    left.invert_yaxis()
+    right.barh(names, [rows[n]["peak_rss_bytes"] / 2**20 for n in names], color=colors)
+    right.set_xlabel("peak RSS, MiB")
+    right.invert_yaxis()
+    right.set_yticks([])
+    save_figure(fig, path, titled(payload, "decode: leanlm (blue) and llama.cpp (orange)"))
+
+
+def main() -> None:
+    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--context", type=int, default=1024, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-decode")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(*args.worker, args.context)
+    name = results_name("decode", args.model)
+    if args.report:
+        return print_report(name, report)
+    study = Study(name, {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                         "prefill_tokens": args.prefill_tokens, "rounds": args.rounds}, args, plot=plot)
+    study.payload["model"] = args.model
+    work = args.workdir / args.model
+    work.mkdir(parents=True, exist_ok=True)
+    prepare(args.model, work)
+    if study.pending("run"):
+        study.set("run", measure(args.model, work, args))
+    print(report(study.payload))
+    print(f"wrote {study.path}")
+
+
+if __name__ == "__main__":
+    main()

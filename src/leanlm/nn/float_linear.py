@@ -1,0 +1,35 @@
+"""Float linears that decode fast: `GemvLinear` is an nn.Linear (same parameters, same state dict, same class
+checks) whose forward at most 8 rows of input (a batch-1 or small-batch decode step) runs leanlm's
+multi-threaded GEMV kernel (`leanlm.kernels.float_gemv`) instead of the single-threaded sgemv MKL picks there;
+anything larger, or anything needing gradients, is nn.Linear's own forward.
+
+`use_gemv_(model)` turns every plain float nn.Linear of a model into one (in place, by class: no copy), which is
+what leanlm's loaders do, so the float model, the lm_head of every quantized checkpoint and the layers a
+method leaves in float all decode through it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from leanlm.kernels.float_gemv import small_m_linear
+
+
+class GemvLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = small_m_linear(x, self.weight, self.bias)
+        return super().forward(x) if out is None else out
+
+
+def use_gemv_(model: nn.Module, use: bool = True) -> int:
+    """Every plain nn.Linear of `model` becomes a GemvLinear (subclasses, such as quantized or adapter layers,
+    are left alone); `use=False` turns them back (for libraries that match modules by class name, such as
+    compressed-tensors' "Linear" targets). Returns how many changed."""
+    before, after = (nn.Linear, GemvLinear) if use else (GemvLinear, nn.Linear)
+    count = 0
+    for module in model.modules():
+        if type(module) is before:
+            module.__class__ = after
+            count += 1
+    return count
