@@ -1,5 +1,6 @@
 """`leanlm serve` under load, beside llama.cpp's OpenAI server on the same model (issue 28): 1, 4 and 8 concurrent
-streaming clients, the same prompts for every server, each server a subprocess on a free 127.0.0.1 port.
+streaming clients, the same prompts for every server, each server a subprocess on a free 127.0.0.1 port. All
+servers run at once and are loaded in a rotated order, round by round (medians over --rounds rounds).
 Per server and client count: aggregate tokens/s (streamed content chunks over wall time), time to first token
 and the gaps between tokens (p50 / p99), the server's peak RSS; and the time to first token of one long prompt.
 Then a long conversation against leanlm (every turn resends the whole history, as chat front ends do): tokens
@@ -109,41 +110,75 @@ def stream_once(client, model: str, messages: list[dict], tokens: int) -> dict:
     return {"arrivals": arrivals, "text": "".join(text)}
 
 
-def load_row(url: str, model: str, tokens: int) -> dict:
-    """1, 4 and 8 concurrent clients, each streaming one answer; aggregate and per-client figures."""
+def clients_round(client, model: str, tokens: int, clients: int, round_index: int) -> dict:
+    """`clients` concurrent clients, each streaming one answer to its own prompt (new in every round, so no
+    server answers from a cache of the previous round's; a shared system prompt stays shared)."""
+    results: list[dict] = [{} for _ in range(clients)]
+
+    def run(index: int) -> None:
+        messages = [{"role": "user", "content": f"Story {round_index}.{index}: write a short story about "
+                                                f"{TOPICS[index % len(TOPICS)]}."}]
+        results[index] = stream_once(client, model, messages, tokens)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    produced = sum(len(r["arrivals"]) for r in results)
+    return {"tokens_per_second": produced / wall, "tokens": produced, "seconds": wall,
+            "first": [r["arrivals"][0] for r in results if r["arrivals"]],
+            "gaps": [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])]}
+
+
+def long_prompt(round_index: int) -> str:
+    """About 1,800 tokens, different from the first token on in every round (a cold prefill)."""
+    return f"Document {round_index}. " + " ".join(
+        f"Sentence {i} of a long document about {TOPICS[(i + round_index) % len(TOPICS)]}." for i in range(150))
+
+
+def load_rounds(servers: dict[str, tuple], tokens: int, rounds: int) -> dict:
+    """Every server under 1, 4 and 8 clients and one long prompt, the servers taken in a rotated order in each of
+    `rounds` rounds (so that a slow spell of this shared machine falls on all alike); medians over the rounds,
+    latency percentiles over every sample."""
     import openai
 
-    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
-    stream_once(client, model, [{"role": "user", "content": "Hello"}], 4)  # warm-up
-    row = {}
-    for clients in CLIENTS:
-        results: list[dict] = [{} for _ in range(clients)]
-
-        def run(index: int) -> None:
-            messages = [{"role": "user", "content": f"Write a short story about {TOPICS[index % len(TOPICS)]}."}]
-            results[index] = stream_once(client, model, messages, tokens)
-
-        started = time.perf_counter()
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - started
-        first = [r["arrivals"][0] for r in results if r["arrivals"]]
-        gaps = sorted(b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:]))
-        produced = sum(len(r["arrivals"]) for r in results)
-        row[str(clients)] = {
-            "aggregate_tokens_per_second": produced / wall, "tokens": produced, "seconds": wall,
-            "ttft_p50_s": statistics.median(first), "ttft_max_s": max(first),
-            "token_gap_p50_s": statistics.median(gaps) if gaps else None,
-            "token_gap_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None,
-        }
-        print(f"  {clients} clients: {produced / wall:.1f} tok/s, ttft p50 {statistics.median(first):.2f} s", flush=True)
-    long_text = " ".join(f"Sentence {i} of a long document about {TOPICS[i % len(TOPICS)]}." for i in range(150))
-    long = stream_once(client, model, [{"role": "user", "content": long_text + " Summarise it."}], 8)
-    row["long_prompt_ttft_s"] = long["arrivals"][0] if long["arrivals"] else None
-    return row
+    clients = {name: openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+               for name, (url, _) in servers.items()}
+    for name, (_, model) in servers.items():  # warm-up
+        stream_once(clients[name], model, [{"role": "user", "content": "Hello"}], 4)
+    samples = {name: {str(c): [] for c in CLIENTS} | {"long": []} for name in servers}
+    names = list(servers)
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            model = servers[name][1]
+            for count in CLIENTS:
+                samples[name][str(count)].append(clients_round(clients[name], model, tokens, count, round_index))
+            long = stream_once(clients[name], model,
+                               [{"role": "user", "content": long_prompt(round_index) + " Summarise it."}], 8)
+            samples[name]["long"].append(long["arrivals"][0] if long["arrivals"] else None)
+        print(f"round {round_index + 1}/{rounds}: " + ", ".join(
+            f"{name} {samples[name]['8'][-1]['tokens_per_second']:.0f}" for name in names) + " tok/s at 8 clients",
+            flush=True)
+    rows = {}
+    for name in names:
+        row = {}
+        for count in CLIENTS:
+            runs = samples[name][str(count)]
+            first = sorted(t for r in runs for t in r["first"])
+            gaps = sorted(g for r in runs for g in r["gaps"])
+            row[str(count)] = {
+                "aggregate_tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
+                "tokens": [r["tokens"] for r in runs], "seconds": [r["seconds"] for r in runs],
+                "ttft_p50_s": statistics.median(first), "ttft_max_s": max(first),
+                "token_gap_p50_s": statistics.median(gaps) if gaps else None,
+                "token_gap_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None}
+        row["long_prompt_ttft_s"] = statistics.median(t for t in samples[name]["long"] if t is not None)
+        rows[name] = row
+    return rows
 
 
 def conversation(url: str, model: str, turns: int, tokens: int, rss) -> list[dict]:
@@ -253,29 +288,38 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens of every answer")
     parser.add_argument("--window", type=int, default=1000, help="leanlm's sink-cache window")
     parser.add_argument("--turns", type=int, default=80, help="turns of the long conversation")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the load test")
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-serve")
     args = parser.parse_args()
     name = results_name("serve", args.model)
     if args.report:
         return print_report(name, report)
-    study = Study(name, {"tokens": args.tokens, "window": args.window, "turns": args.turns}, args, plot=plot)
+    study = Study(name, {"tokens": args.tokens, "window": args.window, "turns": args.turns, "rounds": args.rounds},
+                  args, plot=plot)
     study.payload.update(model=args.model, cpu=cpu_description())
     work = args.workdir / args.model
     work.mkdir(parents=True, exist_ok=True)
     prepare(args, work)
     commands = systems(args, work)
-    for row in study.todo("rows", [name for name, command in commands.items() if command is not None]):
-        print(row, flush=True)
-        server = Server(commands[row] + ["--port", str(port := free_port())], port, work / "server.log")
+    if study.pending("rows"):
+        running: dict[str, Server] = {}
         try:
-            value = load_row(server.url, args.model if row.startswith("llama.cpp") else _served_name(commands[row]),
-                             args.tokens)
-            value["peak_rss_bytes"] = server.peak_rss()
+            for row, command in commands.items():
+                if command is not None:
+                    running[row] = Server(command + ["--port", str(port := free_port())], port,
+                                          work / f"{row.replace(' ', '_')}.log")
+            rows = load_rounds({row: (server.url, args.model if row.startswith("llama.cpp") else
+                                      _served_name(commands[row])) for row, server in running.items()},
+                               args.tokens, args.rounds)
+            for row, server in running.items():
+                rows[row]["peak_rss_bytes"] = server.peak_rss()
         finally:
-            server.stop()
-        study.record("rows", row, value)
+            for server in running.values():
+                server.stop()
+        study.set("rows", rows)
     if study.pending("conversation"):
-        server = Server(commands["leanlm FP32"] + ["--port", str(port := free_port())], port, work / "server.log")
+        server = Server(commands["leanlm FP32"] + ["--port", str(port := free_port())], port,
+                        work / "conversation.log")
         try:
             study.set("conversation", conversation(server.url, args.model, args.turns, 16, server.rss))
         finally:
