@@ -31,7 +31,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
-from leanlm.bench.harness import cpu_description  # noqa: E402
+from leanlm.bench.harness import cpu_description, process_peak_rss_bytes  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 
@@ -107,9 +107,7 @@ def worker(kind: str, spec: str, context: int) -> None:
         elif command["do"] == "prefill":
             answer = {"seconds": system.prefill(command["ids"])}
         else:
-            with open("/proc/self/status") as status:
-                fields = dict(line.split(":", 1) for line in status)
-            answer = {"peak_rss_bytes": int(fields["VmHWM"].split()[0]) * 1024}
+            answer = {"peak_rss_bytes": process_peak_rss_bytes()}
         print(json.dumps(answer), flush=True)
 
 

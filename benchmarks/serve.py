@@ -35,7 +35,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
-from leanlm.bench.harness import cpu_description  # noqa: E402
+from leanlm.bench.harness import cpu_description, process_memory_bytes  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 CLIENTS = (1, 4, 8)
@@ -46,14 +46,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def process_rss(pid: int, field: str = "VmHWM") -> int:
-    with open(f"/proc/{pid}/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 class Server:
@@ -83,10 +75,10 @@ class Server:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def peak_rss(self) -> int:
-        return process_rss(self.process.pid)
+        return process_memory_bytes(self.process.pid)
 
     def rss(self) -> int:
-        return process_rss(self.process.pid, "VmRSS")
+        return process_memory_bytes(self.process.pid, "VmRSS")
 
     def stop(self) -> None:
         if self.process.poll() is None:

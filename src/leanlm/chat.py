@@ -43,8 +43,7 @@ class StreamingChat:
         self.messages: list[dict] = []
         self.fed_text = ""  # everything the cache has read so far, as text
         self.generator = torch.Generator().manual_seed(settings.seed)
-        self.stop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-                         if isinstance(i, int) and i != tokenizer.unk_token_id}
+        self.stop_ids = stop_token_ids(tokenizer)
 
     def reply(self, user_text: str, on_text: Callable[[str], None] = lambda piece: None) -> str:
         self.messages.append({"role": "user", "content": user_text})
@@ -90,7 +89,28 @@ class StreamingChat:
         return logits[0, -1]
 
     def _pick(self, logits: torch.Tensor) -> int:
-        if self.settings.temperature == 0:
-            return int(logits.argmax())
-        probabilities = torch.softmax(logits.float() / self.settings.temperature, dim=-1)
-        return int(torch.multinomial(probabilities, 1, generator=self.generator))
+        return sample_token(logits, self.settings.temperature, 1.0, self.generator)
+
+
+def stop_token_ids(tokenizer) -> set[int]:
+    """End of sequence, and the end-of-turn tokens of the common chat templates."""
+    ids = {tokenizer.eos_token_id}
+    for token in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    return {i for i in ids if isinstance(i, int)}
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """Greedy at temperature 0; else a draw from softmax(logits / temperature), cut to the nucleus (the smallest
+    set of most likely tokens holding `top_p` of the mass) when top_p < 1."""
+    if temperature == 0:
+        return int(logits.argmax())
+    probabilities = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probabilities, order = probabilities.sort(descending=True)
+        outside = sorted_probabilities.cumsum(0) - sorted_probabilities >= top_p
+        sorted_probabilities[outside] = 0.0
+        probabilities = torch.zeros_like(probabilities).scatter_(0, order, sorted_probabilities)
+    return int(torch.multinomial(probabilities, 1, generator=generator))

@@ -172,8 +172,8 @@ def time_prefill(models: dict[str, nn.Module], ids: torch.Tensor, repeats: int,
     return add_speedups(results, "median_s")
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as handle:
+def _status_kib(field: str, pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as handle:
         for line in handle:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
@@ -181,6 +181,11 @@ def _status_kib(field: str) -> int:
 
 
 _peak_before_resets = 0  # the high-water mark as it was before `peak_memory` last reset it
+
+
+def process_memory_bytes(pid: int, field: str = "VmHWM") -> int:
+    """Another process's peak (VmHWM) or current (VmRSS) resident memory."""
+    return _status_kib(field, pid) * 1024
 
 
 def process_peak_rss_bytes() -> int:

@@ -51,7 +51,12 @@ def prefix_cache(model: nn.Module, cushion: Cushion | None, batch: int) -> SinkC
     (so no key is ever shifted: any position encoding works)."""
     if cushion is None or cushion.length == 0:
         return None
-    cache = SinkCache(sinks=cushion.length, window=None)
+    return put_cushion(SinkCache(sinks=cushion.length, window=None), cushion, batch)
+
+
+def put_cushion(cache: SinkCache, cushion: Cushion, batch: int = 1) -> SinkCache:
+    """`cache` (empty, its sinks at least the cushion's length) with the cushion's keys and values read in,
+    expanded over the batch."""
     for layer, (keys, values) in enumerate(zip(cushion.keys, cushion.values)):
         cache.update(keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1), layer)
     return cache

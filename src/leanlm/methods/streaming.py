@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from leanlm.cache.prefix import attached_cushion
+from leanlm.cache.prefix import attached_cushion, put_cushion
 from leanlm.cache.sink_cache import SinkCache, cache_positions_hook, rope_key_shift
 from leanlm.errors import ConfigError, UnsupportedArchitectureError
 from leanlm.models.architectures import architecture_for
@@ -58,10 +58,7 @@ def sink_cache(model: nn.Module, config: StreamingConfig = StreamingConfig()) ->
         )
     _install_position_hook(model)
     cache = SinkCache(config.sinks + prefix, config.window, key_shift)
-    if prefix:
-        for layer, (keys, values) in enumerate(zip(cushion.keys, cushion.values)):
-            cache.update(keys, values, layer)
-    return cache
+    return put_cushion(cache, cushion) if prefix else cache
 
 
 def _key_shift(model: nn.Module):

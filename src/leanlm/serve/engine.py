@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from leanlm.cache.sink_cache import SinkCache
+from leanlm.chat import sample_token, stop_token_ids
 from leanlm.methods.streaming import StreamingConfig, sink_cache
 from leanlm.serve.conversations import Conversation, ConversationStore
 
@@ -70,16 +71,6 @@ class Request:
 
     def cancel(self) -> None:
         self.cancelled.set()
-
-
-def stop_token_ids(tokenizer) -> set[int]:
-    """End of sequence, and the end-of-turn tokens of the common chat templates."""
-    ids = {tokenizer.eos_token_id}
-    for token in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>"):
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if token_id != tokenizer.unk_token_id:
-            ids.add(token_id)
-    return {i for i in ids if isinstance(i, int)}
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -215,16 +206,8 @@ class Engine:
             request.shown = text
 
     def _pick(self, request: Request) -> int:
-        sampling, logits = request.sampling, request.logits
-        if sampling.temperature == 0:
-            return int(logits.argmax())
-        probabilities = torch.softmax(logits / sampling.temperature, dim=-1)
-        if sampling.top_p < 1.0:  # nucleus: the smallest set of most likely tokens holding top_p of the mass
-            sorted_probabilities, order = probabilities.sort(descending=True)
-            outside = sorted_probabilities.cumsum(0) - sorted_probabilities >= sampling.top_p
-            sorted_probabilities[outside] = 0.0
-            probabilities = torch.zeros_like(probabilities).scatter_(0, order, sorted_probabilities)
-        return int(torch.multinomial(probabilities, 1, generator=request.generator))
+        sampling = request.sampling
+        return sample_token(request.logits, sampling.temperature, sampling.top_p, request.generator)
 
     def _retire(self, request: Request, finish: str) -> None:
         """A finished request's conversation goes back to the store (what its cache read identifies it), and its
