@@ -23,6 +23,7 @@ REPORTED = {
     "kbit_speed": ["kbit_speed"],
     "kbit_sweep": ["kbit_sweep_smollm2-135m", "kbit_sweep_gemma3-270m"],
     "llm_int8": ["llm_int8"],
+    "out_of_core": ["out_of_core_llama3-8b-shape"],
     "qlora": ["qlora_smollm2-135m"],
     "serve": ["serve_smollm2-135m"],
     "sink_pretraining": ["sink_pretraining"],

@@ -27,3 +27,8 @@ class DataError(LeanLMError):
 
 class ConfigError(LeanLMError):
     """An option value out of range, or a combination of options that does not make sense."""
+
+
+class NeedsWholeModelError(ConfigError):
+    """A method (or setting) that reads the whole float model at once, asked to run on blocks read one at a
+    time from disk; the command line then quantizes in memory instead."""

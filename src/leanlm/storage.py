@@ -29,6 +29,13 @@ def _staging_path(out: Path, pid: int) -> Path:
     return out.with_name(f".{out.name}{_STAGING_TAG}{pid}")
 
 
+def resumable_staging(out: str | os.PathLike) -> Path:
+    """The staging directory of a run that can resume after a kill (out-of-core quantization): it keeps its
+    name across processes, and `_remove_stale_staging` leaves it alone."""
+    out = Path(out).expanduser()
+    return out.with_name(f".{out.name}{_STAGING_TAG}resumable")
+
+
 def check_output_directory(out: str | os.PathLike) -> Path:
     """`out` as a Path, after checking that a result can be published there: it must not exist, or be an empty
     directory, and its parent must accept a new directory (tried for real: permission bits say nothing to root

@@ -4,6 +4,7 @@ import pytest
 
 from leanlm.bench import weight_bytes
 from leanlm.cli.main import main
+from leanlm.methods import load_quantized
 from leanlm.models import load_model
 
 SMALL_CALIBRATION = ["--calib-samples", "4", "--calib-seq-len", "32"]
@@ -327,17 +328,48 @@ def test_finetune_refuses_bad_data_before_loading_the_model(tiny_llama_dir, tmp_
     assert message in _one_line_error(capsys)
 
 
-def test_ctrl_c_in_quantize_says_nothing_was_written(tiny_llama_dir, tmp_path, capsys, monkeypatch):
-    def interrupt(*args, **kwargs):
-        raise KeyboardInterrupt
+def _interrupt_at_write(monkeypatch, writes_before: int) -> None:
+    """Ctrl-C as the out-of-core quantization writes its file number `writes_before` + 1."""
+    from leanlm.methods import out_of_core
 
-    monkeypatch.setattr("leanlm.methods.checkpoint.save_safetensors_from", interrupt)
+    save_file = out_of_core.save_file
+    calls = []
+
+    def interrupt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > writes_before:
+            raise KeyboardInterrupt
+        return save_file(*args, **kwargs)
+
+    monkeypatch.setattr(out_of_core, "save_file", interrupt)
+
+
+def test_ctrl_c_in_quantize_says_nothing_was_written(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    _interrupt_at_write(monkeypatch, 0)
     out = tmp_path / "q"
     assert main(["quantize", str(tiny_llama_dir), "--method", "kbit", "--out", str(out)]) == 130
     error = capsys.readouterr().err
     assert "Traceback" not in error
     assert f"leanlm: interrupted; nothing was written to {out} (the partial output was removed)" in error
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".q", "q"))]
+
+
+def test_ctrl_c_in_quantize_keeps_the_blocks_written_and_resume_finishes(tiny_llama_dir, tmp_path, capsys,
+                                                                          monkeypatch):
+    _interrupt_at_write(monkeypatch, 1)  # the first block is written, the second is not
+    out = tmp_path / "q"
+    argv = ["quantize", str(tiny_llama_dir), "--method", "kbit", "--out", str(out)]
+    assert main(argv) == 130
+    error = capsys.readouterr().err
+    assert "Traceback" not in error
+    assert f"{out} is not written yet; the 1 blocks done are kept in" in error and "add --resume" in error
+    monkeypatch.undo()
+    assert main(argv) == 2
+    assert "add --resume to finish it" in capsys.readouterr().err
+    assert main([*argv, "--resume"]) == 0
+    assert "resuming .q.partial-resumable: 1 of 2 blocks already written" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".q", "q"))) == ["q"]
+    assert load_quantized(out)[1]["method"] == "kbit"
 
 
 def test_ctrl_c_in_finetune_names_the_saved_step_and_resume(tiny_llama_dir, tmp_path):
@@ -377,3 +409,26 @@ def test_an_unexpected_failure_is_one_line_not_a_traceback(tiny_llama_dir, capsy
     assert main(["eval", str(tiny_llama_dir)]) == 1
     error = capsys.readouterr().err
     assert "\nleanlm: internal error: IndexError: index 3 is out of bounds (a bug" in error and "Traceback" not in error
+
+
+def test_qlora_over_a_kbit_checkpoint_equals_qlora_over_the_float_model(tiny_llama_dir, tmp_path, capsys):
+    """The out-of-core path to QLoRA: a k-bit checkpoint is the frozen base as it loads (no float model); its
+    training is the one the float model quantized in memory gives, loss for loss."""
+    from leanlm.data import plain_text
+
+    data = tmp_path / "train.txt"
+    data.write_text("\n".join(plain_text("lambada-dev").splitlines()[:60]) + "\n")
+    assert main(["quantize", str(tiny_llama_dir), "--method", "kbit", "--double-quant", "--out",
+                 str(tmp_path / "nf4")]) == 0
+    runs = {}
+    for name, model in (("checkpoint", tmp_path / "nf4"), ("float", tiny_llama_dir)):
+        argv = [*_finetune_argv(model, data, tmp_path / f"adapter-{name}", "--json", str(tmp_path / f"{name}.json"))]
+        argv[argv.index("--max-steps") + 1] = "4"
+        assert main(argv) == 0
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert "over the k-bit checkpoint's base" in capsys.readouterr().out
+    assert runs["checkpoint"]["losses"] == runs["float"]["losses"]
+    assert runs["checkpoint"]["base_quantization"]["double_quant"] is True
+    assert main(["quantize", str(tiny_llama_dir), "--method", "w8a8", "--out", str(tmp_path / "int8")]) == 0
+    assert main(_finetune_argv(tmp_path / "int8", data, tmp_path / "adapter-int8")) == 2
+    assert "QLoRA trains over a k-bit base" in capsys.readouterr().err

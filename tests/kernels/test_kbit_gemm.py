@@ -7,7 +7,16 @@ from leanlm.formats.blockwise import quantize_blockwise
 from leanlm.formats.codebooks import codebook
 from leanlm.formats.packing import pack
 from leanlm.errors import ConfigError
-from leanlm.kernels.kbit_gemm import avx2_available, code_table, kbit_linear, kernel_isas, supports_fast_path
+from leanlm.formats.codebooks import DYNAMIC8
+from leanlm.kernels.kbit_gemm import (
+    BlockConstants,
+    avx2_available,
+    code_table,
+    dequantize_weight,
+    kbit_linear,
+    kernel_isas,
+    supports_fast_path,
+)
 from leanlm.nn import KbitLinear
 
 needs_avx2 = pytest.mark.skipif(not avx2_available(), reason="the AVX2 k-bit kernel cannot be built or run here")
@@ -36,6 +45,37 @@ def test_every_kernel_matches_the_reference(rows, dtype, block, in_features):
     for isa in kernel_isas():
         fast = kbit_linear(x, packed, quantized.absmax, table, 96, block, bias, "avx2", isa)
         torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-4, msg=lambda m: f"{isa}: {m}")
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 5, 8, 40])
+@pytest.mark.parametrize("in_features", [512, 576, 96])  # the lane kernels (and AVX-512's tail), the in-order one
+def test_double_quantized_constants_decoded_in_the_kernel_equal_the_float_ones(rows, in_features):
+    """The kernel reads QLoRA's 8-bit block constants as stored, decoding a row's worth at a time: every ISA and
+    the large-M tiles give exactly what they give with the float32 constants, bit for bit."""
+    torch.manual_seed(2)
+    weight = torch.randn(80, in_features)
+    quantized = quantize_blockwise(weight, codebook("nf", 4), 32, double_quant=True)
+    packed, table, bias = pack(quantized.codes, 4), code_table(codebook("nf", 4).values), torch.randn(80)
+    stored = BlockConstants(quantized.absmax, quantized.absmax_scale, DYNAMIC8.values, quantized.absmax_offset.item())
+    dense = quantized.block_constants()
+    assert quantized.absmax.dtype == torch.uint8 and torch.equal(stored.dense(), dense)
+    x = torch.randn(rows, in_features)
+    for isa in kernel_isas() if in_features % 64 == 0 else ["in-order"]:
+        torch.testing.assert_close(kbit_linear(x, packed, stored, table, 80, 32, bias, "avx2", isa),
+                                   kbit_linear(x, packed, dense, table, 80, 32, bias, "avx2", isa), rtol=0, atol=0)
+    assert torch.equal(dequantize_weight(packed, stored, table, 80, in_features, 32),
+                       dequantize_weight(packed, dense, table, 80, in_features, 32))
+    torch.testing.assert_close(kbit_linear(x, packed, stored, table, 80, 32, bias, "reference"),
+                               x @ quantized.dequantize().T + bias, rtol=1e-5, atol=1e-4)
+
+
+@needs_avx2
+def test_a_double_quantized_layer_keeps_no_float_copy_of_its_constants():
+    layer = KbitLinear.from_float(torch.randn(64, 256), None, "nf", 4, 64, double_quant=True)
+    layer(torch.randn(1, 256))
+    constants, _ = layer._kernel_state()
+    assert constants.absmax is layer.absmax and constants.absmax.dtype == torch.uint8
 
 
 @needs_avx2

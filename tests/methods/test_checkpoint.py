@@ -127,10 +127,11 @@ import os, signal, sys
 from contextlib import contextmanager
 import pathlib, transformers
 import leanlm.methods.checkpoint as checkpoint
+import leanlm.methods.out_of_core as out_of_core
 from leanlm.cli.main import main
 
-kill_at, argv = int(sys.argv[1]), sys.argv[2:]
-armed, calls = [False], [0]
+pipeline, kill_at, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+armed, calls = [pipeline == "out of core"], [0]  # in memory: the writes into the staging directory
 
 def killing(write):
     def wrapper(*args, **kwargs):
@@ -147,33 +148,35 @@ def arming(out):
     with staged(out) as staging:
         armed[0] = True
         yield staging
-        calls[0] += 1  # the step that publishes the directory
-        if calls[0] == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 checkpoint.staged_directory = arming
 checkpoint.save_safetensors_from = killing(checkpoint.save_safetensors_from)
+out_of_core.save_file = killing(out_of_core.save_file)
 transformers.PretrainedConfig.save_pretrained = killing(transformers.PretrainedConfig.save_pretrained)
 transformers.PreTrainedTokenizerBase.save_pretrained = killing(transformers.PreTrainedTokenizerBase.save_pretrained)
 pathlib.Path.write_text = killing(pathlib.Path.write_text)
+pathlib.Path.replace = killing(pathlib.Path.replace)  # the rename that publishes the directory
 sys.exit(main(argv))
 """
 
 
-def test_a_quantize_killed_at_any_write_never_leaves_a_loadable_half_checkpoint(tiny_llama_dir, tmp_path, capsys):
-    """SIGKILL before each write step of `leanlm quantize` in turn (config, tokenizer, weights, record, publish):
-    the output directory either does not exist or is whole, and a half-written staging directory is refused."""
+@pytest.mark.parametrize("pipeline, flags", [("in memory", ["--proxy-fraction", "0.02"]), ("out of core", ["--resume"])])
+def test_a_quantize_killed_at_any_write_never_leaves_a_loadable_half_checkpoint(pipeline, flags, tiny_llama_dir,
+                                                                                 tmp_path, capsys):
+    """SIGKILL before each write step of `leanlm quantize` in turn (config, tokenizer, weights - each block's file
+    out of core -, record, publish): the output directory either does not exist or is whole, and a half-written
+    staging directory is refused. Out of core, each run resumes the one killed before it."""
     import subprocess
     import sys
 
     from leanlm.cli.main import main
 
     out = tmp_path / "q"
-    argv = ["quantize", str(tiny_llama_dir), "--method", "kbit", "--bits", "4", "--out", str(out)]
+    argv = ["quantize", str(tiny_llama_dir), "--method", "kbit", "--bits", "4", *flags, "--out", str(out)]
     eval_argv = ["--tasks", "wikitext2", "--max-tokens", "128", "--seq-len", "64", "--json"]
     outcomes = []
     for kill_at in range(1, 20):
-        run = subprocess.run([sys.executable, "-c", _KILLING_QUANTIZE, str(kill_at), *argv],
+        run = subprocess.run([sys.executable, "-c", _KILLING_QUANTIZE, pipeline, str(kill_at), *argv],
                              capture_output=True, text=True, timeout=300)
         if run.returncode == 0:
             break
@@ -195,8 +198,9 @@ def test_a_quantize_killed_at_any_write_never_leaves_a_loadable_half_checkpoint(
     whole = json.loads((tmp_path / "whole.json").read_text())["results"]["wikitext2"]["perplexity"]
     last = json.loads((tmp_path / f"{kill_at - 1}.json").read_text())["results"]["wikitext2"]["perplexity"]
     assert last == whole
-    # The finished run removed the staging directories of the killed ones.
+    # The finished run removed the staging directories of the killed ones, and nothing half-written is inside.
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
 
 
 def test_a_checkpoint_loads_straight_into_quantized_modules(quantized_dir, monkeypatch):

@@ -107,16 +107,23 @@ def command_quantize(args) -> None:
     from dataclasses import replace
 
     from leanlm.cli.options import method_configs
+    from leanlm.errors import NeedsWholeModelError
     from leanlm.methods import quantize_, save_quantized
+    from leanlm.methods.out_of_core import quantize_out_of_core
     from leanlm.models import load_model
 
     configs, calibration = method_configs(args)  # every option checked before the model loads
     check_output_directory(args.out)
     _check_json_path(args.json)
-    loaded = load_model(args.model)
-    record = quantize_(loaded.model, configs, calibration=replace(calibration, tokenizer=loaded.tokenizer))
+    try:  # block by block from disk: resident memory holds one float block, whatever the model's size
+        out, record = quantize_out_of_core(args.model, configs, args.out, calibration=calibration,
+                                           resume=args.resume)
+    except NeedsWholeModelError as reason:
+        print(f"quantizing in memory: {reason}", flush=True)
+        loaded = load_model(args.model)
+        record = quantize_(loaded.model, configs, calibration=replace(calibration, tokenizer=loaded.tokenizer))
+        out = save_quantized(loaded, loaded.model, record, args.out)
     record["quantize_seconds"] = record["seconds"]
-    out = save_quantized(loaded, loaded.model, record, args.out)
     curve = record.get("cushion", {}).get("tuning", {}).get("curve")
     if curve:  # an illustration beside the finished checkpoint, which does not need it
         from leanlm.report import plot_training_curves
@@ -219,8 +226,10 @@ def command_serve(args) -> None:
 def command_finetune(args) -> None:
     import torch
 
-    from leanlm.methods import LoRAConfig, add_lora_
-    from leanlm.models import load_model, load_tokenizer
+    from leanlm.methods import LoRAConfig, add_lora_, is_quantized_checkpoint, load_any
+    from leanlm.methods.checkpoint import read_record
+    from leanlm.models import load_tokenizer
+    from leanlm.models.loading import read_tokenizer
     from leanlm.storage import writable_directory
     from leanlm.training import FinetuneSettings, finetune, read_documents, training_blocks
     from leanlm.training.finetune import last_checkpoint_step
@@ -234,18 +243,30 @@ def command_finetune(args) -> None:
     if last_checkpoint_step(args.out) is not None and not args.resume:
         raise ConfigError(f"{args.out} already holds a training checkpoint; add --resume to continue it, or choose "
                           "another --out")
+    quantized_base = is_quantized_checkpoint(args.model)
+    if quantized_base:  # a k-bit checkpoint is the frozen base as it is, loaded without a float model
+        if args.method == "lora":
+            raise ConfigError(f"{args.model} is a quantized checkpoint: --method lora needs a float model")
+        method = read_record(args.model)["method"]
+        if method != "kbit":
+            raise ConfigError(f"QLoRA trains over a k-bit base; {args.model} holds a {method} checkpoint (quantize "
+                              "with --method kbit)")
     # Data too short for one block fails here, in seconds, not after the model has loaded.
-    training_blocks(load_tokenizer(args.model), documents, settings.seq_len, settings.held_out_fraction, settings.seed,
+    tokenizer = read_tokenizer(Path(args.model)) if quantized_base else load_tokenizer(args.model)
+    training_blocks(tokenizer, documents, settings.seq_len, settings.held_out_fraction, settings.seed,
                     settings.max_eval_blocks)
-    loaded = load_model(args.model)
+    loaded = load_any(args.model)
     torch.manual_seed(settings.seed)
     setup = add_lora_(loaded.model, lora)
-    print(f"{lora.method}: {setup['trainable_parameters']:,} trainable parameters over a {lora.base} base"
+    base = f"the k-bit checkpoint's base ({args.model})" if quantized_base else f"a {lora.base} base"
+    print(f"{lora.method}: {setup['trainable_parameters']:,} trainable parameters over {base}"
           + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
     record = finetune(loaded.model, loaded.tokenizer, documents, settings, lora, args.out, args.model,
                       resume=args.resume)
     payload = {"model": args.model, "weights_note": loaded.weights_note, "data": str(args.data),
-               "base_quantization": setup["base_quantization"], **record}
+               "base_quantization": setup["base_quantization"] or (
+                   {key: value for key, value in read_record(args.model).items() if key != "modules"}
+                   if quantized_base else None), **record}
     print(f"steps {record['steps']}: train loss {record['train_loss_first']:.3f} -> {record['train_loss_last']:.3f}, "
           f"held-out perplexity {record['eval_perplexity']:.3f}, peak memory {record['peak_memory_bytes'] / 2**20:.0f} "
           f"MiB, {record['tokens_per_second']:.0f} tokens/s; adapter in {args.out}")

@@ -63,9 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     quantize = _command(sub, "quantize", "quantize a model and write a reloadable checkpoint",
                         commands.command_quantize, json="write method, avg_bits, peak_rss_bytes and seconds as JSON",
-                        interrupted=_nothing_written)
+                        interrupted=_quantize_interrupted)
     add_method_options(quantize)
     quantize.add_argument("--out", type=Path, required=True, help="directory for the checkpoint")
+    quantize.add_argument("--resume", action="store_true",
+                          help="finish an interrupted run of the same command, keeping the blocks it wrote")
 
     analyze = _command(sub, "analyze", "activation outlier features (LLM.int8() section 2.3)", commands.command_analyze,
                        json="write the report as one JSON object to this path")
@@ -134,6 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _nothing_written(args) -> str:
     return f"nothing was written to {args.out} (the partial output was removed); run the same command to start again"
+
+
+def _quantize_interrupted(args) -> str:
+    from leanlm.storage import resumable_staging
+
+    staging = resumable_staging(args.out)
+    blocks = len(list(staging.glob("block-*.safetensors"))) if staging.is_dir() else 0
+    if not blocks:
+        return _nothing_written(args)
+    return (f"{args.out} is not written yet; the {blocks} blocks done are kept in {staging}: add --resume to the same "
+            "command to continue from them")
 
 
 def _finetune_interrupted(args) -> str:

@@ -48,7 +48,20 @@ def _blocks(flat: torch.Tensor, block_size: int) -> list[torch.Tensor]:
     return list(torch.split(flat, block_size))
 
 
+_CHUNK_VALUES = 1 << 22  # values quantized at once: the temporaries (about 25 bytes a value) stay ~100 MB
+
+
 def _quantize_flat(flat: torch.Tensor, codebook: Codebook, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, absmax) of `flat`, a whole number of blocks at a time, so that quantizing an 8B model's largest
+    matrix (59M values) does not need gigabytes of temporaries."""
+    step = max(1, _CHUNK_VALUES // block_size) * block_size
+    if flat.numel() <= step:
+        return _quantize_chunk(flat, codebook, block_size)
+    parts = [_quantize_chunk(flat[start:start + step], codebook, block_size) for start in range(0, flat.numel(), step)]
+    return torch.cat([codes for codes, _ in parts]), torch.cat([absmax for _, absmax in parts])
+
+
+def _quantize_chunk(flat: torch.Tensor, codebook: Codebook, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     full = flat.numel() - flat.numel() % block_size
     absmax = flat[:full].reshape(-1, block_size).abs().amax(dim=1)
     if full < flat.numel():

@@ -142,16 +142,19 @@ def _group_statistics(group: torch.Tensor, outliers: torch.Tensor, settings: Sol
     return quantize_statistic(scale, settings), quantize_statistic(zero, settings)
 
 
-def inverse_hessian_factor(hessian: torch.Tensor, damping: float) -> torch.Tensor:
-    """U, the upper Cholesky factor of (H + damping * mean(diag H) I)^-1."""
-    damped = hessian.clone()
+def inverse_hessian_factor(hessian: torch.Tensor, damping: float, overwrite: bool = False) -> torch.Tensor:
+    """U, the upper Cholesky factor of (H + damping * mean(diag H) I)^-1 (`overwrite`: H is damped in place)."""
+    damped = hessian if overwrite else hessian.clone()
     damped.diagonal().add_(damping * damped.diagonal().mean())
     try:
         lower = torch.linalg.cholesky(damped)
     except torch.linalg.LinAlgError as error:
         raise ConfigError(f"the Hessian is not positive definite even with damping {damping}; raise the damping "
                           "or give more calibration samples") from error
-    return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+    del damped
+    inverse = torch.cholesky_inverse(lower)
+    del lower  # at most three in_features^2 matrices at once: 2.5 GB for an 8B model's down_proj
+    return torch.linalg.cholesky(inverse, upper=True)
 
 
 def _round_to_nearest(W: torch.Tensor, group: int, settings: SolverSettings) -> SolvedWeight:
@@ -171,13 +174,20 @@ def _round_to_nearest(W: torch.Tensor, group: int, settings: SolverSettings) -> 
     return SolvedWeight(codes, scales, zeros, None, nothing, torch.zeros(rows, columns), W)
 
 
-def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSettings) -> SolvedWeight:
-    """Quantize `weight` (out, in) given the Hessian of its inputs (in, in); None or RTN settings: no feedback."""
+def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSettings, *,
+          overwrite_hessian: bool = False) -> SolvedWeight:
+    """Quantize `weight` (out, in) given the Hessian of its inputs (in, in); None or RTN settings: no feedback.
+    `overwrite_hessian`: the caller is done with `hessian` (a float32 tensor), which is then worked on in place
+    instead of copied (an 8B model's down_proj has a 0.8 GB one)."""
     W = weight.detach().float().clone()
     rows, columns = W.shape
     if settings.error_feedback and hessian is None:
         raise ConfigError("GPTQ and SpQR need the Hessian of the layer's inputs (calibrate first)")
-    H = hessian.detach().float().clone() if settings.error_feedback else torch.eye(columns)
+    if not settings.error_feedback:
+        H = torch.eye(columns)
+    else:
+        in_place = overwrite_hessian and hessian.dtype == torch.float32 and hessian.is_contiguous()
+        H = hessian.detach() if in_place else hessian.detach().float().clone()
     if H.shape != (columns, columns):
         raise ConfigError(f"Hessian of shape {tuple(H.shape)} does not fit a weight with {columns} input columns")
     dead = H.diagonal() == 0  # inputs never active: their weights cannot matter
@@ -192,8 +202,13 @@ def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSe
     permutation = None
     if settings.act_order and settings.error_feedback:
         permutation = torch.argsort(H.diagonal(), descending=True)
-        W, H = W[:, permutation], H[permutation][:, permutation]
-    U = inverse_hessian_factor(H, settings.damping) if settings.error_feedback else torch.eye(columns)
+        W = W[:, permutation]
+        rows_permuted = torch.index_select(H, 0, permutation)
+        torch.index_select(rows_permuted, 1, permutation, out=H)  # H[permutation][:, permutation], in H's memory
+        del rows_permuted
+    h_diagonal = H.diagonal().clone()  # what the group statistics weigh columns by; H itself is damped next
+    U = inverse_hessian_factor(H, settings.damping, overwrite=True) if settings.error_feedback else torch.eye(columns)
+    del H
     diagonal = U.diagonal().clone()
     threshold = None
     if settings.outlier_threshold is not None:
@@ -220,7 +235,7 @@ def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSe
                 if threshold is not None:
                     outliers[:, j:stop] |= _leave_one_out_outliers(W[:, j:stop], diagonal[j:stop], settings.bits,
                                                                    threshold)
-                scale, zero = _group_statistics(W[:, j:stop], outliers[:, j:stop], settings, H.diagonal()[j:stop])
+                scale, zero = _group_statistics(W[:, j:stop], outliers[:, j:stop], settings, h_diagonal[j:stop])
                 scales.append(scale)
                 zeros.append(zero)
             w = W[:, j]

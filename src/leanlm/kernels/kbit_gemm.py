@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import logging
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -102,10 +103,37 @@ def code_table(values: torch.Tensor) -> torch.Tensor:
     return table
 
 
+@dataclass(frozen=True)
+class BlockConstants:
+    """The per-block constants as the kernel reads them: float32 (`absmax`), or as double quantization (QLoRA)
+    stores them: `absmax` holds uint8 codes into `code_values` (256 entries), scaled by one float32 of `scales`
+    per `group` codes, plus `offset`. The kernel decodes a row's constants when it reaches the row, so no float32
+    copy of them is kept (half a bit per weight at blocks of 64)."""
+
+    absmax: torch.Tensor
+    scales: torch.Tensor | None = None
+    code_values: torch.Tensor | None = None
+    offset: float = 0.0
+    group: int = 256
+
+    def dense(self) -> torch.Tensor:
+        """Every constant in float32 (the reference: the values the kernel computes, rounded the same way)."""
+        if self.scales is None:
+            return self.absmax
+        return (self.code_values[self.absmax.long()]
+                * self.scales.repeat_interleave(self.group)[: self.absmax.numel()]) + self.offset
+
+    def kernel_arguments(self) -> dict:
+        if self.scales is None:
+            return {}
+        return {"dq_scales": self.scales, "dq_values": self.code_values, "dq_offset": self.offset,
+                "dq_group": self.group}
+
+
 def kbit_linear(
     x: torch.Tensor,  # (M, K) float32
     packed: torch.Tensor,  # uint8, two codes per byte, first code in the high nibble
-    absmax: torch.Tensor,  # (N * K / block,) float32
+    absmax: torch.Tensor | BlockConstants,  # (N * K / block,) float32, or double-quantized
     table: torch.Tensor,  # (16,) float32
     out_features: int,
     block_size: int,
@@ -114,9 +142,10 @@ def kbit_linear(
     isa: KernelIsa = "auto",
 ) -> torch.Tensor:
     in_features = x.shape[1]
+    constants = absmax if isinstance(absmax, BlockConstants) else BlockConstants(absmax)
     if backend == "reference":
         codes = unpack(packed, 4, out_features * in_features).long()
-        weight = (table[codes].reshape(-1, block_size) * absmax[:, None]).reshape(out_features, in_features)
+        weight = (table[codes].reshape(-1, block_size) * constants.dense()[:, None]).reshape(out_features, in_features)
         return torch.nn.functional.linear(x, weight, bias)
     if backend != "avx2":
         raise ValueError(f"unknown k-bit backend {backend!r}; choose reference or avx2")
@@ -127,25 +156,28 @@ def kbit_linear(
         raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
     x = x.contiguous()
     if x.shape[0] <= SMALL_M:
-        out = extension.kbit4_gemv(x, packed, absmax, table, out_features, block_size, _ISA_CODES[isa])
+        out = extension.kbit4_gemv(x, packed, constants.absmax, table, out_features, block_size, _ISA_CODES[isa],
+                                   **constants.kernel_arguments())
     else:
         # Computed as out^T = W x^T, so that each tile's result is a contiguous block of rows.
         out_t = torch.empty(out_features, x.shape[0], dtype=torch.float32)
         scratch = torch.empty(min(TILE_ROWS, out_features), in_features, dtype=torch.float32)
         for first in range(0, out_features, TILE_ROWS):
             tile = scratch[: min(TILE_ROWS, out_features - first)]
-            extension.dequantize_rows(packed, absmax, table, block_size, first, tile)
+            extension.dequantize_rows(packed, constants.absmax, table, block_size, first, tile,
+                                      **constants.kernel_arguments())
             torch.mm(tile, x.T, out=out_t[first : first + tile.shape[0]])
         out = out_t.T.contiguous()
     return out.add_(bias) if bias is not None else out
 
 
-def dequantize_weight(packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, out_features: int,
-                      in_features: int, block_size: int) -> torch.Tensor:
+def dequantize_weight(packed: torch.Tensor, absmax: torch.Tensor | BlockConstants, table: torch.Tensor,
+                      out_features: int, in_features: int, block_size: int) -> torch.Tensor:
     """The whole (out, in) float32 weight, decoded by the kernel (the backward pass of a frozen k-bit layer)."""
     extension = compiled_kernels()
     if extension is None:
         raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
+    constants = absmax if isinstance(absmax, BlockConstants) else BlockConstants(absmax)
     weight = torch.empty(out_features, in_features, dtype=torch.float32)
-    extension.dequantize_rows(packed, absmax, table, block_size, 0, weight)
+    extension.dequantize_rows(packed, constants.absmax, table, block_size, 0, weight, **constants.kernel_arguments())
     return weight

@@ -88,26 +88,69 @@ def _block_output(output) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
-def walk_blocks(model: nn.Module, batches: torch.Tensor, *,
+class ResidentBlocks:
+    """Where `walk_blocks` finds the blocks of a model held in memory: the model's own, kept after the walk.
+    A source of blocks read from disk (`leanlm.methods.out_of_core`) has the same methods."""
+
+    def __init__(self, blocks: nn.ModuleList):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def inputs(self) -> ContextManager:
+        """Active while the calibration windows enter the model: what they pass through before the blocks must
+        be there then (in memory it always is)."""
+        return nullcontext()
+
+    def resume(self, hidden: list[torch.Tensor] | None) -> tuple[list, list[torch.Tensor] | None]:
+        """(what `quantize_block` returned for each block already done, the hidden states entering the first
+        block still to walk): here none is done."""
+        return [], hidden
+
+    def load(self, index: int) -> nn.Module:
+        return self.blocks[index]
+
+    def release(self, index: int, block: nn.Module, hidden: list[torch.Tensor] | None, result: Any) -> None:
+        """`block` is done (`quantize_block` returned `result`); `hidden` holds the next block's inputs."""
+
+
+def walk_blocks(model: nn.Module, batches: torch.Tensor | None, *,
                 observe: Callable[[int, nn.Module], ContextManager] | None = None,
-                quantize_block: BlockVisitor | None = None, desc: str = "blocks") -> None:
+                quantize_block: BlockVisitor | None = None, feed_quantized: bool | None = None,
+                source: ResidentBlocks | None = None, desc: str = "blocks") -> list:
     """Run `batches` (windows, seq_len) through `model` block by block: `observe(index, block)` is active while
-    the float block runs on every window; `quantize_block(index, block)` may then change the block, and the
-    block as it is then feeds the next one."""
+    the float block runs on every window; `quantize_block(index, block)` may then change the block. The next
+    block reads the quantized block's outputs (`feed_quantized`, the default when there is a `quantize_block`:
+    GPTQ's error feedback) or the float block's (observers then see exactly the float model, as a whole-model
+    pass would). With no `batches`, each block is only quantized. `source` says where blocks come from and go
+    to (default: the model's own, in memory). Returns what `quantize_block` returned, block by block."""
     table = architecture_for(model)
-    blocks = decoder_blocks(model, table)
-    hidden, arguments = capture_block_inputs(model, batches)
+    source = source or ResidentBlocks(decoder_blocks(model, table))
+    feed_quantized = quantize_block is not None if feed_quantized is None else feed_quantized
+    hidden = arguments = None
+    if batches is not None:
+        with source.inputs():
+            hidden, arguments = capture_block_inputs(model, batches)
+    results, hidden = source.resume(hidden)
+    start = len(results)
     with torch.inference_mode():
-        for index, block in enumerate(tqdm(blocks, desc=desc, unit="block", leave=False)):
-            last = index + 1 == len(blocks)
-            keep_outputs = quantize_block is None and not last
-            with observe(index, block) if observe is not None else nullcontext():
-                for window, (args, kwargs) in enumerate(arguments[index]):
-                    output = block(hidden[window], *args, **kwargs)
-                    if keep_outputs:
-                        hidden[window] = _block_output(output)
+        for index in tqdm(range(start, len(source)), desc=desc, unit="block", initial=start, total=len(source),
+                          leave=False):
+            block = source.load(index)
+            last = index + 1 == len(source)
+            if hidden is not None:
+                with observe(index, block) if observe is not None else nullcontext():
+                    for window, (args, kwargs) in enumerate(arguments[index]):
+                        output = _block_output(block(hidden[window], *args, **kwargs))
+                        if not feed_quantized and not last:
+                            hidden[window] = output
+            result = None
             if quantize_block is not None:
-                quantize_block(index, block)
-                if not last:
+                result = quantize_block(index, block)
+                if feed_quantized and hidden is not None and not last:
                     for window, (args, kwargs) in enumerate(arguments[index]):
                         hidden[window] = _block_output(block(hidden[window], *args, **kwargs))
+            source.release(index, block, None if last else hidden, result)
+            results.append(result)
+    return results

@@ -30,8 +30,24 @@ from leanlm.nn import QUANTIZED_MODULES, use_gemv_
 from leanlm.storage import QUANT_FILE, QUANTIZED_MARKER, staged_directory
 
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # a checkpoint in several files (one per block, out of core)
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
                        torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def checkpoint_record(record: dict, source_model: str, weights_note: str | None, attn_implementation: str,
+                      modules: dict[str, dict]) -> dict:
+    """A checkpoint's `leanlm_quant.json`: the method's record, where the weights came from and every replaced
+    module as {name: {"class", "args"}}."""
+    return {**record, "source_model": source_model, "weights_note": weights_note,
+            "attn_implementation": attn_implementation, "modules": modules}
+
+
+def write_checkpoint_files(config, tokenizer, quant: dict, staging: Path) -> None:
+    """Everything but the weights; the record last."""
+    config.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / QUANT_FILE).write_text(json.dumps(quant, indent=2) + "\n")
 
 
 def save_quantized(loaded: LoadedModel, model: nn.Module, record: dict, out_dir: str | os.PathLike) -> Path:
@@ -42,21 +58,13 @@ def save_quantized(loaded: LoadedModel, model: nn.Module, record: dict, out_dir:
         for name, module in model.named_modules()
         if type(module).__name__ in QUANTIZED_MODULES
     }
-    quant = {
-        **record,
-        "source_model": loaded.name,
-        "weights_note": loaded.weights_note,
-        "attn_implementation": model.config._attn_implementation,
-        "modules": modules,
-    }
+    quant = checkpoint_record(record, loaded.name, loaded.weights_note, model.config._attn_implementation, modules)
     with staged_directory(out_dir) as staging:
-        model.config.save_pretrained(staging)
-        loaded.tokenizer.save_pretrained(staging)
         save_safetensors_from(model, str(staging / WEIGHTS_FILE), metadata={"format": "pt", QUANTIZED_MARKER: "1"})
         cushion = attached_cushion(model)
         if cushion is not None:
             save_cushion(cushion, staging)
-        (staging / QUANT_FILE).write_text(json.dumps(quant, indent=2) + "\n")
+        write_checkpoint_files(model.config, loaded.tokenizer, quant, staging)
     return Path(out_dir)
 
 
@@ -115,23 +123,46 @@ def _rebuilt_modules(model: nn.Module, modules: dict, source: Path) -> dict[str,
     return rebuilt
 
 
-def _check_weights_file(path: Path, model: nn.Module) -> None:
-    """The file must hold exactly the tensors of `model` (a meta-device skeleton), with their shapes and types;
-    checked on the header, before anything is read into memory."""
+def weights_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: `model.safetensors`, or those its index lists (the out-of-core
+    pipeline writes one per block)."""
+    index = directory / INDEX_FILE
+    if not index.is_file():
+        weights = directory / WEIGHTS_FILE
+        if not weights.is_file():
+            raise ModelNotFoundError(f"{directory} has {QUANT_FILE} but no {WEIGHTS_FILE}")
+        return [weights]
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted({directory / name for name in weight_map.values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CorruptModelError(f"{index} cannot be read: {error}") from None
+    missing = [path.name for path in files if not path.is_file()]
+    if missing:
+        raise CorruptModelError(f"{directory} lacks {', '.join(missing[:3])}, which its {INDEX_FILE} lists")
+    return files
+
+
+def _check_weights_files(paths: list[Path], model: nn.Module) -> None:
+    """The files must hold, together, exactly the tensors of `model` (a meta-device skeleton), with their shapes
+    and types; checked on the headers, before anything is read into memory."""
     expected = model.state_dict()
     problems = []
-    try:
-        with safe_open(str(path), "pt") as handle:
-            found = {name: handle.get_slice(name) for name in handle.keys()}
-            for name, stored in found.items():
-                if name not in expected:
-                    continue
-                want = (list(expected[name].shape), _SAFETENSORS_DTYPES.get(expected[name].dtype))
-                have = (stored.get_shape(), stored.get_dtype())
-                if have != want:
-                    problems.append(f"{name}: {have[1]} {have[0]}, expected {want[1]} {want[0]}")
-    except (SafetensorError, OSError, ValueError) as error:
-        raise CorruptModelError(f"{path} is not a readable safetensors file: {error}") from None
+    found: dict[str, Path] = {}
+    for path in paths:
+        try:
+            with safe_open(str(path), "pt") as handle:
+                for name in handle.keys():
+                    found[name] = path
+                    if name not in expected:
+                        continue
+                    stored = handle.get_slice(name)
+                    want = (list(expected[name].shape), _SAFETENSORS_DTYPES.get(expected[name].dtype))
+                    have = (stored.get_shape(), stored.get_dtype())
+                    if have != want:
+                        problems.append(f"{name}: {have[1]} {have[0]}, expected {want[1]} {want[0]}")
+        except (SafetensorError, OSError, ValueError) as error:
+            raise CorruptModelError(f"{path} is not a readable safetensors file: {error}") from None
     unexpected = sorted(set(found) - set(expected))
     # Tied weights are stored once (safetensors drops the duplicate name): a name is not missing when a tensor
     # it is tied to is there.
@@ -140,16 +171,15 @@ def _check_weights_file(path: Path, model: nn.Module) -> None:
     if problems or unexpected or missing:
         detail = (problems[:2] + [f"unexpected {name}" for name in unexpected[:2]]
                   + [f"missing {name}" for name in missing[:2]])
-        raise CorruptModelError(f"{path} does not match its {QUANT_FILE}: {'; '.join(detail)}")
+        where = paths[0] if len(paths) == 1 else paths[0].parent
+        raise CorruptModelError(f"{where} does not match its {QUANT_FILE}: {'; '.join(detail)}")
 
 
 def load_quantized(directory: str | os.PathLike) -> tuple[LoadedModel, dict]:
     """(the rebuilt model, its leanlm_quant.json record)."""
     directory = Path(directory)
     record = read_record(directory)
-    weights = directory / WEIGHTS_FILE
-    if not weights.is_file():
-        raise ModelNotFoundError(f"{directory} has {QUANT_FILE} but no {WEIGHTS_FILE}")
+    files = weights_files(directory)
     config = read_model_config(directory, quantized=True)
     table = architecture_for(config)
     with torch.device("meta"):
@@ -157,22 +187,24 @@ def load_quantized(directory: str | os.PathLike) -> tuple[LoadedModel, dict]:
     rebuilt = _rebuilt_modules(skeleton, record["modules"], directory / QUANT_FILE)
     for name, module in rebuilt.items():
         skeleton.set_submodule(name, module, strict=False)
-    _check_weights_file(weights, skeleton)
+    _check_weights_files(files, skeleton)
     del skeleton, rebuilt
     # No float model first: parameters start on the meta device (buffers, such as RoPE's frequencies and the
-    # quantized modules' codes, are real) and take the file's tensors, so resident memory is the stored bytes.
+    # quantized modules' codes, are real) and take the files' tensors, so resident memory is the stored bytes.
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for name, entry in record["modules"].items():
         model.set_submodule(name, QUANTIZED_MODULES[entry["class"]](**entry["args"]), strict=False)
-    try:
-        _, unexpected = model.load_state_dict(load_file(str(weights)), strict=False, assign=True)
-    except Exception as error:  # safetensors raises its own error types for damaged files
-        raise CorruptModelError(f"the weights in {weights} cannot be loaded: {error}") from None
-    _retie_embeddings(model)
+    unexpected = []
+    for path in files:
+        try:
+            unexpected += model.load_state_dict(load_file(str(path)), strict=False, assign=True).unexpected_keys
+        except Exception as error:  # safetensors raises its own error types for damaged files
+            raise CorruptModelError(f"the weights in {path} cannot be loaded: {error}") from None
+    retie_embeddings(model)
     left = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
     if unexpected or left:
-        raise CorruptModelError(f"the weights in {weights} do not fill the model: {(unexpected or left)[:3]}")
+        raise CorruptModelError(f"the weights in {directory} do not fill the model: {(unexpected or left)[:3]}")
     after_load(model, record, directory)  # what the methods derive rather than store
     model.eval()
     use_gemv_(model)  # what stays float (the lm_head at least) decodes through leanlm's GEMV
@@ -181,7 +213,7 @@ def load_quantized(directory: str | os.PathLike) -> tuple[LoadedModel, dict]:
     return LoadedModel(model, tokenizer, name, directory, table, record.get("weights_note")), record
 
 
-def _retie_embeddings(model: nn.Module) -> None:
+def retie_embeddings(model: nn.Module) -> None:
     """A tied output projection is stored once, under either name (safetensors keeps one of two shared
     tensors): both modules get the one that was loaded."""
     if not getattr(model.config, "tie_word_embeddings", False):

@@ -13,15 +13,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from leanlm.errors import ConfigError
 from leanlm.formats.gptq import SolverSettings, solve
 from leanlm.formats.minmax import GRIDS
-from leanlm.methods.blocks import observe_inputs, walk_blocks
-from leanlm.methods.quantize import QuantRun, method_spec, register_method
+from leanlm.methods.blocks import observe_inputs
+from leanlm.methods.quantize import BlockPlan, QuantRun, register_method
 from leanlm.settings import option
-from leanlm.models.architectures import architecture_for, decoder_blocks, linear_weight_out_in
+from leanlm.models.architectures import architecture_for, linear_weight_out_in
 from leanlm.nn.spqr_linear import SpQRLinear
 
 class _SolverChecks:
@@ -106,62 +105,78 @@ class SpQRConfig(_SolverChecks):
 SolverConfig = RTNConfig | GPTQConfig | SpQRConfig
 
 
-@register_method(RTNConfig, "rtn", "quantizer", needs_calibration=lambda config: False)
-@register_method(GPTQConfig, "gptq", "quantizer")
-@register_method(SpQRConfig, "spqr", "quantizer")
-def _quantize_with_solver(model: nn.Module, config: SolverConfig, run: QuantRun) -> dict:
-    """Replace the block linears by SpQRLinear, block by block (`walk_blocks`: each block's Hessians come from
-    the outputs of the blocks before it, already quantized); the record has the measured average bits per
-    weight ("avg_bits"), the outlier rate and the wall time."""
+@register_method(RTNConfig, "rtn", "quantizer", needs_calibration=lambda config: False, blockwise=True)
+@register_method(GPTQConfig, "gptq", "quantizer", blockwise=True)
+@register_method(SpQRConfig, "spqr", "quantizer", blockwise=True)
+def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> BlockPlan:
+    """Replace the block linears by SpQRLinear, block by block (each block's Hessians come from the outputs of
+    the blocks before it, already quantized); the record has the measured average bits per weight
+    ("avg_bits"), the outlier rate and the wall time."""
     settings = config.solver()
     samples = getattr(config, "calibration_samples", None)
     table = architecture_for(model)
     started = time.perf_counter()
-    totals = {"weights": 0, "stored_bits": 0.0, "outliers": 0}
     hessians = _HessianObserver(table)
 
-    def quantize_block(index: int, block: nn.Module) -> None:
+    def quantize_block(index: int, block: nn.Module) -> dict:
+        counts = {"weights": 0, "stored_bits": 0.0, "outliers": 0}
         for path in table.quantizable_linears:
             linear = block.get_submodule(path)
             weight = linear_weight_out_in(linear, table)
-            solved = solve(weight, hessians.of(path), settings)
+            solved = solve(weight, hessians.take(path), settings, overwrite_hessian=True)
             quantized = SpQRLinear.from_solved(solved, settings, getattr(linear, "bias", None))
             block.set_submodule(path, quantized)
-            totals["weights"] += weight.numel()
-            totals["stored_bits"] += quantized.bits_per_weight() * weight.numel()
-            totals["outliers"] += quantized.outlier_count
+            counts["weights"] += weight.numel()
+            counts["stored_bits"] += quantized.bits_per_weight() * weight.numel()
+            counts["outliers"] += quantized.outlier_count
+        hessians.clear()
+        return counts
 
-    name = method_spec(config).name
-    if settings.error_feedback:
-        batches = run.data(config).batches(samples)
-        walk_blocks(model, batches, observe=hessians.observe, quantize_block=quantize_block, desc=name)
-        samples = len(batches)
-    else:  # RTN needs no data: each block on its own
-        for index, block in enumerate(tqdm(decoder_blocks(model, table), desc=name, unit="block", leave=False)):
-            quantize_block(index, block)
-    return {**asdict(settings), "calibration_samples": samples,
-            "calibration_seq_len": run.calibration.seq_len if run.calibration is not None else None,
-            "avg_bits": totals["stored_bits"] / totals["weights"], "outlier_rate": totals["outliers"] / totals["weights"],
-            "seconds": time.perf_counter() - started}
+    windows = run.data(config).batches(samples) if settings.error_feedback else None  # RTN needs no data
+
+    def finish(model: nn.Module, counts: dict) -> dict:
+        return {**asdict(settings), "calibration_samples": None if windows is None else len(windows),
+                "calibration_seq_len": run.calibration.seq_len if run.calibration is not None else None,
+                "avg_bits": counts["stored_bits"] / counts["weights"],
+                "outlier_rate": counts["outliers"] / counts["weights"], "seconds": time.perf_counter() - started}
+
+    return BlockPlan(quantize_block, finish, observe=hessians.observe if windows is not None else None,
+                     windows=windows, feed_quantized=True)
 
 
 class _HessianObserver:
-    """H = 2/N sum_x x x^T over every calibration token entering each linear of the current (float) block."""
+    """H = 2/N sum_x x x^T over every calibration token entering each linear of the current (float) block. The
+    linears one norm feeds (q/k/v, gate/up) read the same input, so they share one H; each H is dropped once the
+    last linear reading it has taken it (an 8B model's down_proj alone has a 14336^2 float32 H, 0.8 GB)."""
 
     def __init__(self, table):
         self.table = table
+        self.source = {member: feeds.linears[0] for feeds in table.norm_feeds for member in feeds.linears}
         self.sums: dict[str, torch.Tensor] = {}
         self.tokens: dict[str, int] = {}
+        self.readers: dict[str, int] = {}
 
     def observe(self, index: int, block: nn.Module):
-        self.sums, self.tokens = {}, {}
-        return observe_inputs(((path, block.get_submodule(path)) for path in self.table.quantizable_linears),
-                              self._add)
+        self.clear()
+        for path in self.table.quantizable_linears:
+            key = self.source.get(path, path)
+            self.readers[key] = self.readers.get(key, 0) + 1
+        return observe_inputs(((key, block.get_submodule(key)) for key in self.readers), self._add)
 
-    def _add(self, path: str, x: torch.Tensor) -> None:
+    def _add(self, key: str, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
-        self.sums[path] = self.sums[path].addmm_(x.T, x) if path in self.sums else x.T @ x
-        self.tokens[path] = self.tokens.get(path, 0) + x.shape[0]
+        self.sums[key] = self.sums[key].addmm_(x.T, x) if key in self.sums else x.T @ x
+        self.tokens[key] = self.tokens.get(key, 0) + x.shape[0]
 
-    def of(self, path: str) -> torch.Tensor | None:
-        return 2.0 * self.sums[path] / self.tokens[path] if path in self.sums else None
+    def clear(self) -> None:
+        self.sums, self.tokens, self.readers = {}, {}, {}
+
+    def take(self, path: str) -> torch.Tensor | None:
+        """The Hessian of `path`'s input (None if it saw none), forgotten after its last reader."""
+        key = self.source.get(path, path)
+        if key not in self.sums:
+            return None
+        self.readers[key] -= 1
+        if self.readers[key]:
+            return 2.0 * self.sums[key] / self.tokens[key]
+        return self.sums.pop(key).mul_(2.0).div_(self.tokens[key])  # the same numbers, without a second copy

@@ -7,16 +7,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from leanlm.errors import ConfigError
+from leanlm.errors import ConfigError, NeedsWholeModelError
 from leanlm.formats.blockwise import bits_per_parameter
 from leanlm.formats.codebooks import DTYPES
-from leanlm.methods.quantize import QuantRun, register_method
+from leanlm.methods.quantize import BlockPlan, QuantRun, register_method
 from leanlm.settings import option
 from leanlm.models.architectures import (
     architecture_for,
-    iter_quantizable_linears,
     linear_weight_out_in,
     proxy_source_weights,
 )
@@ -56,24 +54,36 @@ class KbitConfig:
         return bits_per_parameter(self.bits, self.block_size, self.double_quant, self.proxy_fraction)
 
 
-@register_method(KbitConfig, "kbit", "quantizer", needs_calibration=lambda config: False)
-def _quantize_kbit(model: nn.Module, config: KbitConfig, run: QuantRun) -> dict:
+@register_method(KbitConfig, "kbit", "quantizer", needs_calibration=lambda config: False, blockwise=True)
+def _kbit_plan(model: nn.Module, config: KbitConfig, run: QuantRun) -> BlockPlan:
     """Every block linear becomes a KbitLinear; the record has the measured average bits per weight of the
     quantized linears ("avg_bits")."""
     table = architecture_for(model)
+    if config.proxy_fraction and run.streamed:
+        raise NeedsWholeModelError("proxy quantization chooses each linear's columns from the previous block's weights; "
+                          "it needs the model in memory, not read block by block")
     # Chosen from the float weights before any layer is replaced.
     proxy = {name: proxy_columns(source, config.proxy_fraction)
              for name, source in proxy_source_weights(model, table).items()} if config.proxy_fraction else {}
-    weights = stored_bits = 0
-    for name, module in tqdm(list(iter_quantizable_linears(model, table)), desc="quantizing", unit="linear", leave=False):
-        quantized = KbitLinear.from_float(linear_weight_out_in(module, table), getattr(module, "bias", None),
-                                          config.dtype, config.bits, config.block_size, config.double_quant,
-                                          config.exponent_bits, proxy.get(name))
-        model.set_submodule(name, quantized)
-        count = quantized.in_features * quantized.out_features
-        weights += count
-        stored_bits += quantized.bits_per_weight() * count
-    return {**asdict(config), "avg_bits": stored_bits / weights, "nominal_bits": config.nominal_bits()}
+
+    def quantize_block(index: int, block: nn.Module) -> dict:
+        counts = {"weights": 0, "stored_bits": 0.0}
+        for path in table.quantizable_linears:
+            module = block.get_submodule(path)
+            quantized = KbitLinear.from_float(linear_weight_out_in(module, table), getattr(module, "bias", None),
+                                              config.dtype, config.bits, config.block_size, config.double_quant,
+                                              config.exponent_bits, proxy.get(f"{table.blocks}.{index}.{path}"))
+            block.set_submodule(path, quantized)
+            count = quantized.in_features * quantized.out_features
+            counts["weights"] += count
+            counts["stored_bits"] += quantized.bits_per_weight() * count
+        return counts
+
+    def finish(model: nn.Module, counts: dict) -> dict:
+        return {**asdict(config), "avg_bits": counts["stored_bits"] / counts["weights"],
+                "nominal_bits": config.nominal_bits()}
+
+    return BlockPlan(quantize_block, finish)
 
 
 def proxy_columns(source_weight: torch.Tensor, fraction: float) -> torch.Tensor | None:

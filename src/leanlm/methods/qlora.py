@@ -63,13 +63,21 @@ class LoRAConfig:
 
 
 def add_lora_(model: nn.Module, config: LoRAConfig) -> dict:
-    """Freeze `model`, quantize its block linears to the config's base format, and wrap each in a LoRALinear.
-    Returns the record: the base's quantization record, trainable and total parameter counts."""
+    """Freeze `model`, quantize its block linears to the config's base format (unless they are k-bit already:
+    a checkpoint written by `leanlm quantize --method kbit`, loaded with no float model, is the base as it is),
+    and wrap each in a LoRALinear. Returns the record: the base's quantization record, trainable parameters."""
     table = architecture_for(model)
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ConfigError("the model already has LoRA adapters")
     model.requires_grad_(False)
-    quantization = LORA_BASES[config.base]
+    linears = [module for _, module in iter_quantizable_linears(model, table)]
+    quantized_already = all(isinstance(module, KbitLinear) for module in linears)
+    if quantized_already and config.base == "float":
+        raise ConfigError("the model's linears are k-bit already: plain LoRA needs a float model (use qlora)")
+    if not quantized_already and any(not isinstance(module, nn.Linear) and hasattr(module, "constructor_args")
+                                     for module in linears):
+        raise ConfigError("QLoRA trains over float or k-bit linears; this model's are quantized otherwise")
+    quantization = None if quantized_already else LORA_BASES[config.base]
     base_record = quantize_(model, quantization) if quantization else None
     for name, module in list(iter_quantizable_linears(model, table)):
         if not isinstance(module, (nn.Linear, KbitLinear)):  # GPT-2's Conv1D stores (in, out)

@@ -9,6 +9,12 @@ CushionCache prefix, SmoothQuant's smoothing), then exactly one quantizer; `chec
 list makes no sense. Calibration text is read once (`Calibration`) and shared by every step; the int8 input
 statistics are observed once and kept current by the transforms that change them (`QuantRun.stats`).
 
+Most methods are written as a `BlockPlan` (`register_method(..., blockwise=True)`): what they observe while each
+float decoder block runs on the calibration windows and how they then change that block. All the plans of a call
+run in one pass of the block pipeline (`walk_blocks`), over the blocks of a model in memory or over blocks read
+one at a time from disk (`leanlm.methods.out_of_core`): the same code either way. A method that needs the whole
+model at once (a CushionCache prefix search) registers a function that changes the model.
+
 Quantized modules rebuild what they derive from their stored tensors; what a method adds on top of the modules
 (SmoothQuant's shared GEMMs, a CushionCache prefix) is put back after a checkpoint loads by the hooks methods
 register with `register_after_load`, so the checkpoint loader knows no method.
@@ -17,15 +23,17 @@ register with `register_after_load`, so the checkpoint loader knows no method.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ContextManager, Literal
 
 import torch
 from torch import nn
 
 from leanlm.data.calibration import calibration_batches
-from leanlm.errors import ConfigError
+from leanlm.errors import ConfigError, NeedsWholeModelError
+from leanlm.methods.blocks import ResidentBlocks, walk_blocks
 from leanlm.settings import option
 
 Role = Literal["transform", "quantizer"]
@@ -96,6 +104,8 @@ class QuantRun:
     calibration: Calibration | None
     later: tuple = ()  # the configs after the step being applied
     stats: Any = None  # int8 input statistics (w8a8.CalibrationStats), observed once, updated by transforms
+    streamed: bool = False  # blocks come from disk one at a time: nothing may read the whole float model
+    observing: Any = None  # the one observer filling `stats` block by block, once a plan has asked for it
 
     def __post_init__(self):
         if self.calibration is not None and self.stats is None:
@@ -107,6 +117,46 @@ class QuantRun:
         return self.calibration
 
 
+@dataclass
+class BlockPlan:
+    """A method as the block pipeline applies it. While each float block runs on the calibration `windows`,
+    `observe(index, block)` is active; then `quantize_block(index, block)` changes the block in place and returns
+    counts (summed over blocks, e.g. weights and stored bits); `finish(model, counts)` gives the step's record
+    once every block is done. `feed_quantized`: later blocks read this block's quantized outputs."""
+
+    quantize_block: Callable[[int, nn.Module], dict | None]
+    finish: Callable[[nn.Module, dict], dict]
+    observe: Callable[[int, nn.Module], ContextManager] | None = None
+    windows: torch.Tensor | None = None
+    feed_quantized: bool = False
+
+
+def run_plans(model: nn.Module, plans: list[BlockPlan], source: ResidentBlocks | None = None) -> list[dict]:
+    """Every plan in one walk over the blocks (in order within each block: a transform's before the
+    quantizer's); the plans' records."""
+    windows = next((plan.windows for plan in plans if plan.windows is not None), None)
+
+    def observe(index: int, block: nn.Module):
+        stack = ExitStack()
+        for plan in plans:
+            if plan.observe is not None:
+                stack.enter_context(plan.observe(index, block))
+        return stack
+
+    def quantize_block(index: int, block: nn.Module) -> list[dict]:
+        return [plan.quantize_block(index, block) or {} for plan in plans]
+
+    per_block = walk_blocks(model, windows, observe=observe, quantize_block=quantize_block,
+                            feed_quantized=any(plan.feed_quantized for plan in plans), source=source,
+                            desc="quantizing")
+    totals: list[dict] = [{} for _ in plans]
+    for counts in per_block:
+        for total, block_counts in zip(totals, counts):
+            for key, value in block_counts.items():
+                total[key] = total.get(key, 0) + value
+    return [plan.finish(model, total) for plan, total in zip(plans, totals)]
+
+
 def _needs_text(config) -> ConfigError:
     return ConfigError(f"{type(config).__name__} needs calibration text: pass calibration=Calibration(tokenizer) "
                        "to quantize_")
@@ -116,11 +166,13 @@ def _needs_text(config) -> ConfigError:
 class MethodSpec:
     name: str  # as records and `--method` name it
     role: Role
-    apply: Callable[[nn.Module, Any, QuantRun], dict]  # transforms the model in place; returns its record
+    # blockwise: (model, config, run) -> BlockPlan; else: transforms the whole model in place, returns its record
+    apply: Callable[[nn.Module, Any, QuantRun], Any]
     needs_calibration: Callable[[Any], bool]
     # Config types one of which must come after this one in a list (a transform that prepares activations for
     # int8 needs an int8 quantizer after it); empty: any quantizer.
     followed_by: tuple[type, ...] = ()
+    blockwise: bool = False
 
 
 _METHODS: dict[type, MethodSpec] = {}
@@ -130,10 +182,11 @@ _FOLDED_NAMES = {("smoothquant", "w8a8"): "smoothquant"}
 
 
 def register_method(config_type: type, name: str, role: Role, needs_calibration: Callable[[Any], bool] = lambda c: True,
-                    followed_by: tuple[type, ...] = ()):
-    """Decorator: `apply(model, config, run) -> record` is how `config_type` quantizes (or transforms) a model."""
+                    followed_by: tuple[type, ...] = (), blockwise: bool = False):
+    """Decorator: how `config_type` quantizes (or transforms) a model: `plan(model, config, run) -> BlockPlan`
+    when `blockwise`, else `apply(model, config, run) -> record`."""
     def decorator(apply):
-        _METHODS[config_type] = MethodSpec(name, role, apply, needs_calibration, followed_by)
+        _METHODS[config_type] = MethodSpec(name, role, apply, needs_calibration, followed_by, blockwise)
         return apply
 
     return decorator
@@ -194,20 +247,34 @@ def composed_name(names: list[str]) -> str:
     return "+".join(names)
 
 
-def quantize_(model: nn.Module, config, *, calibration: Calibration | None = None) -> QuantRecord:
-    """Apply `config` (a method config, or a list of them: transforms then one quantizer) to `model` in place."""
+def quantize_(model: nn.Module, config, *, calibration: Calibration | None = None,
+              source: ResidentBlocks | None = None) -> QuantRecord:
+    """Apply `config` (a method config, or a list of them: transforms then one quantizer) to `model` in place.
+    `source`: where the block pipeline reads and writes blocks (default: `model`'s own, in memory)."""
     configs = tuple(config) if isinstance(config, (list, tuple)) else (config,)
     specs = check_composition(configs)
     needing_text = [config_ for config_, spec in zip(configs, specs) if spec.needs_calibration(config_)]
     if calibration is None and needing_text:
         raise _needs_text(needing_text[0])
+    if source is not None and not all(spec.blockwise for spec in specs):
+        whole = ", ".join(spec.name for spec in specs if not spec.blockwise)
+        raise NeedsWholeModelError(f"{whole} needs the whole model in memory and cannot run block by block from disk")
     started = time.perf_counter()
-    run = QuantRun(calibration)
+    run = QuantRun(calibration, streamed=source is not None)
     record = QuantRecord()
-    names = []
+    steps: list[dict] = []
+    plans: list[BlockPlan] = []  # consecutive blockwise steps, run together in one walk
     for index, (config_, spec) in enumerate(zip(configs, specs)):
         run.later = configs[index + 1:]
-        step = spec.apply(model, config_, run)
+        if spec.blockwise:
+            plans.append(spec.apply(model, config_, run))
+            continue
+        steps += run_plans(model, plans, source) if plans else []
+        plans = []
+        steps.append(spec.apply(model, config_, run))
+    steps += run_plans(model, plans, source) if plans else []
+    names = []
+    for spec, step in zip(specs, steps):
         names.append(step.pop("method", spec.name))
         record.update(step)
     record["method"] = composed_name(names)

@@ -21,10 +21,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from leanlm.cache.prefix import follow_value_smoothing_
-from leanlm.errors import ConfigError
-from leanlm.methods.quantize import QuantRun, quantize_, register_method
+from leanlm.errors import ConfigError, NeedsWholeModelError
+from leanlm.methods.quantize import BlockPlan, QuantRun, quantize_, register_method
 from leanlm.settings import option
-from leanlm.methods.w8a8 import CalibrationStats, int8_statistics
+from leanlm.methods.w8a8 import CalibrationStats, int8_observation, int8_statistics
 from leanlm.models.architectures import ArchitectureTable, architecture_for, decoder_blocks, linear_weight_out_in
 from leanlm.models.scoring import next_token_nll
 
@@ -107,66 +107,99 @@ class SmoothingResult:
     producer_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def smooth_block_(block: nn.Module, index: int, model_config, input_absmax: dict[str, torch.Tensor],
+                  config: SmoothQuantConfig, result: SmoothingResult) -> None:
+    """Smooth decoder block `index` in place from its linears' input maxima observed on the unsmoothed model
+    (`input_absmax`, keyed by full linear names); `result` receives the smoothed maxima and producer factors."""
+    table = architecture_for(model_config)
+    prefix = f"{table.blocks}.{index}."
+    for feed in table.norm_feeds:
+        consumers = [block.get_submodule(path) for path in feed.linears]
+        s = smoothing_factors(input_absmax[prefix + feed.linears[0]], _input_column_absmax(consumers, table), config.alpha)
+        _divide_norm(block.get_submodule(feed.norm), table, s)
+        for path, module in zip(feed.linears, consumers):
+            _scale_input_columns(module, table, s)
+            result.input_absmax[prefix + path] = input_absmax[prefix + path] / s
+    for feed in table.linear_feeds:
+        is_value = feed.producer in table.attention_inputs
+        if not (config.smooth_value_output if is_value else config.smooth_mlp_output):
+            continue
+        producer, consumer = block.get_submodule(feed.producer), block.get_submodule(feed.consumer)
+        produced = linear_weight_out_in(producer, table).shape[0]
+        x_absmax = input_absmax[prefix + feed.consumer]
+        mapping = consumer_to_producer_channels(model_config, produced, x_absmax.numel())
+        # One factor per producer channel: the max over every consumer channel it feeds.
+        per_producer = lambda values: torch.zeros(produced).scatter_reduce(0, mapping, values, "amax")  # noqa: E731
+        s = smoothing_factors(
+            per_producer(x_absmax), per_producer(_input_column_absmax([consumer], table)), config.alpha
+        )
+        _divide_output_channels(producer, table, s)
+        _scale_input_columns(consumer, table, s[mapping])
+        result.input_absmax[prefix + feed.consumer] = x_absmax / s[mapping]
+        result.producer_scales[prefix + feed.producer] = s
+
+
 def smooth_(model: nn.Module, input_absmax: dict[str, torch.Tensor], config: SmoothQuantConfig) -> SmoothingResult:
     """Smooth `model` in place from calibration statistics collected on the unsmoothed model."""
-    table = architecture_for(model)
     result = SmoothingResult(dict(input_absmax))
-    for index, block in enumerate(decoder_blocks(model, table)):
-        prefix = f"{table.blocks}.{index}."
-        for feed in table.norm_feeds:
-            consumers = [block.get_submodule(path) for path in feed.linears]
-            s = smoothing_factors(input_absmax[prefix + feed.linears[0]], _input_column_absmax(consumers, table), config.alpha)
-            _divide_norm(block.get_submodule(feed.norm), table, s)
-            for path, module in zip(feed.linears, consumers):
-                _scale_input_columns(module, table, s)
-                result.input_absmax[prefix + path] = input_absmax[prefix + path] / s
-        for feed in table.linear_feeds:
-            is_value = feed.producer in table.attention_inputs
-            if not (config.smooth_value_output if is_value else config.smooth_mlp_output):
-                continue
-            producer, consumer = block.get_submodule(feed.producer), block.get_submodule(feed.consumer)
-            produced = linear_weight_out_in(producer, table).shape[0]
-            x_absmax = input_absmax[prefix + feed.consumer]
-            mapping = consumer_to_producer_channels(model.config, produced, x_absmax.numel())
-            # One factor per producer channel: the max over every consumer channel it feeds.
-            per_producer = lambda values: torch.zeros(produced).scatter_reduce(0, mapping, values, "amax")  # noqa: E731
-            s = smoothing_factors(
-                per_producer(x_absmax), per_producer(_input_column_absmax([consumer], table)), config.alpha
-            )
-            _divide_output_channels(producer, table, s)
-            _scale_input_columns(consumer, table, s[mapping])
-            result.input_absmax[prefix + feed.consumer] = x_absmax / s[mapping]
-            result.producer_scales[prefix + feed.producer] = s
+    for index, block in enumerate(decoder_blocks(model)):
+        smooth_block_(block, index, model.config, input_absmax, config, result)
     # A CushionCache prefix attached to the model holds values v_proj produced before this smoothing.
     follow_value_smoothing_(model, result.producer_scales)
     return result
+
+
+def _smooth_attention_ranges(stats: CalibrationStats, result: SmoothingResult, table: ArchitectureTable,
+                             attention_name: str) -> None:
+    """One attention's observed ranges as they are after smoothing: the value ranges divided where v_proj's
+    outputs were (queries and keys do not change)."""
+    value_proj = f"{attention_name.rsplit('.', 1)[0]}.{table.attention_inputs[-1]}"
+    ranges = stats.attention.get(attention_name)
+    if ranges is not None and value_proj in result.producer_scales:
+        stats.attention[attention_name] = {**ranges,
+                                           "v_channel_absmax": ranges["v_channel_absmax"] / result.producer_scales[value_proj]}
 
 
 def smoothed_statistics(model: nn.Module, stats: CalibrationStats, result: SmoothingResult) -> CalibrationStats:
     """The int8 statistics as they are after smoothing, exactly, with no second calibration pass: each linear's
     input ranges divided by s, and the value ranges of attention divided where v_proj's outputs were."""
     table = architecture_for(model)
-    attention = {name: dict(ranges) for name, ranges in stats.attention.items()}
-    for name, ranges in attention.items():
-        value_proj = f"{name.rsplit('.', 1)[0]}.{table.attention_inputs[-1]}"
-        if value_proj in result.producer_scales:  # v itself was divided by s
-            ranges["v_channel_absmax"] = ranges["v_channel_absmax"] / result.producer_scales[value_proj]
-    return CalibrationStats(result.input_absmax, attention)
+    smoothed = CalibrationStats(result.input_absmax, {name: dict(ranges) for name, ranges in stats.attention.items()})
+    for name in list(smoothed.attention):
+        _smooth_attention_ranges(smoothed, result, table, name)
+    return smoothed
 
 
-@register_method(SmoothQuantConfig, "smoothquant", "transform")
-def _smoothquant(model: nn.Module, config: SmoothQuantConfig, run: QuantRun) -> dict:
-    stats = int8_statistics(model, config, run)
+@register_method(SmoothQuantConfig, "smoothquant", "transform", blockwise=True)
+def _smoothquant_plan(model: nn.Module, config: SmoothQuantConfig, run: QuantRun) -> BlockPlan:
+    """Each block smoothed from its statistics on the float model (observed block by block, or known), which
+    are then replaced by the smoothed ones for the quantizer that follows (exact: no second calibration pass)."""
     record = {}
-    alpha = config.alpha
-    if alpha == AUTO:
-        alpha, searched = _search_alpha(model, config, stats, run)
+    if config.alpha == AUTO:
+        if run.streamed:
+            raise NeedsWholeModelError("alpha 'auto' scores whole-model copies, which a model read block by block from disk "
+                              "cannot give: set alpha (the paper's default is 0.5)")
+        alpha, searched = _search_alpha(model, config, int8_statistics(model, config, run), run)
         record["alpha_search"] = {str(value): ppl for value, ppl in searched.items()}
-    config = replace(config, alpha=alpha)
-    run.stats = smoothed_statistics(model, stats, smooth_(model, stats.input_absmax, config))
-    record["smoothquant"] = {"alpha": alpha, "smooth_value_output": config.smooth_value_output,
-                             "smooth_mlp_output": config.smooth_mlp_output}
-    return record
+        config = replace(config, alpha=alpha)
+    if run.stats is not None:
+        run.stats = run.stats.copy()  # statistics given to the run stay as they were
+    observe, windows = int8_observation(model, config, run)
+    table = architecture_for(model)
+    result = SmoothingResult(run.stats.input_absmax)  # the run's maxima become the smoothed ones, block by block
+
+    def quantize_block(index: int, block: nn.Module) -> None:
+        smooth_block_(block, index, model.config, dict(run.stats.input_absmax), config, result)
+        _smooth_attention_ranges(run.stats, result, table, f"{table.blocks}.{index}.{table.attention_module}")
+
+    def finish(model: nn.Module, counts: dict) -> dict:
+        # A CushionCache prefix attached to the model holds values v_proj produced before this smoothing.
+        follow_value_smoothing_(model, result.producer_scales)
+        record["smoothquant"] = {"alpha": config.alpha, "smooth_value_output": config.smooth_value_output,
+                                 "smooth_mlp_output": config.smooth_mlp_output}
+        return record
+
+    return BlockPlan(quantize_block, finish, observe, windows)
 
 
 def _search_alpha(model: nn.Module, config: SmoothQuantConfig, stats: CalibrationStats, run: QuantRun

@@ -9,20 +9,21 @@ Naive W8A8 is O2 without smoothing; ZeroQuant-style is O1 with group-wise weight
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from leanlm.errors import ConfigError, CorruptModelError
 from leanlm.formats.int8 import QMAX, WeightGranularity
 from leanlm.kernels.int8_gemm import Backend
-from leanlm.methods.calibration import collect_input_absmax
-from leanlm.methods.quantize import QuantRun, register_after_load, register_method
+from leanlm.methods.blocks import observe_inputs, walk_blocks
+from leanlm.methods.calibration import record_channel_absmax
+from leanlm.methods.quantize import BlockPlan, QuantRun, register_after_load, register_method
 from leanlm.settings import option
-from leanlm.models.architectures import architecture_for, decoder_blocks, iter_quantizable_linears, linear_weight_out_in
+from leanlm.models.architectures import architecture_for, decoder_blocks, linear_weight_out_in
 from leanlm.nn import ATTENTION_NAME, BmmQuantizer, SharedInputGemm, W8A8Linear, use_int8_bmm_attention
 
 Level = Literal["O1", "O2", "O3"]
@@ -97,67 +98,117 @@ class CalibrationStats:
     input_absmax: dict[str, torch.Tensor]  # linear name -> per-input-channel max|x|
     attention: dict[str, dict[str, torch.Tensor]]  # attention module name -> observed q/k/v ranges
 
+    def copy(self) -> "CalibrationStats":
+        """Another set of the same statistics whose entries a transform may replace (the tensors are shared)."""
+        return CalibrationStats(dict(self.input_absmax), {name: dict(ranges) for name, ranges in self.attention.items()})
+
+
+class Int8Observer:
+    """The int8 statistics of the float model, observed block by block as the block pipeline runs each block:
+    every quantizable linear's max|x| per input channel and every attention's q/k/v ranges (a `BmmQuantizer`
+    observing inside transformers' attention, routed through leanlm's int8 attention function from the start,
+    so the masks the model prepares are the ones that function reads). `close()` puts the model's attention
+    function back."""
+
+    def __init__(self, model: nn.Module):
+        self.table, self.config = architecture_for(model), model.config
+        self.stats = CalibrationStats({}, {})
+        self.previous_attention = model.config._attn_implementation
+        use_int8_bmm_attention(model)
+
+    def close(self) -> None:
+        self.config._attn_implementation = self.previous_attention
+
+    @contextmanager
+    def observe(self, index: int, block: nn.Module):
+        prefix = f"{self.table.blocks}.{index}."
+        attention = block.get_submodule(self.table.attention_module)
+        attention.bmm_quantizer = BmmQuantizer()
+        attention.bmm_quantizer.observe = True
+        try:
+            with observe_inputs(((prefix + path, block.get_submodule(path)) for path in self.table.quantizable_linears),
+                                lambda name, x: record_channel_absmax(self.stats.input_absmax, name, x)):
+                yield
+            self.stats.attention[prefix + self.table.attention_module] = attention.bmm_quantizer.state_dict()
+        finally:
+            del attention.bmm_quantizer
+
 
 def calibrate(model: nn.Module, batches: torch.Tensor) -> CalibrationStats:
     """Input ranges of every linear and q/k/v ranges of every attention, in one pass over `batches` (n, L).
     The model is left as it was."""
-    attentions = dict(_attention_modules(model))
-    previous_attention = model.config._attn_implementation
-    for attention in attentions.values():
-        attention.bmm_quantizer = BmmQuantizer()
-        attention.bmm_quantizer.observe = True
-    use_int8_bmm_attention(model)
+    observer = Int8Observer(model)
     try:
-        input_absmax = collect_input_absmax(model, batches)
-        observed = {name: attention.bmm_quantizer.state_dict() for name, attention in attentions.items()}
+        walk_blocks(model, batches, observe=observer.observe, desc="calibrating")
     finally:
-        for attention in attentions.values():
-            del attention.bmm_quantizer
-        model.config._attn_implementation = previous_attention
-    return CalibrationStats(input_absmax, observed)
+        observer.close()
+    return observer.stats
 
 
 def int8_statistics(model: nn.Module, config, run: QuantRun) -> CalibrationStats:
-    """The run's int8 statistics of `model`, observed on first need from `config.calibration_samples` windows."""
+    """The run's int8 statistics of `model` (in memory), observed now from `config.calibration_samples` windows
+    unless known."""
     if run.stats is None:
         run.stats = calibrate(model, run.data(config).batches(config.calibration_samples))
     return run.stats
 
 
-@register_method(W8A8Config, "w8a8", "quantizer", needs_calibration=lambda config: LEVELS[config.level][1])
-def _quantize_w8a8(model: nn.Module, config: W8A8Config, run: QuantRun) -> dict:
+def int8_observation(model: nn.Module, config, run: QuantRun):
+    """(observe, windows) for a plan that needs the run's int8 statistics (`run.stats`): the one `Int8Observer`
+    filling them block by block, for the first plan that asks; (None, None) when they are known or observed by
+    an earlier plan of the run."""
+    if run.stats is not None:
+        return None, None
+    run.observing = Int8Observer(model)
+    run.stats = run.observing.stats
+    return run.observing.observe, run.data(config).batches(config.calibration_samples)
+
+
+@register_method(W8A8Config, "w8a8", "quantizer", needs_calibration=lambda config: LEVELS[config.level][1],
+                 blockwise=True)
+def _w8a8_plan(model: nn.Module, config: W8A8Config, run: QuantRun) -> BlockPlan:
     """Replace the block linears (and attention's matmul inputs) by int8 ones; static levels take their ranges
     from the run's statistics (observed here, or kept current by a transform before, such as smoothing)."""
     activation, static = LEVELS[config.level]
-    stats = int8_statistics(model, config, run) if static else run.stats
+    observe, windows = int8_observation(model, config, run) if static else (None, None)
     table = architecture_for(model)
-    input_absmax = stats.input_absmax if stats else {}
-    attention_ranges = stats.attention if stats else {}
-    for name, module in tqdm(list(iter_quantizable_linears(model, table)), desc="quantizing", unit="linear", leave=False):
-        input_scale = (input_absmax[name].max() / QMAX).clamp(min=1e-8) if static else None
-        quantized = W8A8Linear.from_float(
-            linear_weight_out_in(module, table), getattr(module, "bias", None),
-            config.weight_granularity, config.group_size, activation, input_scale, config.backend,
-            config.outlier_threshold, config.asymmetric,
-        )
-        model.set_submodule(name, quantized)
-    share_input_gemms_(model)
-    if config.quantize_bmm:
-        for name, attention in _attention_modules(model):
-            ranges = attention_ranges.get(name)
+
+    def quantize_block(index: int, block: nn.Module) -> None:
+        prefix = f"{table.blocks}.{index}."
+        input_absmax = run.stats.input_absmax if run.stats else {}
+        for path in table.quantizable_linears:
+            module = block.get_submodule(path)
+            input_scale = (input_absmax[prefix + path].max() / QMAX).clamp(min=1e-8) if static else None
+            block.set_submodule(path, W8A8Linear.from_float(
+                linear_weight_out_in(module, table), getattr(module, "bias", None),
+                config.weight_granularity, config.group_size, activation, input_scale, config.backend,
+                config.outlier_threshold, config.asymmetric,
+            ))
+        if config.quantize_bmm:
+            ranges = run.stats.attention.get(prefix + table.attention_module) if run.stats else None
             kv_channels = ranges["v_channel_absmax"].numel() if ranges else 0
             quantizer = BmmQuantizer(activation, static, kv_channels, config.quantize_probs)
             if ranges is not None:
                 quantizer.load_state_dict(ranges)
-            attention.bmm_quantizer = quantizer
-        use_int8_bmm_attention(model)
-    calibration = run.calibration.record(config.calibration_samples) if stats is not None and run.calibration else None
-    return {"method": config.method, **asdict(config), "calibration": calibration}
+            block.get_submodule(table.attention_module).bmm_quantizer = quantizer
+
+    def finish(model: nn.Module, counts: dict) -> dict:
+        if run.observing is not None:
+            run.observing.close()
+        share_input_gemms_(model)
+        if config.quantize_bmm:
+            use_int8_bmm_attention(model)
+        calibration = (run.calibration.record(config.calibration_samples)
+                       if run.stats is not None and run.calibration else None)
+        return {"method": config.method, **asdict(config), "calibration": calibration}
+
+    return BlockPlan(quantize_block, finish, observe, windows)
 
 
-@register_method(LLMInt8Config, "llm-int8", "quantizer", needs_calibration=lambda config: False)
-def _quantize_llm_int8(model: nn.Module, config: LLMInt8Config, run: QuantRun) -> dict:
-    return {**_quantize_w8a8(model, config.w8a8(), run), "method": "llm-int8"}
+@register_method(LLMInt8Config, "llm-int8", "quantizer", needs_calibration=lambda config: False, blockwise=True)
+def _llm_int8_plan(model: nn.Module, config: LLMInt8Config, run: QuantRun) -> BlockPlan:
+    plan = _w8a8_plan(model, config.w8a8(), run)
+    return replace(plan, finish=lambda model, counts: {**plan.finish(model, counts), "method": "llm-int8"})
 
 
 @register_after_load
@@ -179,6 +230,8 @@ def share_input_gemms_(model: nn.Module, share: bool = True) -> int:
     table = architecture_for(model)
     groups = 0
     for block in decoder_blocks(model, table):
+        if any(tensor.is_meta for tensor in block.state_dict().values()):
+            continue  # a block already written to disk by the out-of-core pipeline: the loader shares its GEMMs
         for feeds in table.norm_feeds:
             members = [block.get_submodule(path) for path in feeds.linears]
             for member in members:

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from leanlm.formats.blockwise import SECOND_LEVEL_BLOCK, BlockwiseQuantized, quantize_blockwise
-from leanlm.formats.codebooks import Codebook, codebook
+from leanlm.formats.codebooks import DYNAMIC8, Codebook, codebook
 from leanlm.formats.packing import pack, packed_bytes, unpack
 from leanlm.kernels.kbit_gemm import (
+    BlockConstants,
     KbitBackend,
     KernelIsa,
     code_table,
@@ -125,11 +126,14 @@ class KbitLinear(nn.Module):
         self._kernel_inputs = None
         super()._load_from_state_dict(*args, **kwargs)
 
-    def _kernel_state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(float32 block constants, 16-entry code table), derived once from the buffers."""
+    def _kernel_state(self) -> tuple[BlockConstants, torch.Tensor]:
+        """(the block constants as stored - double-quantized ones stay 8-bit, the kernel decodes them row by row -,
+        16-entry code table), derived once from the buffers."""
         if self._kernel_inputs is None:
-            self._kernel_inputs = (self.quantized().block_constants().float().contiguous(),
-                                   code_table(self.codebook.values))
+            constants = (BlockConstants(self.absmax, self.absmax_scale, DYNAMIC8.values, self.absmax_offset.item(),
+                                        SECOND_LEVEL_BLOCK)
+                         if self.double_quant else BlockConstants(self.absmax.float().contiguous()))
+            self._kernel_inputs = (constants, code_table(self.codebook.values))
         return self._kernel_inputs
 
     def _resolve_backend(self) -> KbitBackend:

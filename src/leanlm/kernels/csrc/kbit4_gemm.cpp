@@ -32,6 +32,32 @@
 
 namespace {
 
+// The block constants of W, one per block of a row: float32, or as double quantization (QLoRA) stores them:
+// 8-bit codes into a 256-entry table, one float32 scale per `group` codes and one offset. Those are decoded a row
+// at a time into a small scratch buffer (in_features / block floats), so no float32 copy of every constant (half
+// a bit per weight at blocks of 64) is kept beside the quantized ones.
+struct BlockConstants {
+  const float* direct = nullptr;
+  const uint8_t* codes = nullptr;
+  const float* code_values = nullptr;
+  const float* scales = nullptr;
+  float offset = 0.0f;
+  int64_t group = 256;
+  int64_t per_row = 0;
+
+  // The constants of output row n: the float32 array's own, or decoded into `scratch`.
+  const float* row(int64_t n, float* scratch) const {
+    if (direct != nullptr) return direct + n * per_row;
+    for (int64_t b = 0; b < per_row; ++b) {
+      const int64_t i = n * per_row + b;
+      // Rounded after the product and after the sum, as the reference computes it: no fused multiply-add.
+      volatile float scaled = code_values[codes[i]] * scales[i / group];
+      scratch[b] = scaled + offset;
+    }
+    return scratch;
+  }
+};
+
 // 16 codes (8 packed bytes) -> two vectors of 8 floats, in order, through the 16-entry code book.
 inline void decode16(const uint8_t* bytes, __m256 low_table, __m256 high_table, __m256& first, __m256& second) {
   const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
@@ -59,15 +85,16 @@ inline float horizontal_sum(__m256 v) {
 
 // ROWS rows of x against output rows [first, last) of W, codes decoded in order (any row length).
 template <int ROWS>
-void gemv_rows_in_order(const float* x, int64_t x_stride, const uint8_t* packed, const float* absmax,
+void gemv_rows_in_order(const float* x, int64_t x_stride, const uint8_t* packed, const BlockConstants& constants,
                         const float* table, int64_t in_features, int64_t block, float* out, int64_t out_stride,
                         int64_t first, int64_t last) {
   const __m256 low_table = _mm256_loadu_ps(table);
   const __m256 high_table = _mm256_loadu_ps(table + 8);
   const int64_t blocks_per_row = in_features / block;
+  std::vector<float> scratch(blocks_per_row);
   for (int64_t n = first; n < last; ++n) {
     const uint8_t* row_codes = packed + n * in_features / 2;
-    const float* row_absmax = absmax + n * blocks_per_row;
+    const float* row_absmax = constants.row(n, scratch.data());
     __m256 total[ROWS];
     for (int r = 0; r < ROWS; ++r) total[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks_per_row; ++b) {
@@ -193,12 +220,38 @@ void check(const torch::Tensor& x, const torch::Tensor& packed, const torch::Ten
            const torch::Tensor& table, int64_t out_features, int64_t block) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (M, K)");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed: contiguous uint8");
-  TORCH_CHECK(absmax.scalar_type() == torch::kFloat && absmax.is_contiguous(), "absmax: contiguous float32");
   TORCH_CHECK(table.scalar_type() == torch::kFloat && table.numel() == 16, "table: 16 float32 values");
   const int64_t in_features = x.size(1);
   TORCH_CHECK(block % 16 == 0 && in_features % block == 0, "block must be a multiple of 16 dividing in_features");
   TORCH_CHECK(packed.numel() == out_features * in_features / 2, "packed has the wrong size");
   TORCH_CHECK(absmax.numel() == out_features * in_features / block, "absmax has the wrong size");
+}
+
+// absmax: float32 constants, or uint8 codes of them with `dq_scales` (float32, one per `dq_group` codes),
+// `dq_values` (256 float32) and `dq_offset` (double quantization).
+BlockConstants constants_of(const torch::Tensor& absmax, const c10::optional<torch::Tensor>& dq_scales,
+                            const c10::optional<torch::Tensor>& dq_values, double dq_offset, int64_t dq_group,
+                            int64_t per_row) {
+  TORCH_CHECK(absmax.is_contiguous(), "absmax: contiguous");
+  BlockConstants constants;
+  constants.per_row = per_row;
+  if (absmax.scalar_type() == torch::kFloat) {
+    constants.direct = absmax.data_ptr<float>();
+    return constants;
+  }
+  TORCH_CHECK(absmax.scalar_type() == torch::kUInt8 && dq_scales.has_value() && dq_values.has_value(),
+              "absmax: float32, or uint8 codes with dq_scales and dq_values (double quantization)");
+  TORCH_CHECK(dq_scales->scalar_type() == torch::kFloat && dq_scales->is_contiguous() &&
+                  dq_scales->numel() == (absmax.numel() + dq_group - 1) / dq_group,
+              "dq_scales: one contiguous float32 per dq_group codes");
+  TORCH_CHECK(dq_values->scalar_type() == torch::kFloat && dq_values->is_contiguous() && dq_values->numel() == 256,
+              "dq_values: 256 float32 values");
+  constants.codes = absmax.data_ptr<uint8_t>();
+  constants.scales = dq_scales->data_ptr<float>();
+  constants.code_values = dq_values->data_ptr<float>();
+  constants.offset = static_cast<float>(dq_offset);
+  constants.group = dq_group;
+  return constants;
 }
 
 }  // namespace
@@ -207,8 +260,10 @@ void check(const torch::Tensor& x, const torch::Tensor& packed, const torch::Ten
 enum Isa : int64_t { kAuto = 0, kAvx512 = 1, kAvx2 = 2, kInOrder = 3 };
 
 torch::Tensor kbit4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor table,
-                         int64_t out_features, int64_t block, int64_t isa) {
+                         int64_t out_features, int64_t block, int64_t isa, c10::optional<torch::Tensor> dq_scales,
+                         c10::optional<torch::Tensor> dq_values, double dq_offset, int64_t dq_group) {
   check(x, packed, absmax, table, out_features, block);
+  const BlockConstants constants = constants_of(absmax, dq_scales, dq_values, dq_offset, dq_group, x.size(1) / block);
   const int64_t rows = x.size(0), in_features = x.size(1);
   if (isa == kAuto) isa = in_features % 64 ? kInOrder : (cpu_has_avx512() ? kAvx512 : kAvx2);
   TORCH_CHECK(isa >= kAvx512 && isa <= kInOrder, "unknown kernel choice ", isa);
@@ -216,7 +271,6 @@ torch::Tensor kbit4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor ab
   TORCH_CHECK(isa == kInOrder || in_features % 64 == 0, "the lane-order kernels need in_features % 64 == 0");
   auto out = torch::empty({rows, out_features}, x.options());
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const float* ap = absmax.data_ptr<float>();
   const float* tp = table.data_ptr<float>();
   float* op = out.data_ptr<float>();
   if (isa == kInOrder) {
@@ -224,10 +278,10 @@ torch::Tensor kbit4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor ab
     at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
       int64_t r = 0;
       for (; r + 4 <= rows; r += 4)
-        gemv_rows_in_order<4>(xp + r * in_features, in_features, pp, ap, tp, in_features, block,
+        gemv_rows_in_order<4>(xp + r * in_features, in_features, pp, constants, tp, in_features, block,
                               op + r * out_features, out_features, first, last);
       for (; r < rows; ++r)
-        gemv_rows_in_order<1>(xp + r * in_features, in_features, pp, ap, tp, in_features, block,
+        gemv_rows_in_order<1>(xp + r * in_features, in_features, pp, constants, tp, in_features, block,
                               op + r * out_features, out_features, first, last);
     });
     return out;
@@ -242,10 +296,10 @@ torch::Tensor kbit4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor ab
     auto group = [&](auto size, int64_t r) {
       constexpr int R = decltype(size)::value;
       if (isa == kAvx512)
-        avx512::gemv_rows<R>(xp + r * in_features, in_features, pp, ap, tp, in_features, block, blocks.data(),
+        avx512::gemv_rows<R>(xp + r * in_features, in_features, pp, constants, tp, in_features, block, blocks.data(),
                             op + r * out_features, out_features, first, last);
       else
-        avx2::gemv_rows<(R < 4 ? R : 4)>(xp + r * in_features, in_features, pp, ap, tp, in_features, block,
+        avx2::gemv_rows<(R < 4 ? R : 4)>(xp + r * in_features, in_features, pp, constants, tp, in_features, block,
                                       blocks.data(), op + r * out_features, out_features, first, last);
     };
     int64_t r = 0;
@@ -258,24 +312,28 @@ torch::Tensor kbit4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor ab
 }
 
 void dequantize_rows(torch::Tensor packed, torch::Tensor absmax, torch::Tensor table, int64_t block,
-                     int64_t first_row, torch::Tensor out) {
+                     int64_t first_row, torch::Tensor out, c10::optional<torch::Tensor> dq_scales,
+                     c10::optional<torch::Tensor> dq_values, double dq_offset, int64_t dq_group) {
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.is_contiguous(), "out: contiguous float32");
   const int64_t in_features = out.size(1), rows = out.size(0);
   TORCH_CHECK(block % 16 == 0 && in_features % block == 0, "block must be a multiple of 16 dividing in_features");
   TORCH_CHECK(packed.numel() >= (first_row + rows) * in_features / 2, "rows beyond the packed weight");
+  const int64_t blocks_per_row = in_features / block;
+  TORCH_CHECK(absmax.numel() >= (first_row + rows) * blocks_per_row, "rows beyond the block constants");
+  const BlockConstants constants = constants_of(absmax, dq_scales, dq_values, dq_offset, dq_group, blocks_per_row);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const float* ap = absmax.data_ptr<float>();
   const float* tp = table.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t blocks_per_row = in_features / block;
   at::parallel_for(0, rows, 8, [&](int64_t first, int64_t last) {
     const __m256 low_table = _mm256_loadu_ps(tp);
     const __m256 high_table = _mm256_loadu_ps(tp + 8);
+    std::vector<float> scratch(blocks_per_row);
     for (int64_t i = first; i < last; ++i) {
       const int64_t n = first_row + i;
       float* row_out = op + i * in_features;
+      const float* row_absmax = constants.row(n, scratch.data());
       for (int64_t b = 0; b < blocks_per_row; ++b) {
-        const __m256 scale = _mm256_set1_ps(ap[n * blocks_per_row + b]);
+        const __m256 scale = _mm256_set1_ps(row_absmax[b]);
         for (int64_t k = b * block; k < (b + 1) * block; k += 16) {
           __m256 w0, w1;
           decode16(pp + (n * in_features + k) / 2, low_table, high_table, w0, w1);
@@ -319,7 +377,13 @@ torch::Tensor float_gemv(torch::Tensor x, torch::Tensor weight, int64_t isa) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("float_gemv", &float_gemv, "float32 / bfloat16 weight times at most 8 float32 rows, threads over outputs");
-  m.def("kbit4_gemv", &kbit4_gemv, "4-bit weight-only linear, weights decoded in registers");
+  m.def("kbit4_gemv", &kbit4_gemv, "4-bit weight-only linear, weights decoded in registers", py::arg("x"),
+        py::arg("packed"), py::arg("absmax"), py::arg("table"), py::arg("out_features"), py::arg("block"),
+        py::arg("isa"), py::arg("dq_scales") = py::none(), py::arg("dq_values") = py::none(),
+        py::arg("dq_offset") = 0.0, py::arg("dq_group") = 256);
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernel");
-  m.def("dequantize_rows", &dequantize_rows, "4-bit weights of out.size(0) output rows from first_row into out (AVX2)");
+  m.def("dequantize_rows", &dequantize_rows, "4-bit weights of out.size(0) output rows from first_row into out (AVX2)",
+        py::arg("packed"), py::arg("absmax"), py::arg("table"), py::arg("block"), py::arg("first_row"), py::arg("out"),
+        py::arg("dq_scales") = py::none(), py::arg("dq_values") = py::none(), py::arg("dq_offset") = 0.0,
+        py::arg("dq_group") = 256);
 }
