@@ -107,7 +107,7 @@ def qlora_worker(checkpoint: Path, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     data = out / "train.txt"
-    data.write_text("\n".join(plain_text("lambada-dev").splitlines()[:40]) + "\n")
+    data.write_text("\n".join(plain_text("lambada-dev").splitlines()[:150]) + "\n")
     started = time.perf_counter()
     code = main(["finetune", str(checkpoint), "--method", "qlora", "--data", str(data), "--out", str(out / "adapter"),
                  "--max-steps", str(QLORA_STEPS), "--batch-size", "1", "--seq-len", "256", "--gradient-checkpointing",
@@ -150,9 +150,11 @@ def quantize_step(source: Path, out: Path, flags: list[str], float_bytes: int, m
     started = time.perf_counter()
     log = out.with_suffix(".log")  # a file, not a pipe: progress bars never fill a buffer nobody reads
     with open(log, "w") as stderr:
+        # SIGINT as the default action: a shell's background job would pass on an ignored one, and Ctrl-C would
+        # not reach Python.
         process = subprocess.Popen([sys.executable, "-m", "leanlm", "quantize", str(source), *flags, "--out",
                                     str(out), "--resume", "--json", str(result_json)], stdout=subprocess.DEVNULL,
-                                   stderr=stderr)
+                                   stderr=stderr, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     peak, stopped = 0, False
     while process.poll() is None:
         try:

@@ -29,7 +29,7 @@ from leanlm.methods import (
     save_quantized,
 )
 from leanlm.methods.checkpoint import weights_files
-from leanlm.methods.out_of_core import quantize_out_of_core
+from leanlm.methods.out_of_core import load_quantizing, quantize_out_of_core
 from leanlm.models import load_model
 from tiny import FAMILIES, tiny_model
 
@@ -200,3 +200,20 @@ def test_smollm2_streamed_from_disk_equals_in_memory(config, tmp_path, default_c
     loaded = load_model("smollm2-135m")
     record = quantize_(loaded.model, config, calibration=Calibration(loaded.tokenizer, seq_len=128))
     _same_checkpoint(streamed, save_quantized(loaded, loaded.model, record, tmp_path / "in_memory"))
+
+
+@pytest.mark.parametrize("config", [KbitConfig(double_quant=True), GPTQConfig(group_size=32),
+                                    [SmoothQuantConfig(0.5), W8A8Config(level="O3")]], ids=["nf4-dq", "gptq", "sq-O3"])
+def test_a_model_loaded_quantizing_block_by_block_is_the_in_memory_quantized_model(config, tmp_path):
+    """QLoRA's base (and any quantized model) can be loaded with one float block at a time in memory: the same
+    model, tensor for tensor and logit for logit, as loading the float model and quantizing it."""
+    source = _bf16_shards(tmp_path / "source", "llama")
+    streamed, record = load_quantizing(source, config, calibration=_calibration())
+    loaded = load_model(source)
+    quantize_(loaded.model, config, calibration=_calibration())
+    left, right = streamed.model.state_dict(), loaded.model.state_dict()
+    assert sorted(left) == sorted(right)
+    assert all(torch.equal(left[name], right[name]) for name in left)
+    ids = torch.randint(0, 128, (1, 12))
+    with torch.inference_mode():
+        assert torch.equal(streamed.model(ids).logits, loaded.model(ids).logits)

@@ -226,8 +226,9 @@ def command_serve(args) -> None:
 def command_finetune(args) -> None:
     import torch
 
-    from leanlm.methods import LoRAConfig, add_lora_, is_quantized_checkpoint, load_any
+    from leanlm.methods import LORA_BASES, LoRAConfig, add_lora_, is_quantized_checkpoint, load_any
     from leanlm.methods.checkpoint import read_record
+    from leanlm.methods.out_of_core import load_quantizing
     from leanlm.models import load_tokenizer
     from leanlm.models.loading import read_tokenizer
     from leanlm.storage import writable_directory
@@ -255,7 +256,14 @@ def command_finetune(args) -> None:
     tokenizer = read_tokenizer(Path(args.model)) if quantized_base else load_tokenizer(args.model)
     training_blocks(tokenizer, documents, settings.seq_len, settings.held_out_fraction, settings.seed,
                     settings.max_eval_blocks)
-    loaded = load_any(args.model)
+    base_record = None
+    if quantized_base:
+        loaded = load_any(args.model)
+        base_record = {key: value for key, value in read_record(args.model).items() if key != "modules"}
+    elif args.method == "qlora":  # the base is quantized as it loads: never more than one block in float
+        loaded, base_record = load_quantizing(args.model, LORA_BASES[lora.base])
+    else:
+        loaded = load_any(args.model)
     torch.manual_seed(settings.seed)
     setup = add_lora_(loaded.model, lora)
     base = f"the k-bit checkpoint's base ({args.model})" if quantized_base else f"a {lora.base} base"
@@ -264,9 +272,7 @@ def command_finetune(args) -> None:
     record = finetune(loaded.model, loaded.tokenizer, documents, settings, lora, args.out, args.model,
                       resume=args.resume)
     payload = {"model": args.model, "weights_note": loaded.weights_note, "data": str(args.data),
-               "base_quantization": setup["base_quantization"] or (
-                   {key: value for key, value in read_record(args.model).items() if key != "modules"}
-                   if quantized_base else None), **record}
+               "base_quantization": setup["base_quantization"] or base_record, **record}
     print(f"steps {record['steps']}: train loss {record['train_loss_first']:.3f} -> {record['train_loss_last']:.3f}, "
           f"held-out perplexity {record['eval_perplexity']:.3f}, peak memory {record['peak_memory_bytes'] / 2**20:.0f} "
           f"MiB, {record['tokens_per_second']:.0f} tokens/s; adapter in {args.out}")

@@ -23,7 +23,7 @@ import ctypes
 import json
 import os
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
@@ -40,8 +40,8 @@ from leanlm.methods.blocks import ResidentBlocks
 from leanlm.methods.checkpoint import INDEX_FILE, checkpoint_record, retie_embeddings, write_checkpoint_files
 from leanlm.methods.quantize import Calibration, QuantRecord, quantize_
 from leanlm.models.architectures import architecture_for, decoder_blocks
-from leanlm.models.loading import read_model_config, read_tokenizer, resolve_float_directory
-from leanlm.nn import QUANTIZED_MODULES
+from leanlm.models.loading import LoadedModel, read_model_config, read_tokenizer, resolve_float_directory
+from leanlm.nn import QUANTIZED_MODULES, use_gemv_
 from leanlm.storage import QUANTIZED_MARKER, check_output_directory, resumable_staging
 
 _JOB_FILE, _OWNER_FILE = ".job.json", ".owner.pid"  # the run a staging directory belongs to
@@ -95,7 +95,11 @@ class SafetensorsShards:
     def fill(self, module: nn.Module, prefix: str = "", skip: tuple[str, ...] = ()) -> list[str]:
         """Give `module`'s tensors still on the meta device their stored values (`prefix` + name), except
         those whose names start with one of `skip`; returns the names filled."""
-        wanted = [name for name, tensor in module.state_dict().items() if tensor.is_meta and not name.startswith(skip)]
+        tensors = module.state_dict(keep_vars=True)
+        stored = {id(tensor) for name, tensor in tensors.items() if prefix + name in self}
+        # A tied tensor (an output head sharing the embedding) is read under the name it is stored by.
+        wanted = [name for name, tensor in tensors.items() if tensor.is_meta and not name.startswith(skip)
+                  and (prefix + name in self or id(tensor) not in stored)]
         absent = [prefix + name for name in wanted if prefix + name not in self]
         if absent:
             raise CorruptModelError(f"the weights in {self.directory} lack {len(absent)} of the model's tensors "
@@ -141,14 +145,48 @@ def _return_freed_memory() -> None:
         pass
 
 
-class StreamedBlocks(ResidentBlocks):
+class ShardBlocks(ResidentBlocks):
+    """Blocks read from `shards` when the pipeline reaches them and kept, quantized, in memory: a model loaded
+    quantized with no more than one block ever in float (`load_quantizing`)."""
+
+    def __init__(self, model: nn.Module, shards: SafetensorsShards):
+        self.model, self.shards = model, shards
+        self.table = architecture_for(model)
+        super().__init__(decoder_blocks(model, self.table))
+
+    def _outside_blocks(self) -> list[str]:
+        """Read what lies outside the blocks but the output head (token and position embeddings, norms)."""
+        head = _module_prefix(self.model, self.model.get_output_embeddings())
+        filled = self.shards.fill(self.model, skip=(f"{self.table.blocks}.", head))
+        retie_embeddings(self.model)
+        return filled
+
+    def inputs(self):
+        self._outside_blocks()
+        return nullcontext()
+
+    def _block_prefix(self, index: int) -> str:
+        return f"{self.table.blocks}.{index}."
+
+    def load(self, index: int) -> nn.Module:
+        block = self.blocks[index]
+        # Ordinary tensors, though the pipeline runs in inference mode: what the block keeps in float (its norms)
+        # may be trained through later (QLoRA over this base).
+        with torch.inference_mode(False):
+            self.shards.fill(block, self._block_prefix(index))
+        return block
+
+    def release(self, index: int, block: nn.Module, hidden, result) -> None:
+        _return_freed_memory()  # the float weights just replaced
+
+
+class StreamedBlocks(ShardBlocks):
     """The block source of an out-of-core run: each block read from `shards` when the pipeline needs it, and
     written to the staging directory of `out` (then emptied) when it is done."""
 
     def __init__(self, model: nn.Module, shards: SafetensorsShards, out: Path, job: dict, resume: bool):
-        self.model, self.shards, self.out = model, shards, out
-        self.table = architecture_for(model)
-        super().__init__(decoder_blocks(model, self.table))
+        super().__init__(model, shards)
+        self.out = out
         self.job = json.loads(json.dumps(job, default=str))  # as it reads back from job.json
         self.staging = resumable_staging(out)
         self.modules: dict[str, dict] = {}
@@ -177,12 +215,10 @@ class StreamedBlocks(ResidentBlocks):
 
     @contextmanager
     def inputs(self):
-        """What the calibration windows pass through before the blocks (token and position embeddings), read
-        for as long as they do: an 8B model's embedding is 0.8 GB in float32. (An untied output head is read
-        only when the checkpoint is published.)"""
-        head = _module_prefix(self.model, self.model.get_output_embeddings())
-        filled = self.shards.fill(self.model, skip=(f"{self.table.blocks}.", head))
-        retie_embeddings(self.model)
+        """What the calibration windows pass through before the blocks, read for as long as they do: an 8B
+        model's embedding is 0.8 GB in float32. (An untied output head is read only when the checkpoint is
+        published.)"""
+        filled = self._outside_blocks()
         try:
             yield
         finally:
@@ -190,9 +226,6 @@ class StreamedBlocks(ResidentBlocks):
                 set_module_tensor_to_device(self.model, name, "meta")
             if getattr(self.model.config, "tie_word_embeddings", False):  # the head held the embedding too
                 self.model.get_output_embeddings().weight = self.model.get_input_embeddings().weight
-
-    def _block_prefix(self, index: int) -> str:
-        return f"{self.table.blocks}.{index}."
 
     def resume(self, hidden):
         self.staging.mkdir(parents=True, exist_ok=True)
@@ -222,11 +255,6 @@ class StreamedBlocks(ResidentBlocks):
         if results:
             print(f"resuming {self.staging.name}: {len(results)} of {len(self)} blocks already written", flush=True)
         return results, hidden
-
-    def load(self, index: int) -> nn.Module:
-        block = self.blocks[index]
-        self.shards.fill(block, self._block_prefix(index))
-        return block
 
     def release(self, index: int, block: nn.Module, hidden, result) -> None:
         prefix = self._block_prefix(index)
@@ -326,3 +354,22 @@ def quantize_out_of_core(source: str | os.PathLike, config, out: str | os.PathLi
 
 def _module_prefix(model: nn.Module, module: nn.Module) -> str:
     return next(f"{name}." for name, candidate in model.named_modules() if candidate is module)
+
+
+def load_quantizing(source: str | os.PathLike, config, *, calibration: Calibration | None = None
+                    ) -> tuple[LoadedModel, QuantRecord]:
+    """The float model `source` loaded quantized by `config` (as `quantize_` takes it), block by block: each
+    block is read, quantized and kept, so no more than one block is ever in float (QLoRA's base is loaded so).
+    Returns (the model, the record)."""
+    directory, weights_note = resolve_float_directory(source)
+    model_config = read_model_config(directory)
+    tokenizer = read_tokenizer(directory)
+    model = model_skeleton(model_config)
+    shards = SafetensorsShards(directory, model)
+    if calibration is not None:
+        calibration = replace(calibration, tokenizer=tokenizer)
+    record = quantize_(model, config, calibration=calibration, source=ShardBlocks(model, shards))
+    shards.fill(model)  # the rest: the output head, and the embeddings if no calibration read them
+    retie_embeddings(model)
+    use_gemv_(model)
+    return LoadedModel(model, tokenizer, str(source), directory, architecture_for(model), weights_note), record
