@@ -29,6 +29,18 @@ def _staging_path(out: Path, pid: int) -> Path:
     return out.with_name(f".{out.name}{_STAGING_TAG}{pid}")
 
 
+def partial_path(path: Path) -> Path:
+    """Where a file is written before it is renamed into `path` (rename(2) is atomic: a reader sees the old file
+    or the whole new one)."""
+    return path.with_name(f".{path.name}.partial-{os.getpid()}")
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    partial = partial_path(path)
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def resumable_staging(out: str | os.PathLike) -> Path:
     """The staging directory of a run that can resume after a kill (out-of-core quantization): it keeps its
     name across processes, and `_remove_stale_staging` leaves it alone."""

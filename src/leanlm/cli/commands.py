@@ -4,7 +4,6 @@ paths before anything slow, call the Python API, print a short table and write `
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from leanlm.cli.options import settings_from_args
 from leanlm.errors import ConfigError
 from leanlm.evaluation import EvalSettings
 from leanlm.report import format_table
-from leanlm.storage import check_output_directory, staged_directory
+from leanlm.storage import check_output_directory, staged_directory, write_text_atomically
 
 
 def _check_json_path(path: Path | None) -> None:
@@ -34,9 +33,7 @@ def _write_json(path: Path | None, payload: dict) -> None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-        partial.write_text(json.dumps(payload, indent=2) + "\n")
-        os.replace(partial, path)
+        write_text_atomically(path, json.dumps(payload, indent=2) + "\n")
     except OSError as error:
         raise ConfigError(f"cannot write --json {path}: {error}") from error
 

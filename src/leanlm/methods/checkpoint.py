@@ -43,6 +43,13 @@ def checkpoint_record(record: dict, source_model: str, weights_note: str | None,
             "attn_implementation": attn_implementation, "modules": modules}
 
 
+def quantized_module_records(module: nn.Module, prefix: str = "") -> dict[str, dict]:
+    """{prefix + name: {"class", "args"}} of every leanlm quantized module in `module`, as the record keeps them
+    for the loader to rebuild."""
+    return {prefix + name: {"class": type(child).__name__, "args": child.constructor_args()}
+            for name, child in module.named_modules() if type(child).__name__ in QUANTIZED_MODULES}
+
+
 def write_checkpoint_files(config, tokenizer, quant: dict, staging: Path) -> None:
     """Everything but the weights; the record last."""
     config.save_pretrained(staging)
@@ -53,12 +60,8 @@ def write_checkpoint_files(config, tokenizer, quant: dict, staging: Path) -> Non
 def save_quantized(loaded: LoadedModel, model: nn.Module, record: dict, out_dir: str | os.PathLike) -> Path:
     """Write `model` (quantized from `loaded`) with `record` (method and settings) to `out_dir`, which appears
     only once every file is written."""
-    modules = {
-        name: {"class": type(module).__name__, "args": module.constructor_args()}
-        for name, module in model.named_modules()
-        if type(module).__name__ in QUANTIZED_MODULES
-    }
-    quant = checkpoint_record(record, loaded.name, loaded.weights_note, model.config._attn_implementation, modules)
+    quant = checkpoint_record(record, loaded.name, loaded.weights_note, model.config._attn_implementation,
+                              quantized_module_records(model))
     with staged_directory(out_dir) as staging:
         save_safetensors_from(model, str(staging / WEIGHTS_FILE), metadata={"format": "pt", QUANTIZED_MARKER: "1"})
         cushion = attached_cushion(model)

@@ -37,12 +37,24 @@ from transformers import AutoModelForCausalLM
 
 from leanlm.errors import ConfigError, CorruptModelError, ModelNotFoundError, NeedsWholeModelError
 from leanlm.methods.blocks import ResidentBlocks
-from leanlm.methods.checkpoint import INDEX_FILE, checkpoint_record, retie_embeddings, write_checkpoint_files
+from leanlm.methods.checkpoint import (
+    INDEX_FILE,
+    checkpoint_record,
+    quantized_module_records,
+    retie_embeddings,
+    write_checkpoint_files,
+)
 from leanlm.methods.quantize import Calibration, QuantRecord, quantize_
 from leanlm.models.architectures import architecture_for, decoder_blocks
 from leanlm.models.loading import LoadedModel, read_model_config, read_tokenizer, resolve_float_directory
-from leanlm.nn import QUANTIZED_MODULES, use_gemv_
-from leanlm.storage import QUANTIZED_MARKER, check_output_directory, resumable_staging
+from leanlm.nn import use_gemv_
+from leanlm.storage import (
+    QUANTIZED_MARKER,
+    check_output_directory,
+    partial_path,
+    resumable_staging,
+    write_text_atomically,
+)
 
 _JOB_FILE, _OWNER_FILE = ".job.json", ".owner.pid"  # the run a staging directory belongs to
 
@@ -229,10 +241,10 @@ class StreamedBlocks(ShardBlocks):
 
     def resume(self, hidden):
         self.staging.mkdir(parents=True, exist_ok=True)
-        for partial in self.staging.glob(".*.partial"):  # a file a killed run was writing
+        for partial in self.staging.glob(".*.partial-*"):  # a file a killed run was writing
             partial.unlink()
-        _write_text_atomically(self.staging / _JOB_FILE, json.dumps(self.job, indent=2) + "\n")
-        _write_text_atomically(self.staging / _OWNER_FILE, f"{os.getpid()}\n")
+        write_text_atomically(self.staging / _JOB_FILE, json.dumps(self.job, indent=2) + "\n")
+        write_text_atomically(self.staging / _OWNER_FILE, f"{os.getpid()}\n")
         results = []
         while (self.staging / block_file(len(results))).is_file() and len(results) < len(self):
             path = self.staging / block_file(len(results))
@@ -258,8 +270,7 @@ class StreamedBlocks(ShardBlocks):
 
     def release(self, index: int, block: nn.Module, hidden, result) -> None:
         prefix = self._block_prefix(index)
-        modules = {prefix + name: {"class": type(module).__name__, "args": module.constructor_args()}
-                   for name, module in block.named_modules() if type(module).__name__ in QUANTIZED_MODULES}
+        modules = quantized_module_records(block, prefix)
         if hidden is not None:  # the next block's inputs first: a block file on disk always has them beside it
             _write_atomically(self.staging / _hidden_file(index + 1),
                               {str(window): state.contiguous() for window, state in enumerate(hidden)}, {})
@@ -308,14 +319,8 @@ class StreamedBlocks(ShardBlocks):
 
 
 def _write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    partial = path.with_name(f".{path.name}.partial")
+    partial = partial_path(path)
     save_file(tensors, str(partial), metadata={"format": "pt", **metadata})
-    os.replace(partial, path)
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text)
     os.replace(partial, path)
 
 

@@ -160,16 +160,6 @@ def _smooth_attention_ranges(stats: CalibrationStats, result: SmoothingResult, t
                                            "v_channel_absmax": ranges["v_channel_absmax"] / result.producer_scales[value_proj]}
 
 
-def smoothed_statistics(model: nn.Module, stats: CalibrationStats, result: SmoothingResult) -> CalibrationStats:
-    """The int8 statistics as they are after smoothing, exactly, with no second calibration pass: each linear's
-    input ranges divided by s, and the value ranges of attention divided where v_proj's outputs were."""
-    table = architecture_for(model)
-    smoothed = CalibrationStats(result.input_absmax, {name: dict(ranges) for name, ranges in stats.attention.items()})
-    for name in list(smoothed.attention):
-        _smooth_attention_ranges(smoothed, result, table, name)
-    return smoothed
-
-
 @register_method(SmoothQuantConfig, "smoothquant", "transform", blockwise=True)
 def _smoothquant_plan(model: nn.Module, config: SmoothQuantConfig, run: QuantRun) -> BlockPlan:
     """Each block smoothed from its statistics on the float model (observed block by block, or known), which
