@@ -107,7 +107,7 @@ def report(payload: dict) -> str:
         return sum(losses) / len(losses)
 
     rows = [["before fine-tuning (float32)", None, None, payload["before"]["lambada_test_perplexity"], None,
-             payload["before"]["zero_shot_average"], None, None, None, None]] if payload.get("before") else []
+             payload["before"]["zero_shot_average"], None, None, None, None, None]] if payload.get("before") else []
     for name, row in runs.items():
         bits = row["base_quantization"].get("avg_bits") if row.get("base_quantization") else None
         rows.append([name, f"{bits:.3f}" if bits else "32",
@@ -116,10 +116,20 @@ def report(payload: dict) -> str:
                      f"{100 * (row['lambada_test_perplexity'] / lora - 1):+.2f}%" if lora else None,
                      row["zero_shot_average"], f"{row['peak_memory_bytes'] / 2**20:.0f}",
                      f"{row['model_bytes'] / 2**20:.0f}", f"{row['optimizer_state_bytes'] / 2**20:.1f}",
-                     f"{row['tokens_per_second']:.0f}"])
+                     f"{row['tokens_per_second']:.0f}", training_memory(row["settings"])])
     return format_table(["run", "base bits/weight (measured)", "train loss first -> last (mean of 5)",
                          "held-out LAMBADA-test ppl", "vs LoRA", f"zero-shot avg ({settings['limit']}/task)",
-                         "peak RSS MiB", "model MiB", "optimizer state MiB", "tokens/s"], rows, markdown=True)
+                         "peak RSS MiB", "model MiB", "optimizer state MiB", "tokens/s", "training memory"], rows,
+                        markdown=True)
+
+
+def training_memory(settings: dict) -> str:
+    """How the run spent memory: gradient checkpointing, and whether freed memory went back to the system at once
+    (runs from before that setting existed left glibc to keep it)."""
+    checkpointing = "checkpointing" if settings.get("gradient_checkpointing") else "no checkpointing"
+    freed = "freed memory kept" if settings.get("keep_freed_memory", True) else "freed memory returned"
+    chunked = ", chunked loss" if "keep_freed_memory" in settings else ""  # both came in together (issue 24)
+    return f"{checkpointing}, {freed}{chunked}"
 
 
 def main() -> None:

@@ -432,3 +432,18 @@ def test_qlora_over_a_kbit_checkpoint_equals_qlora_over_the_float_model(tiny_lla
     assert main(["quantize", str(tiny_llama_dir), "--method", "w8a8", "--out", str(tmp_path / "int8")]) == 0
     assert main(_finetune_argv(tmp_path / "int8", data, tmp_path / "adapter-int8")) == 2
     assert "QLoRA trains over a k-bit base" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, checkpointing, keep", [([], True, False), (["--gradient-checkpointing"], True, False),
+                                                       (["--no-gradient-checkpointing", "--keep-freed-memory"],
+                                                        False, True)])
+def test_finetune_checkpoints_gradients_and_returns_freed_memory_by_default(argv, checkpointing, keep):
+    from leanlm.cli.main import build_parser
+    from leanlm.cli.options import settings_from_args
+    from leanlm.training import FinetuneSettings
+
+    args = build_parser().parse_args(["finetune", "m", "--data", "d", "--out", "o", *argv])
+    settings = settings_from_args(FinetuneSettings, args)
+    assert (settings.gradient_checkpointing, settings.keep_freed_memory) == (checkpointing, keep)
+    # neither changes the numbers, so a run checkpointed one way resumes the other
+    assert settings.resumable_with(FinetuneSettings(gradient_checkpointing=not checkpointing, keep_freed_memory=True))

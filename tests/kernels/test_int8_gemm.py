@@ -30,8 +30,22 @@ def test_fbgemm_matches_the_reference_with_scales(per_token, bias):
     b = torch.randn(24) if bias else None
     x_scale = x.abs().amax(dim=1, keepdim=True) / 127 if per_token else torch.tensor(0.02)  # static: clamps
     reference = int8_linear(x, x_scale, weight, weight_scale, b, "reference")
-    fast = int8_linear(x, x_scale, weight, weight_scale, b, "fbgemm", pack_weight(weight, weight_scale, b))
+    fast = int8_linear(x, x_scale, None, None, b, "fbgemm", pack_weight(weight, weight_scale))
     assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("zero_point", [0, 3])
+def test_the_packed_copy_gives_the_weight_back_exactly(zero_point):
+    torch.manual_seed(2)
+    weight = torch.randint(-127, 128, (24, 40), dtype=torch.int8)
+    weight_scale = torch.rand(24) * 0.01 + 1e-3
+    if zero_point:  # per tensor: one scale
+        weight_scale = weight_scale[:1].expand(24).clone()
+    packed = pack_weight(weight, weight_scale, zero_point)
+    assert torch.equal(packed.unpacked(), weight)
+    columns = torch.tensor([0, 7, 39])
+    expected = ((weight[:, columns].float() - zero_point) * weight_scale[:, None]).T
+    assert torch.equal(packed.dequantized_columns(columns, 40), expected)  # bit for bit: LLM.int8()'s float part
 
 
 def test_unknown_backend_is_named():

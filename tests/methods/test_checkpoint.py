@@ -221,3 +221,26 @@ def test_a_checkpoint_loads_straight_into_quantized_modules(quantized_dir, monke
     assert made and all(made)
     assert not any(t.is_meta for t in loaded.model.state_dict().values())
     assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight  # tied again
+
+
+@pytest.mark.skipif(not __import__("leanlm.kernels.int8_gemm", fromlist=["x"]).fbgemm_available(),
+                    reason="no fbgemm engine")
+def test_a_loaded_w8a8_checkpoint_keeps_one_copy_of_each_int8_weight_and_none_of_the_files(quantized_dir):
+    from leanlm.nn import W8A8Linear
+
+    out, model = quantized_dir
+    loaded, _ = load_quantized(out)
+    int8 = [m for m in loaded.model.modules() if isinstance(m, W8A8Linear)]
+    assert int8 and all(m._buffers["weight"] is None for m in int8)  # only fbgemm's packed copy
+    assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight  # still tied after the copy
+    # Nothing refers to the files' mappings any more: every tensor owns its memory (a view of a file would
+    # keep the whole file's read pages resident).
+    kept = [t for t in loaded.model.state_dict().values() if t.dtype != torch.int8]  # int8: unpacked to save
+    assert all(t.untyped_storage().nbytes() == t.nbytes for t in kept)
+    ids = torch.randint(0, 1000, (1, 12))
+    with torch.inference_mode():
+        assert torch.equal(loaded.model(ids).logits, model(ids).logits)
+    record = {k: v for k, v in json.loads((out / QUANT_FILE).read_text()).items() if k != "modules"}
+    again = save_quantized(loaded, loaded.model, record, out.parent / "again")  # saving unpacks them exactly
+    with torch.inference_mode():
+        assert torch.equal(load_quantized(again)[0].model(ids).logits, model(ids).logits)

@@ -114,3 +114,45 @@ def test_linears_that_quantize_their_input_differently_cannot_share_a_gemm():
     assert "outlier" in SharedInputGemm.problem(outliers)
     with pytest.raises(ConfigError, match="cannot share one GEMM"):
         SharedInputGemm(static)
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="no fbgemm engine")
+@pytest.mark.parametrize("kind", ["per_token", "llm_int8", "zeropoint", "shared"])
+def test_after_packing_only_the_packed_copy_is_kept_and_saving_is_unchanged(kind):
+    torch.manual_seed(3)
+    weight, bias, x = torch.randn(24, 40), torch.randn(24), torch.randn(6, 40) * 3
+    x[:, 5] = 20.0  # an outlier column for LLM.int8()
+    options = {"per_token": dict(activation="per_token"), "shared": dict(activation="per_token"),
+               "llm_int8": dict(activation="per_token", outlier_threshold=6.0), "zeropoint": dict(asymmetric=True)}
+    granularity = "per_tensor" if kind == "zeropoint" else "per_channel"
+    modules = [W8A8Linear.from_float(weight * (i + 1), bias, granularity, **options[kind]) for i in range(2)]
+    reference = [W8A8Linear.from_float(weight * (i + 1), bias, granularity, backend="reference", **options[kind])
+                 for i in range(2)]
+    if kind == "shared":
+        SharedInputGemm(modules)
+    before = [m.state_dict() for m in modules]
+    outputs = [m(x) for m in modules]
+    for module, expected, saved, output in zip(modules, reference, before, outputs):
+        assert module._buffers["weight"] is None  # the plain int8 tensor is gone: one copy resident
+        assert torch.allclose(output, expected(x), rtol=1e-5, atol=1e-4)
+        after = module.state_dict()
+        assert after.keys() == saved.keys() and all(torch.equal(after[k], saved[k]) for k in saved)
+    again = W8A8Linear(**modules[1].constructor_args())
+    again.load_state_dict(modules[1].state_dict())
+    assert torch.equal(again(x), outputs[1])
+    modules[0].load_state_dict(before[0])  # loading into a packed module: every weight is plain again
+    assert all(m._buffers["weight"] is not None for m in (modules if kind == "shared" else modules[:1]))
+    assert torch.equal(modules[0](x), outputs[0]) and torch.equal(modules[1](x), outputs[1])
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="no fbgemm engine")
+def test_linears_packed_alone_then_grouped_keep_one_packed_copy():
+    separate, grouped = _group("per_token", False), _group("per_token", False)
+    x = torch.randn(5, 40)
+    for module in grouped:
+        module(x)  # each packs its own copy and releases its int8 tensor
+    SharedInputGemm(grouped)
+    assert all(m._packed is None and m._buffers["weight"] is not None for m in grouped)
+    for expected, module in zip(separate, grouped):
+        assert torch.allclose(module(x), expected(x), atol=1e-5)
+    assert all(m._buffers["weight"] is None for m in grouped)  # now only the stacked packed copy

@@ -223,6 +223,7 @@ def command_serve(args) -> None:
 def command_finetune(args) -> None:
     import torch
 
+    from leanlm.bench.harness import return_freed_memory_at_once
     from leanlm.methods import LORA_BASES, LoRAConfig, add_lora_, is_quantized_checkpoint, load_any
     from leanlm.methods.checkpoint import read_record
     from leanlm.methods.out_of_core import load_quantizing
@@ -238,6 +239,8 @@ def command_finetune(args) -> None:
     settings = settings_from_args(FinetuneSettings, args)
     documents = read_documents(args.data)
     writable_directory(args.out)
+    if not settings.keep_freed_memory:  # from the start: loading the base leaves blocks in the heap too
+        return_freed_memory_at_once()
     if last_checkpoint_step(args.out) is not None and not args.resume:
         raise ConfigError(f"{args.out} already holds a training checkpoint; add --resume to continue it, or choose "
                           "another --out")

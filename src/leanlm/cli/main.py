@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from leanlm.cli import commands
-from leanlm.cli.options import add_method_options, add_settings_options
+from leanlm.cli.options import add_method_options, add_settings_options, option_dest
 from leanlm.errors import LeanLMError
 from leanlm.models import DEFAULT_MODEL
 
@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="plain text (one document per line) or JSONL (text / messages / instruction+output)")
     finetune.add_argument("--out", type=Path, required=True, help="directory for the adapter and checkpoints")
     finetune.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    # Gradient checkpointing became the default; the flag that asked for it still works (the contract keeps it).
+    finetune.add_argument("--gradient-checkpointing", dest=option_dest("--no-gradient-checkpointing"),
+                          action="store_const", const=True, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     merge = _command(sub, "merge", "fold LoRA adapters into the de-quantized base weights", commands.command_merge,
                      json=None, interrupted=_nothing_written)

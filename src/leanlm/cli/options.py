@@ -27,6 +27,11 @@ from leanlm.methods.recipes import RECIPES, Recipe
 _DEST = "option:"  # argparse dest prefix of generated flags; absent from the namespace unless given
 
 
+def option_dest(flag: str) -> str:
+    """Where a generated flag's value lands in the argparse namespace (for an alias that sets the same field)."""
+    return _DEST + flag
+
+
 def flag_of(item: Field) -> str:
     if item.metadata.get("flag"):
         return item.metadata["flag"]
@@ -100,13 +105,13 @@ def settings_from_args(settings_type: type, args: argparse.Namespace, defaults: 
 def _add_flag(parser: argparse.ArgumentParser, config_type: type, item: Field, text: str) -> None:
     flag, text = flag_of(item), text.replace("%", "%%")
     if item.type in (bool, "bool"):
-        parser.add_argument(flag, dest=_DEST + flag, action="store_const", const=not item.default,
+        parser.add_argument(flag, dest=option_dest(flag), action="store_const", const=not item.default,
                             default=argparse.SUPPRESS, help=text)
         return
     choices = _choices(config_type, item)
     metavar = "{" + ",".join(map(str, choices)) + "}" if choices else _metavar(config_type, item)
     repeated = typing.get_origin(_type_of(config_type, item.name)) is tuple  # --setting a --setting b, or a,b
-    parser.add_argument(flag, dest=_DEST + flag, default=argparse.SUPPRESS, help=text, metavar=metavar,
+    parser.add_argument(flag, dest=option_dest(flag), default=argparse.SUPPRESS, help=text, metavar=metavar,
                         action="append" if repeated else "store")
 
 

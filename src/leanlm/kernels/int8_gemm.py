@@ -33,16 +33,31 @@ def default_backend() -> Backend:
 
 @dataclass
 class PackedInt8Weight:
-    """fbgemm's pre-packed weight, with and without the bias (a per-token scale must be applied before the bias
-    is added, so that path adds it itself). Derived data: rebuilt from the int8 weight, never saved."""
+    """fbgemm's pre-packed int8 weight: a copy in its own layout, which becomes the only copy a layer keeps (the
+    plain int8 tensor is released, issue 24); `unpacked` gives it back exactly. The bias is not packed in: a
+    per-token scale must be applied before the bias is added, and one packed copy serves every path. Derived
+    data: rebuilt from the int8 weight, never saved."""
 
-    with_bias: object
-    without_bias: object
+    params: object
+
+    def unpacked(self) -> torch.Tensor:
+        """The int8 weight (N, K) as it was packed (a new tensor)."""
+        quantized, _ = torch.ops.quantized.linear_unpack(self.params)
+        return quantized.int_repr()
+
+    def dequantized_columns(self, columns: torch.Tensor, in_features: int) -> torch.Tensor:
+        """(len(columns), N): the de-quantized weight columns (W_int8[:, c] - z_W) * delta_W, transposed, read
+        through the GEMM itself: one-hot input rows of value 1 with scale 1 make the integer products the weight's
+        entries, and fbgemm scales them by delta_W alone, so the values equal the reference's bit for bit."""
+        one_hot = torch.zeros(len(columns), in_features)
+        one_hot[torch.arange(len(columns)), columns] = 1.0
+        return _GEMM(one_hot, 1.0, 128, self.params)
 
 
-def pack_weight(
-    weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, weight_zero_point: int = 0
-) -> PackedInt8Weight:
+_GEMM = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+
+
+def pack_weight(weight_int8: torch.Tensor, weight_scale: torch.Tensor, weight_zero_point: int = 0) -> PackedInt8Weight:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # quantized tensors are deprecated, not removed, in 2.13
         if weight_zero_point:  # asymmetric weights are per tensor: one scale
@@ -53,9 +68,7 @@ def pack_weight(
             quantized = torch._make_per_channel_quantized_tensor(
                 weight_int8.contiguous(), weight_scale.double(), torch.zeros_like(weight_scale, dtype=torch.long), 0
             )
-    without_bias = torch.ops.quantized.linear_prepack(quantized, None)
-    with_bias = torch.ops.quantized.linear_prepack(quantized, bias.float()) if bias is not None else without_bias
-    return PackedInt8Weight(with_bias, without_bias)
+    return PackedInt8Weight(torch.ops.quantized.linear_prepack(quantized, None))
 
 
 def int8_linear(
@@ -78,12 +91,12 @@ def int8_linear(
     if backend != "fbgemm":
         raise ValueError(f"unknown int8 backend {backend!r}; choose reference or fbgemm")
     if packed is None:
-        packed = pack_weight(weight_int8, weight_scale, bias, weight_zero_point)
-    op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+        packed = pack_weight(weight_int8, weight_scale, weight_zero_point)
     # The op quantizes its input as uint8 with the given scale and zero point 128, i.e. round(x / s) + 128
     # clamped to 0..255: exactly the symmetric int8 grid -128..127, shifted.
     if x_scale.numel() == 1:
-        return op(x.contiguous(), float(x_scale), 128 + x_zero_point, packed.with_bias)
-    scaled = x.div_(x_scale) if overwrite_input and x.is_contiguous() else (x / x_scale).contiguous()
-    out = op(scaled, 1.0, 128, packed.without_bias).mul_(x_scale)
+        out = _GEMM(x.contiguous(), float(x_scale), 128 + x_zero_point, packed.params)
+    else:
+        scaled = x.div_(x_scale) if overwrite_input and x.is_contiguous() else (x / x_scale).contiguous()
+        out = _GEMM(scaled, 1.0, 128, packed.params).mul_(x_scale)
     return out.add_(bias) if bias is not None else out

@@ -218,8 +218,39 @@ def _restore_int8_runtime(model: nn.Module, record: dict, directory) -> None:
     if "level" in record and record["level"] not in LEVELS:
         raise CorruptModelError(f"{directory}: level {record['level']!r} is not one of {', '.join(LEVELS)}")
     share_input_gemms_(model)
+    pack_int8_weights_(model)
     if record.get("attn_implementation") == ATTENTION_NAME:
         model.config._attn_implementation = ATTENTION_NAME
+
+
+def pack_int8_weights_(model: nn.Module) -> None:
+    """Pack every fbgemm W8A8 weight now, one layer (or shared group) at a time, each releasing its plain int8
+    tensor as it goes, so a loaded model holds one copy of each int8 weight from the start.
+
+    A loaded checkpoint's tensors are views of its files, mapped in memory; a page that packing has read stays
+    resident as long as any tensor of that file lives. So what remains (scales, norms, embedding and head: small
+    beside the int8 weights) is copied out of the files, and the files' mappings, with the read pages, go."""
+    packed = False
+    for module in model.modules():
+        if isinstance(module, W8A8Linear) and module.backend == "fbgemm":
+            module.pack_()
+            packed = True
+    if packed:
+        _copy_out_of_files_(model)
+
+
+def _copy_out_of_files_(model: nn.Module) -> None:
+    copies: dict[int, torch.Tensor] = {}  # tied tensors stay tied: one copy each
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, tensor in tensors.items():
+                if tensor is None or tensor.is_meta:
+                    continue
+                if id(tensor) not in copies:
+                    data = tensor.detach().clone()
+                    copies[id(tensor)] = (nn.Parameter(data, tensor.requires_grad)
+                                          if isinstance(tensor, nn.Parameter) else data)
+                tensors[name] = copies[id(tensor)]
 
 
 def share_input_gemms_(model: nn.Module, share: bool = True) -> int:
@@ -236,6 +267,8 @@ def share_input_gemms_(model: nn.Module, share: bool = True) -> int:
             members = [block.get_submodule(path) for path in feeds.linears]
             for member in members:
                 if isinstance(member, W8A8Linear):
+                    if member.shared_input is not None:
+                        member.shared_input.forget_weights()  # the members' int8 weights, back from the packed one
                     member.shared_input = None
             if share and SharedInputGemm.problem(members) is None:
                 SharedInputGemm(members)

@@ -30,7 +30,7 @@ from leanlm.formats.int8 import (
     quantize_weight,
     zeropoint_params,
 )
-from leanlm.kernels.int8_gemm import Backend, default_backend, int8_linear, pack_weight
+from leanlm.kernels.int8_gemm import Backend, PackedInt8Weight, default_backend, int8_linear, pack_weight
 
 
 def shaped_like_input(out_rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +66,7 @@ class W8A8Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self.register_buffer("input_scale", torch.ones(()) if static else None)
         self.register_buffer("weight_zero_point", torch.zeros((), dtype=torch.long) if asymmetric else None)
-        self._packed = None  # fbgemm's packed weight, rebuilt lazily whenever the int8 weight changes
+        self._packed = None  # fbgemm's packed weight: made at the first forward, then the only copy kept
         self.shared_input: SharedInputGemm | None = None  # set by SharedInputGemm; derived, never saved
         # Input dimensions seen, and how many of them went through the float path (LLM.int8() only).
         self.decomposition_counts = {"dims": 0, "outlier_dims": 0}
@@ -106,10 +106,38 @@ class W8A8Linear(nn.Module):
                 "activation": self.activation, "static": self.static, "outlier_threshold": self.outlier_threshold,
                 "asymmetric": self.asymmetric}
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The int8 weight (out, in). On fbgemm the packed copy made at the first forward is the only one kept
+        (resident memory is the stored bytes, issue 24): then this unpacks it, a new tensor, exactly as stored."""
+        buffers = self.__dict__.get("_buffers", {})
+        if "weight" not in buffers:
+            raise AttributeError("weight")  # not registered yet (nn.Module's own checks ask before it is)
+        if buffers["weight"] is not None:
+            return buffers["weight"]
+        if self.shared_input is not None and self.shared_input.packed is not None:
+            return self.shared_input.member_weight(self)
+        return self._packed.unpacked()
+
+    def release_int8_weight(self) -> None:
+        """Drop the plain int8 tensor once a packed copy holds the same values."""
+        self._buffers["weight"] = None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self._buffers["weight"] is not None:
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        self._buffers["weight"] = self.weight  # unpacked for the moment of saving, in its usual place
+        try:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+        finally:
+            self._buffers["weight"] = None
+
     def _load_from_state_dict(self, *args, **kwargs):
-        self._packed = None
         if self.shared_input is not None:
-            self.shared_input.forget_weights()
+            self.shared_input.forget_weights()  # gives every member its plain int8 weight back
+        if self._buffers["weight"] is None:
+            self._buffers["weight"] = self.weight
+        self._packed = None
         super()._load_from_state_dict(*args, **kwargs)
 
     def input_scale_for(self, rows: torch.Tensor) -> torch.Tensor:
@@ -132,7 +160,7 @@ class W8A8Linear(nn.Module):
             self.decomposition_counts["dims"] += self.in_features
             self.decomposition_counts["outlier_dims"] += columns.numel()
             if columns.numel():
-                outlier_weight = self.weight[:, columns].float() * self.weight_scale[:, None]
+                outlier_weight = self._dequantized_columns(columns)
                 outlier_inputs = rows[:, columns]
                 rows, rows_are_ours = rows.index_fill(1, columns, 0.0), True
         zero_points = {}
@@ -141,13 +169,39 @@ class W8A8Linear(nn.Module):
             zero_points = {"x_zero_point": x_zero_point, "weight_zero_point": int(self.weight_zero_point)}
         else:
             scale = self.input_scale_for(rows)
-        if self.backend == "fbgemm" and self._packed is None:
-            self._packed = pack_weight(self.weight, self.weight_scale, self.bias, zero_points.get("weight_zero_point", 0))
-        out = int8_linear(rows, scale, self.weight, self.weight_scale, self.bias, self.backend, self._packed,
-                          overwrite_input=rows_are_ours, **zero_points)
+        if self.backend == "fbgemm":
+            out = int8_linear(rows, scale, None, None, self.bias, self.backend, self._packed_weight(),
+                              overwrite_input=rows_are_ours, **zero_points)
+        else:
+            out = int8_linear(rows, scale, self.weight, self.weight_scale, self.bias, self.backend,
+                              overwrite_input=rows_are_ours, **zero_points)
         if outlier_inputs is not None:
             out = out.addmm_(outlier_inputs, outlier_weight.T)
         return shaped_like_input(out, x)
+
+    def pack_(self) -> None:
+        """Make the packed copy now (else the first forward does) and release the plain int8 tensor."""
+        if self.backend != "fbgemm":
+            return
+        if self.shared_input is not None:
+            self.shared_input.packed_weight()
+        else:
+            self._packed_weight()
+
+    def _packed_weight(self) -> PackedInt8Weight:
+        if self._packed is None:
+            zero_point = int(self.weight_zero_point) if self.asymmetric else 0
+            self._packed = pack_weight(self.weight, self.weight_scale, zero_point)
+            self.release_int8_weight()
+        return self._packed
+
+    def _dequantized_columns(self, columns: torch.Tensor) -> torch.Tensor:
+        """(out, len(columns)) float32: the weight columns LLM.int8() multiplies in float, de-quantized from the
+        int8 weight (bitsandbytes keeps no float copy either): on fbgemm read through the packed copy."""
+        if self.backend == "fbgemm":
+            return self._packed_weight().dequantized_columns(columns, self.in_features).T.contiguous()
+        zero_point = self.weight_zero_point if self.asymmetric else 0
+        return (self.weight[:, columns].float() - zero_point) * self.weight_scale[:, None]
 
     def extra_repr(self) -> str:
         mode = "static" if self.static else "dynamic"
@@ -181,6 +235,9 @@ class SharedInputGemm:
         self._input_version: int | None = None
         self._pending: dict[int, torch.Tensor] = {}  # id(member) -> its output, not yet asked for
         for member in self.members:
+            if member._buffers["weight"] is None:  # packed alone before: the stacked copy replaces that one
+                member._buffers["weight"] = member.weight
+            member._packed = None
             member.shared_input = self
 
     @staticmethod
@@ -199,18 +256,35 @@ class SharedInputGemm:
             return "their static input scales differ"
         return None
 
+    @property
+    def packed(self) -> PackedInt8Weight | None:
+        return self._packed
+
+    def member_weight(self, member: W8A8Linear) -> torch.Tensor:
+        """A member's int8 weight, unpacked from the stacked copy (a new tensor)."""
+        start = sum(m.out_features for m in self.members[: self.members.index(member)])
+        return self._packed.unpacked()[start : start + member.out_features].clone()
+
     def forget_weights(self) -> None:
+        """Drop the stacked packed copy, first giving each member its plain int8 weight back."""
+        if self._packed is None:
+            return
+        stacked = self._packed.unpacked()
+        for member, rows in zip(self.members, stacked.split([m.out_features for m in self.members])):
+            member._buffers["weight"] = rows.clone()
         self._packed = None
 
-    def _stacked_packed(self):
-        if self._packed is None:  # the int8 rows are copied into fbgemm's layout; no stacked copy is kept
+    def packed_weight(self) -> PackedInt8Weight:
+        if self._packed is None:  # the int8 rows are copied into fbgemm's layout, then only that copy is kept
             members = self.members
             self._bias = None
             if any(m.bias is not None for m in members):
                 self._bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features)
                                         for m in members])
             self._packed = pack_weight(torch.cat([m.weight for m in members]),
-                                       torch.cat([m.weight_scale for m in members]), self._bias)
+                                       torch.cat([m.weight_scale for m in members]))
+            for member in members:
+                member.release_int8_weight()
         return self._packed
 
     @staticmethod
@@ -226,7 +300,7 @@ class SharedInputGemm:
                 self._input = None
             return out
         rows = x.reshape(-1, member.in_features).float()
-        packed = self._stacked_packed()
+        packed = self.packed_weight()
         out = int8_linear(rows, member.input_scale_for(rows), None, None, self._bias, "fbgemm", packed)
         # contiguous: callers .view() the outputs, and split columns are strided
         outputs = [shaped_like_input(part, x).contiguous()

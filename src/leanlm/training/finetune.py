@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanlm.bench.harness import peak_memory, weight_bytes
+from leanlm.bench.harness import peak_memory, return_freed_memory_at_once, weight_bytes
 from leanlm.errors import ConfigError
 from leanlm.methods.qlora import (
     LoRAConfig,
@@ -34,6 +34,7 @@ from leanlm.optim import AdamW
 from leanlm.report import plot_training_curves
 from leanlm.settings import option
 from leanlm.training.data import Document, batch_indices, training_blocks
+from leanlm.training.loss import causal_lm_loss
 
 CHECKPOINT_DIR = "checkpoint"
 LOSS_CURVE = "loss_curve.png"
@@ -52,8 +53,10 @@ class FinetuneSettings:
     max_eval_blocks: int = option(64, "held-out blocks scored at most", cli=False)
     save_every: int = option(50, "steps between checkpoints")
     seed: int = option(0, "seed of the data order, dropout and adapter initialisation")
-    gradient_checkpointing: bool = option(False, "recompute block activations in backward (less memory, ~30% more "
-                                                 "time)")
+    gradient_checkpointing: bool = option(True, "recompute block activations in backward (less memory, ~30% more "
+                                                "time)")
+    keep_freed_memory: bool = option(False, "let the C library keep freed activation memory for reuse (faster, "
+                                            "but training's peak resident memory is then 2-3x its live tensors)")
     optimizer_bits: int = option(8, "AdamW moment storage: block-wise 8-bit or float32", choices=(8, 32))
 
     def __post_init__(self):
@@ -70,8 +73,10 @@ class FinetuneSettings:
             raise ConfigError(f"optimizer_bits must be 8 or 32, got {self.optimizer_bits}")
 
     def resumable_with(self, other: "FinetuneSettings") -> bool:
-        """Everything but the step budget must match for a resumed run to continue the same run."""
-        return {**asdict(self), "max_steps": 0} == {**asdict(other), "max_steps": 0}
+        """Everything that changes the result must match for a resumed run to continue the same run (the step
+        budget and how memory is spent do not: recomputed activations are the same numbers)."""
+        ignored = {"max_steps": 0, "gradient_checkpointing": None, "keep_freed_memory": None}
+        return {**asdict(self), **ignored} == {**asdict(other), **ignored}
 
 
 @torch.no_grad()
@@ -80,9 +85,7 @@ def block_perplexity(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4
     total, count = 0.0, 0
     for start in range(0, len(blocks), batch_size):
         batch = blocks[start:start + batch_size]
-        logits = model(input_ids=batch).logits[:, :-1].float()
-        total += nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
-                                             reduction="sum").item()
+        total += causal_lm_loss(model, batch).item() * batch[:, 1:].numel()
         count += batch[:, 1:].numel()
     return math.exp(total / count)
 
@@ -153,6 +156,8 @@ def finetune(model: nn.Module, tokenizer, documents: list[Document], settings: F
         start_step, losses, train_seconds = state["step"], state["losses"], state["train_seconds"]
 
     warmup_steps = max(1, round(settings.warmup_fraction * settings.max_steps))
+    if not settings.keep_freed_memory:
+        return_freed_memory_at_once()
     if settings.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -169,7 +174,7 @@ def finetune(model: nn.Module, tokenizer, documents: list[Document], settings: F
             for group in optimizer.param_groups:
                 group["lr"] = settings.lr * min(1.0, (step + 1) / warmup_steps)
             batch = train_blocks[batch_indices(step, settings.batch_size, len(train_blocks), settings.seed)]
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = causal_lm_loss(model, batch)  # never the whole batch's logits at once
             loss.backward()
             nn.utils.clip_grad_norm_(trainable, settings.grad_clip)
             optimizer.step()
