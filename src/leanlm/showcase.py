@@ -11,7 +11,6 @@ the benchmarks in benchmarks/ use the papers' settings.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import tempfile
 import time
@@ -21,6 +20,7 @@ from typing import Callable
 import torch
 
 from leanlm.bench.harness import peak_memory, weight_bytes
+from leanlm.memory import trim_freed_memory
 from leanlm.evaluation import EvalSettings, evaluate
 from leanlm.evaluation.streaming import StreamSettings, stream_evaluate
 from leanlm.methods import (
@@ -111,10 +111,7 @@ QUICK_SETTINGS = EvalSettings(tasks=("wikitext2", "piqa", "arc_easy"), limit=10,
 def _release_memory() -> None:
     """Give the previous row's memory back to the system, so that each row's peak is its own."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the peaks then include what the allocator kept
-        pass
+    trim_freed_memory()  # not glibc: the peaks then include what the allocator kept
 
 
 def showcase_table(payload: dict) -> str:

@@ -3,7 +3,6 @@ resident memory, bytes of weights as stored, and result files (JSON + PNG) with 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import platform
@@ -204,24 +203,6 @@ def _reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
-
-
-def return_freed_memory_at_once() -> bool:
-    """Make glibc give every freed block of 128 KiB or more back to the system at once (mallopt
-    M_MMAP_THRESHOLD, which also stops glibc from raising that threshold as it goes). By default glibc raises it
-    to the size of any large block freed (up to 32 MiB), after which blocks of that size come from its heap and
-    stay resident once freed, scattered between live ones: training's activations of a few MiB then hold the
-    peak resident memory at 2-3 times the live tensors (SmolLM2 QLoRA, batch 4 x 256: 3.9 GiB against 1.4).
-    The price is a fresh, zeroed mapping for each such block (training ~35% slower here). False where the C
-    library is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024))
-    except (OSError, AttributeError):
-        return False
-
-
-_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 @dataclass

@@ -223,7 +223,7 @@ def command_serve(args) -> None:
 def command_finetune(args) -> None:
     import torch
 
-    from leanlm.bench.harness import return_freed_memory_at_once
+    from leanlm.memory import return_freed_memory_at_once
     from leanlm.methods import LORA_BASES, LoRAConfig, add_lora_, is_quantized_checkpoint, load_any
     from leanlm.methods.checkpoint import read_record
     from leanlm.methods.out_of_core import load_quantizing

@@ -19,7 +19,6 @@ in-memory path (`quantize_` then `save_quantized`) writes, in one file per block
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -46,6 +45,7 @@ from leanlm.methods.checkpoint import (
 )
 from leanlm.methods.quantize import Calibration, QuantRecord, quantize_
 from leanlm.models.architectures import architecture_for, decoder_blocks
+from leanlm.memory import trim_freed_memory
 from leanlm.models.loading import LoadedModel, read_model_config, read_tokenizer, resolve_float_directory
 from leanlm.nn import use_gemv_
 from leanlm.storage import (
@@ -148,15 +148,6 @@ def model_skeleton(config) -> nn.Module:
     return model.eval()
 
 
-def _return_freed_memory() -> None:
-    """Hand memory freed by the last block back to the system (glibc keeps freed heap otherwise, and resident
-    memory would not fall)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to ask
-        pass
-
-
 class ShardBlocks(ResidentBlocks):
     """Blocks read from `shards` when the pipeline reaches them and kept, quantized, in memory: a model loaded
     quantized with no more than one block ever in float (`load_quantizing`)."""
@@ -189,7 +180,7 @@ class ShardBlocks(ResidentBlocks):
         return block
 
     def release(self, index: int, block: nn.Module, hidden, result) -> None:
-        _return_freed_memory()  # the float weights just replaced
+        trim_freed_memory()  # the float weights just replaced
 
 
 class StreamedBlocks(ShardBlocks):
@@ -281,7 +272,7 @@ class StreamedBlocks(ShardBlocks):
         (self.staging / _hidden_file(index)).unlink(missing_ok=True)
         self.modules.update(modules)
         block.to("meta")
-        _return_freed_memory()
+        trim_freed_memory()
 
     def discard_if_empty(self) -> None:
         if self.staging.is_dir() and not any(self.staging.glob("block-*.safetensors")):

@@ -230,12 +230,10 @@ def pack_int8_weights_(model: nn.Module) -> None:
     A loaded checkpoint's tensors are views of its files, mapped in memory; a page that packing has read stays
     resident as long as any tensor of that file lives. So what remains (scales, norms, embedding and head: small
     beside the int8 weights) is copied out of the files, and the files' mappings, with the read pages, go."""
-    packed = False
-    for module in model.modules():
-        if isinstance(module, W8A8Linear) and module.backend == "fbgemm":
-            module.pack_()
-            packed = True
-    if packed:
+    packable = [m for m in model.modules() if isinstance(m, W8A8Linear) and m.backend == "fbgemm"]
+    for module in packable:
+        module.pack_()
+    if packable:
         _copy_out_of_files_(model)
 
 

@@ -22,8 +22,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from leanlm.bench.harness import peak_memory, return_freed_memory_at_once, weight_bytes
+from leanlm.bench.harness import peak_memory, weight_bytes
 from leanlm.errors import ConfigError
+from leanlm.memory import return_freed_memory_at_once
 from leanlm.methods.qlora import (
     LoRAConfig,
     adapter_tensors,
