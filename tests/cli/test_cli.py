@@ -23,6 +23,7 @@ def test_eval_writes_the_contract_json(tiny_llama_dir, tmp_path, capsys):
     assert {"acc", "n"} <= set(payload["results"]["winogrande"])
     assert payload["weights_bytes"] > 0 and payload["seconds"] > 0
     assert payload["peak_rss_bytes"] > payload["weights_bytes"]  # resident memory, beside the bytes stored
+    assert payload["dtype"] == "float32"  # the reference, unless --dtype says otherwise
     printed = capsys.readouterr().out
     assert "wikitext2" in printed and "perplexity" in printed and "zero-shot average" in printed
 
@@ -147,13 +148,36 @@ def test_stream_writes_the_contract_keys_and_a_plot(tiny_llama_dir, tmp_path, ca
     assert "streaming" in capsys.readouterr().out
 
 
-def test_chat_reads_messages_from_stdin_and_outlives_its_cache(tiny_llama_dir, monkeypatch, capsys):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chat_reads_messages_from_stdin_and_outlives_its_cache(tiny_llama_dir, monkeypatch, capsys, dtype):
     import io
 
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n\nWhat is two plus two?\nAnd three?\n"))
-    code = main(["chat", str(tiny_llama_dir), "--window", "24", "--max-new-tokens", "6"])
+    code = main(["chat", str(tiny_llama_dir), "--window", "24", "--max-new-tokens", "6", "--dtype", dtype])
     assert code == 0
     assert capsys.readouterr().out.count("assistant> ") == 3  # the blank line is skipped
+
+
+@pytest.mark.parametrize("argv, dtype", [(["chat"], "auto"), (["serve"], "auto"), (["eval"], "float32"),
+                                         (["stream"], "float32"), (["eval", "--dtype", "auto"], "auto")])
+def test_chat_and_serve_take_the_fastest_float_path_measurements_the_reference(monkeypatch, argv, dtype):
+    import socket
+
+    import leanlm.methods
+
+    class Loaded(Exception):
+        pass
+
+    def load_any(source, dtype="float32"):
+        raise Loaded(dtype)
+
+    monkeypatch.setattr(leanlm.methods, "load_any", load_any)
+    monkeypatch.setenv("LEANLM_TRACEBACK", "1")
+    with socket.socket() as probe:  # serve checks its address before loading: a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(Loaded, match=f"^{dtype}$"):
+        main([argv[0], "smollm2-135m", *argv[1:], *(["--port", str(port)] if argv[0] == "serve" else [])])
 
 
 def test_stream_refuses_a_learned_position_model(tmp_path, smollm2_tokenizer, capsys):

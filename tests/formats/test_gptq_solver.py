@@ -129,6 +129,19 @@ def test_stored_form_reproduces_the_solver_and_counts_every_bit(settings):
     assert module.bits_per_weight() == pytest.approx(state_bits / weight.numel())
 
 
+@pytest.mark.skipif(not avx2_available(), reason="the 4-bit kernel needs AVX2")
+def test_rows_that_end_on_a_partial_group_still_run_the_kernel():
+    """SmolLM2's 576 columns in groups of 128 end on a group of 64 (here 320 = 2.5 x 128): the kernel runs blocks
+    of gcd(128, 320) = 64 columns with their group's scale, instead of de-quantizing the weight every forward."""
+    weight, _, hessian = _layer(columns=320)
+    settings = SolverSettings(bits=4, group_size=128)
+    module = SpQRLinear.from_solved(solve(weight, hessian, settings), settings, torch.randn(96))
+    assert module.kernel_block == 64 and module._resolve_backend() == "kernel"
+    for m in (1, 7, 40):
+        x = torch.randn(m, 320)
+        torch.testing.assert_close(module(x), x @ module.dequantized_weight().T + module.bias, rtol=1e-4, atol=1e-3)
+
+
 def test_spqr_account_matches_the_chapter_formula():
     """b + (b_s + b_z)/beta1 + 2 * 32/(beta1 beta2) + 32 r_o, plus what the formula leaves out: the int16
     permutation, the int32 CSR row offsets and the outliers' 16-bit column indices (counted in the 32)."""

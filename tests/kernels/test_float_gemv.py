@@ -51,6 +51,21 @@ def test_gemv_linear_is_nn_linear_at_every_size():
     assert x.grad is not None and fast.weight.grad is not None
 
 
+def test_a_bfloat16_weight_over_float32_inputs_gives_float32_at_every_size():
+    """A quantized checkpoint's head held in bfloat16: small inputs take the GEMV, large ones a bfloat16 GEMM
+    written into float32 a few rows at a time (chunks of 256 rows, so 600 rows cross two chunk edges)."""
+    linear = GemvLinear(96, 40)
+    linear.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+    linear.bias = nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
+    for shape in [(1, 96), (2, 3, 96), (600, 96)]:
+        x = torch.randn(*shape)
+        with torch.inference_mode():
+            got = linear(x)
+        expected = nn.functional.linear(x, linear.weight.float(), linear.bias.float())
+        assert got.dtype == torch.float32 and got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=5e-2)  # the inputs rounded to bfloat16
+
+
 def test_a_model_decodes_the_same_tokens_through_it():
     model = tiny_model("llama", vocab_size=128)
     reference = tiny_model("llama", vocab_size=128)

@@ -39,6 +39,22 @@ def test_round_trip_gives_identical_outputs(quantized_dir):
     assert load_any(out).model.config._attn_implementation == model.config._attn_implementation
 
 
+def test_a_bfloat16_checkpoint_holds_its_embedding_and_head_in_bfloat16_and_computes_the_rest_in_float32(
+        quantized_dir):
+    out, _ = quantized_dir
+    reference, fast = load_any(out).model, load_any(out, "bfloat16").model
+    embedding, head = fast.get_input_embeddings(), fast.get_output_embeddings()
+    assert embedding.weight.dtype == torch.bfloat16 and head.weight is embedding.weight  # still tied, stored once
+    assert fast.model.norm.weight.dtype == torch.float32
+    with torch.inference_mode():
+        for length in (1, 12):  # leanlm's GEMV (at most 8 rows), then a bfloat16 GEMM over float32 activations
+            ids = torch.randint(0, 1000, (1, length))
+            assert embedding(ids).dtype == torch.float32  # every layer after it computes as before
+            expected, got = reference(ids).logits, fast(ids).logits
+            assert got.dtype == torch.float32
+            assert (got - expected).abs().max() < 0.02 * expected.abs().max()
+
+
 def test_checkpoint_is_safetensors_and_json_only(quantized_dir):
     out, _ = quantized_dir
     suffixes = {p.suffix for p in out.iterdir()}

@@ -96,3 +96,34 @@ def test_default_model_loads_offline(no_network, default_checkpoint_dir):
     with torch.inference_mode():
         next_token = loaded.model(ids).logits[0, -1].argmax().item()
     assert loaded.tokenizer.decode([next_token]).strip() == "Paris"
+
+
+@pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_follows_the_cpu(monkeypatch, native, expected):
+    monkeypatch.setattr(loading, "has_native_bf16", lambda: native)
+    assert loading.compute_dtype("auto") == expected
+    assert loading.compute_dtype("float32") == torch.float32 and loading.compute_dtype("bfloat16") == torch.bfloat16
+
+
+def test_an_unknown_dtype_is_one_line():
+    from leanlm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown dtype 'float16'; choose auto, float32 or bfloat16"):
+        loading.LoadSettings(dtype="float16")
+
+
+def test_a_bfloat16_model_decodes_like_the_float32_reference(tiny_llama_dir):
+    """bfloat16 weights and activations, every linear still through leanlm's GEMV at decode; its logits stay close
+    to float32's (the oracle) and its greedy continuation starts the same."""
+    from leanlm.nn.float_linear import GemvLinear
+
+    reference, fast = load_model(tiny_llama_dir), load_model(tiny_llama_dir, dtype="bfloat16")
+    assert all(p.dtype == torch.bfloat16 for p in fast.model.parameters())
+    assert isinstance(fast.model.model.layers[0].mlp.down_proj, GemvLinear)
+    ids = reference.tokenizer("The cat sat on the mat and", return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        expected, got = reference.model(ids).logits, fast.model(ids).logits.float()
+        assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+        greedy = [loaded.model.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1]:].tolist()
+                  for loaded in (reference, fast)]
+    assert greedy[0][0] == greedy[1][0]

@@ -221,3 +221,38 @@ def test_a_busy_port_is_one_line_before_the_model_loads(capsys):
         code = main(["serve", "smollm2-135m", "--port", str(port)])
     assert code == 2 and time.monotonic() - started < 5
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_the_leanlm_serve_command_answers_and_stops_cleanly(tiny_llama_dir, stop):
+    """The command itself, as a process: it answers, and Ctrl-C (SIGINT) or SIGTERM stops it without a traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "leanlm.cli.main", "serve", str(tiny_llama_dir), "--port",
+                                str(port), "--window", "48", "--max-tokens", "4"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stdout.read().decode()
+            try:
+                assert get(f"http://127.0.0.1:{port}/health")["status"] == "ok"
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        answer = client.completions.create(model=str(tiny_llama_dir), prompt="Once upon a time", max_tokens=4,
+                                           temperature=0)
+        assert answer.usage.completion_tokens == 4
+        process.send_signal(getattr(signal, stop))
+        assert process.wait(timeout=20) in (0, 130, -signal.SIGTERM)  # uvicorn re-raises what stopped it
+        assert "Traceback" not in process.stdout.read().decode()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

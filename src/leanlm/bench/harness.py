@@ -20,6 +20,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from leanlm.kernels.cpu import cpu_flags
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -49,15 +51,6 @@ def time_call(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 5, mi
 
 
 FLOAT_PATHS = ("fp32", "bf16")  # the float references every speed table has: float32, and bfloat16 beside it
-
-
-def cpu_flags() -> set[str]:
-    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where there is no such file)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return set()
-    line = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
 
 
 def cpu_description() -> str:

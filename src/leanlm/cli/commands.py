@@ -53,13 +53,17 @@ def _task_rows(results: dict) -> list[list]:
 def command_eval(args) -> None:
     from leanlm.evaluation import evaluate
     from leanlm.methods import load_any
+    from leanlm.models import LoadSettings
 
     settings = settings_from_args(EvalSettings, args)
+    loading = settings_from_args(LoadSettings, args)
     _check_json_path(args.json)
-    loaded = load_any(args.model)
-    payload = {"model": args.model, "weights_note": loaded.weights_note, **evaluate(loaded.model, loaded.tokenizer, settings)}
+    loaded = load_any(args.model, loading.dtype)
+    payload = {"model": args.model, "weights_note": loaded.weights_note, "dtype": loaded.dtype,
+               **evaluate(loaded.model, loaded.tokenizer, settings)}
     payload["peak_rss_bytes"] = process_peak_rss_bytes()
-    print(f"\nmodel: {args.model}" + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
+    print(f"\nmodel: {args.model}, computing in {payload['dtype']}"
+          + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
     print(format_table(["task", "metric", "value", "on", "speed"], _task_rows(payload["results"])))
     if payload["zero_shot_average"] is not None:
         print(f"zero-shot average acc: {payload['zero_shot_average']:.4f}")
@@ -158,9 +162,10 @@ def command_analyze(args) -> None:
 def command_stream(args) -> None:
     from leanlm.evaluation.streaming import StreamSettings, plot_stream, stream_evaluate
     from leanlm.methods import load_any
+    from leanlm.models import LoadSettings
 
     settings = settings_from_args(StreamSettings, args)
-    loaded = load_any(args.model)
+    loaded = load_any(args.model, settings_from_args(LoadSettings, args).dtype)
     results = stream_evaluate(loaded.model, loaded.tokenizer, settings)
     payload = {"model": args.model, "weights_note": loaded.weights_note, **results}
     title = (f"{args.model}: {settings.max_tokens}-token stream, cache {settings.cache_size} tokens "
@@ -188,15 +193,17 @@ def command_chat(args) -> None:
     from leanlm.chat import ChatSettings, StreamingChat
     from leanlm.methods import load_any
     from leanlm.methods.streaming import StreamingConfig
+    from leanlm.models import INTERACTIVE_LOADING, LoadSettings
 
     streaming = settings_from_args(StreamingConfig, args, asdict(ChatSettings().streaming))
     settings = settings_from_args(ChatSettings, args, {"streaming": streaming})
-    loaded = load_any(args.model)
+    loading = settings_from_args(LoadSettings, args, asdict(INTERACTIVE_LOADING))
+    loaded = load_any(args.model, loading.dtype)
     chat = StreamingChat(loaded.model, loaded.tokenizer, settings)
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"chatting with {args.model} (cache: {streaming.sinks} sinks + {streaming.window} recent tokens); "
-              "Ctrl-D ends")
+        print(f"chatting with {args.model} in {loaded.dtype} (cache: {streaming.sinks} sinks + "
+              f"{streaming.window} recent tokens); Ctrl-D ends")
     while True:
         if interactive:
             print("you> ", end="", flush=True)
@@ -214,10 +221,12 @@ def command_serve(args) -> None:
     from dataclasses import asdict
 
     from leanlm.methods.streaming import StreamingConfig
+    from leanlm.models import INTERACTIVE_LOADING, LoadSettings
     from leanlm.serve import ServeSettings, serve
 
     streaming = settings_from_args(StreamingConfig, args, asdict(ServeSettings().streaming))
-    serve(args.model, settings_from_args(ServeSettings, args, {"streaming": streaming}))
+    serve(args.model, settings_from_args(ServeSettings, args, {"streaming": streaming}),
+          settings_from_args(LoadSettings, args, asdict(INTERACTIVE_LOADING)))
 
 
 def command_finetune(args) -> None:

@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     from leanlm.export import FILE_TYPES
     from leanlm.methods import LoRAConfig
     from leanlm.methods.streaming import StreamingConfig
+    from leanlm.models import INTERACTIVE_LOADING, LoadSettings
     from leanlm.serve.server import ServeSettings
     from leanlm.showcase import QUICK_SETTINGS
     from leanlm.swarm import SwarmModelConfig, SwarmRun, SwarmSettings
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "you have.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _command(sub, "eval", "perplexity and zero-shot accuracy of a model", commands.command_eval,
-             settings=(EvalSettings,))
+             settings=(EvalSettings, LoadSettings))
 
     quantize = _command(sub, "quantize", "quantize a model and write a reloadable checkpoint",
                         commands.command_quantize, json="write method, avg_bits, peak_rss_bytes and seconds as JSON",
@@ -77,16 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--plot", type=Path, help="write a PNG: channel heat map + before/after SmoothQuant")
 
     stream = _command(sub, "stream", "streaming perplexity, latency and memory over a long text (dense, window, "
-                      "re-computation, StreamingLLM)", commands.command_stream, settings=(StreamSettings,))
+                      "re-computation, StreamingLLM)", commands.command_stream, settings=(StreamSettings, LoadSettings))
     stream.add_argument("--plot", type=Path, help="write a PNG: windowed perplexity and per-token latency")
 
     _command(sub, "chat", "multi-round chat that never runs out of context (StreamingLLM); reads one message per "
              "line from stdin when it is not a terminal", commands.command_chat, model=DEFAULT_MODEL,
-             settings=(StreamingConfig, ChatSettings), defaults=asdict(ChatSettings().streaming), json=None)
+             settings=(StreamingConfig, ChatSettings, LoadSettings),
+             defaults={**asdict(ChatSettings().streaming), **asdict(INTERACTIVE_LOADING)}, json=None)
 
     _command(sub, "serve", "an OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, "
              "/health) whose conversations never run out of context: each lives in a sink cache", commands.command_serve,
-             settings=(StreamingConfig, ServeSettings), defaults=asdict(ServeSettings().streaming), json=None)
+             settings=(StreamingConfig, ServeSettings, LoadSettings),
+             defaults={**asdict(ServeSettings().streaming), **asdict(INTERACTIVE_LOADING)}, json=None)
 
     finetune = _command(sub, "finetune", "LoRA / QLoRA fine-tuning; writes a PEFT adapter", commands.command_finetune,
                         settings=(FinetuneSettings, LoRAConfig), interrupted=_finetune_interrupted)

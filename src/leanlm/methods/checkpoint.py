@@ -25,7 +25,7 @@ from leanlm.cache.prefix import attached_cushion, save_cushion
 from leanlm.errors import CorruptModelError, ModelNotFoundError
 from leanlm.methods.quantize import after_load, method_names
 from leanlm.models.architectures import architecture_for
-from leanlm.models.loading import LoadedModel, load_model, read_model_config, read_tokenizer
+from leanlm.models.loading import LoadedModel, compute_dtype, load_model, read_model_config, read_tokenizer
 from leanlm.nn import QUANTIZED_MODULES, use_gemv_
 from leanlm.storage import QUANT_FILE, QUANTIZED_MARKER, staged_directory
 
@@ -230,8 +230,31 @@ def retie_embeddings(model: nn.Module) -> None:
         outputs.weight = inputs.weight
 
 
-def load_any(source: str | os.PathLike) -> LoadedModel:
-    """A float model (registry name, HF directory, .gguf) or a leanlm quantized checkpoint."""
+def embeddings_to_(model: nn.Module, dtype: torch.dtype) -> None:
+    """Hold a quantized model's token embedding and float output head in `dtype` (bfloat16: half the bytes of
+    what are then its largest tensors, SmolLM2's tied 49152 x 576 is 108 MiB in float32). Everything else keeps
+    computing in float32: the embedding's rows are cast back as they are read, and the head's GEMV reads
+    bfloat16 weights with float32 inputs."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = outputs is not None and outputs.weight is inputs.weight
+    compute = inputs.weight.dtype
+    inputs.weight = nn.Parameter(inputs.weight.detach().to(dtype), requires_grad=False)
+    inputs.register_forward_hook(lambda module, args, output: output.to(compute))
+    if tied:
+        outputs.weight = inputs.weight
+    elif isinstance(outputs, nn.Linear) and outputs.weight.is_floating_point():
+        outputs.weight = nn.Parameter(outputs.weight.detach().to(dtype), requires_grad=False)
+
+
+def load_any(source: str | os.PathLike, dtype: str = "float32") -> LoadedModel:
+    """A float model (registry name, HF directory, .gguf) computing in `dtype` (see `compute_dtype`), or a leanlm
+    quantized checkpoint, whose quantized layers compute as their kernels do (float32 activations); there
+    `dtype` is that of its embedding and output head (`embeddings_to_`)."""
     if is_quantized_checkpoint(source):
-        return load_quantized(source)[0]
-    return load_model(source)
+        storage = compute_dtype(dtype)  # checked before the slow load
+        loaded = load_quantized(source)[0]
+        if storage != torch.float32:
+            embeddings_to_(loaded.model, storage)
+            loaded.dtype = f"float32, embedding and output head in {str(storage).removeprefix('torch.')}"
+        return loaded
+    return load_model(source, dtype=dtype)

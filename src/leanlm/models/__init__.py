@@ -10,7 +10,7 @@ from leanlm.models.architectures import (
     iter_quantizable_linears,
     supported_model_types,
 )
-from leanlm.models.loading import LoadedModel, cache_root, load_model, load_tokenizer
+from leanlm.models.loading import INTERACTIVE_LOADING, LoadedModel, LoadSettings, cache_root, compute_dtype, load_model, load_tokenizer
 from leanlm.models.registry import DEFAULT_MODEL, REGISTRY, RegisteredModel
 
 __all__ = [
@@ -22,7 +22,10 @@ __all__ = [
     "decoder_blocks",
     "iter_quantizable_linears",
     "supported_model_types",
+    "INTERACTIVE_LOADING",
     "LoadedModel",
+    "LoadSettings",
+    "compute_dtype",
     "cache_root",
     "load_model",
     "load_tokenizer",

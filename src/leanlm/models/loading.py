@@ -1,8 +1,11 @@
-"""Resolve a model name or path to a float32 transformers model and its tokenizer, never touching the network.
+"""Resolve a model name or path to a float transformers model and its tokenizer, never touching the network.
 
 `source` may be a registry name (`smollm2-135m`), a local Hugging Face model directory, or a `.gguf` file.
 A GGUF is de-quantized once (about half a minute) and cached as a float safetensors checkpoint, which later
 loads in seconds.
+
+The compute dtype is float32 (the reference every method and test is measured against) unless asked otherwise;
+`auto` picks bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), decided at run time.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from leanlm.checksums import sha256_of
-from leanlm.errors import CorruptModelError, ModelNotFoundError, UnsupportedArchitectureError
+from leanlm.errors import ConfigError, CorruptModelError, ModelNotFoundError, UnsupportedArchitectureError
+from leanlm.kernels.cpu import has_native_bf16
 from leanlm.models.architectures import ArchitectureTable, architecture_for
 from leanlm.models.registry import REGISTRY, gguf_path_of
 from leanlm.nn.float_linear import use_gemv_
+from leanlm.settings import option
 from leanlm.storage import QUANT_FILE, quantized_weights_file, staged_directory
 
 log = logging.getLogger(__name__)
@@ -33,17 +38,50 @@ class LoadedModel:
     path: Path  # the directory the float weights were read from
     table: ArchitectureTable
     weights_note: str | None = None  # what the "full-precision" weights really are, where that matters
+    dtype: str = "float32"  # what it computes in, as the user is told it
+
+
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def compute_dtype(choice: str) -> torch.dtype:
+    """"float32", "bfloat16", or "auto": bfloat16 where this CPU has native bf16 instructions, else float32 (without
+    them PyTorch emulates bfloat16 and is slower than float32)."""
+    if choice == "auto":
+        return torch.bfloat16 if has_native_bf16() else torch.float32
+    if choice not in COMPUTE_DTYPES:
+        raise ConfigError(f"unknown dtype {choice!r}; choose auto, {' or '.join(COMPUTE_DTYPES)}")
+    return COMPUTE_DTYPES[choice]
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    dtype: str = option("float32", "compute dtype of a float model: float32 (the reference), bfloat16, or auto "
+                                   "(bfloat16 where this CPU has native bf16 instructions: AVX512-BF16 or AMX; "
+                                   "float32 elsewhere). A quantized checkpoint's layers compute as their kernels "
+                                   "do; this is the dtype of its token embedding and output head",
+                        choices=("auto", *COMPUTE_DTYPES))
+
+    def __post_init__(self):
+        compute_dtype(self.dtype)
+
+
+# `leanlm chat` and `leanlm serve` take the fastest float path this CPU has; eval and stream keep the reference.
+INTERACTIVE_LOADING = LoadSettings(dtype="auto")
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("LEANLM_CACHE", Path.home() / ".cache" / "leanlm"))
 
 
-def load_model(source: str | os.PathLike, *, attn_implementation: str = "sdpa") -> LoadedModel:
-    """Load `source` (registry name, HF directory or .gguf file) in float32, in eval mode."""
+def load_model(source: str | os.PathLike, *, attn_implementation: str = "sdpa", dtype: str = "float32") -> LoadedModel:
+    """Load `source` (registry name, HF directory or .gguf file) in eval mode, computing in `dtype` (float32,
+    bfloat16, or auto: see `compute_dtype`)."""
+    torch_dtype = compute_dtype(dtype)
     directory, weights_note = resolve_float_directory(source)
-    model, tokenizer = _load_hf_directory(directory, attn_implementation)
-    return LoadedModel(model, tokenizer, str(source), directory, architecture_for(model), weights_note)
+    model, tokenizer = _load_hf_directory(directory, attn_implementation, torch_dtype)
+    return LoadedModel(model, tokenizer, str(source), directory, architecture_for(model), weights_note,
+                       str(torch_dtype).removeprefix("torch."))
 
 
 def resolve_float_directory(source: str | os.PathLike) -> tuple[Path, str | None]:
@@ -106,12 +144,12 @@ def read_tokenizer(directory: Path):
         raise ModelNotFoundError(f"{directory} has no usable tokenizer files: {error}") from None
 
 
-def _load_hf_directory(directory: Path, attn_implementation: str):
+def _load_hf_directory(directory: Path, attn_implementation: str, dtype: torch.dtype = torch.float32):
     read_model_config(directory)
     tokenizer = read_tokenizer(directory)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True,
+            directory, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
             output_loading_info=True,
         )
     except Exception as error:  # safetensors, torch and transformers each raise their own types here

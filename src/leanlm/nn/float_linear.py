@@ -19,7 +19,23 @@ from leanlm.kernels.float_gemv import small_m_linear
 class GemvLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = small_m_linear(x, self.weight, self.bias)
-        return super().forward(x) if out is None else out
+        if out is not None:
+            return out
+        if x.dtype != self.weight.dtype:  # a bfloat16 head over float32 activations (`embeddings_to_`)
+            return self._mixed_dtype_forward(x)
+        return super().forward(x)
+
+    def _mixed_dtype_forward(self, x: torch.Tensor, rows_at_once: int = 256) -> torch.Tensor:
+        """The product in the weight's dtype, written into x's dtype a few rows at a time: a whole sequence's
+        logits in bfloat16 beside their float32 copy would add half the logits' size to the peak memory (200 MB
+        for SmolLM2's 49152-token vocabulary over 2048 positions)."""
+        rows = x.reshape(-1, self.in_features)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+        bias = None if self.bias is None else self.bias.to(self.weight.dtype)
+        for first in range(0, rows.shape[0], rows_at_once):
+            chunk = rows[first:first + rows_at_once].to(self.weight.dtype)
+            out[first:first + rows_at_once] = nn.functional.linear(chunk, self.weight, bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
 def use_gemv_(model: nn.Module, use: bool = True) -> int:

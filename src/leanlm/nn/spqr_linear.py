@@ -12,9 +12,11 @@ The permutation (int16 per input column) maps the solver's column order back. `b
 stored tensor. Three forward paths:
 - `reference` de-quantizes the whole weight (outliers included) and runs one matmul: the test oracle;
 - `dense_sparse` runs the de-quantized dense part, then adds the outliers' products;
-- `kernel` (4-bit codes, groups a multiple of 16 that tile each row) reuses the k-bit AVX2 kernel: a group's
-  weights are scale * q + offset (offset = -scale * zero), so y = kbit(x, codes, scale, table 0..15) +
-  (per-group sums of x) @ offset^T, then the outliers. The default where it applies.
+- `kernel` (4-bit codes) reuses the k-bit AVX2 kernel: a group's weights are scale * q + offset
+  (offset = -scale * zero), so y = kbit(x, codes, scale, table 0..15) + (per-block sums of x) @ offset^T, then
+  the outliers. The kernel's blocks must tile each row, and a row need not be a whole number of groups
+  (SmolLM2's 576 columns in groups of 128 end on a group of 64), so it runs blocks of gcd(group, columns)
+  columns, each with its group's scale and offset. The default wherever those blocks are a multiple of 16.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from leanlm.errors import ConfigError
 from leanlm.formats.gptq import SolvedWeight, SolverSettings
 from leanlm.formats.packing import pack, packed_bytes, unpack
 from leanlm.kernels.kbit_gemm import avx2_available, kbit_linear, supports_fast_path
+
+import math
 
 SpQRBackend = Literal["reference", "dense_sparse", "kernel"]
 _IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 4-bit codes are the integers themselves
@@ -153,23 +157,30 @@ class SpQRLinear(nn.Module):
                     (self.out_features, self.in_features), check_invariants=False)
         return self._sparse
 
+    @property
+    def kernel_block(self) -> int:
+        """Columns per block of the kernel: the largest that tiles every row and lies within one group."""
+        return math.gcd(self.group_size, self.in_features)
+
     def _resolve_backend(self) -> SpQRBackend:
         if self.backend is None:
-            fits = self.bits == 4 and supports_fast_path(4, self.group_size, self.in_features)
+            fits = self.bits == 4 and supports_fast_path(4, self.kernel_block, self.in_features)
             self.backend = "kernel" if fits and avx2_available() else "dense_sparse"
         return self.backend
 
     def _dense_product(self, rows: torch.Tensor) -> torch.Tensor:
         if self._resolve_backend() == "dense_sparse":
             return nn.functional.linear(rows, self.dense_weight(), self.bias)
-        if self._kernel_inputs is None:
-            scale = self._statistic("scale")
-            self._kernel_inputs = (scale.reshape(-1).contiguous(), (-scale * self._statistic("zero")).contiguous())
+        block = self.kernel_block
+        if self._kernel_inputs is None:  # each kernel block takes its group's scale and offset
+            group_of_block = torch.arange(self.in_features // block) * block // self.group_size
+            scale = self._statistic("scale")[:, group_of_block]
+            offset = -scale * self._statistic("zero")[:, group_of_block]
+            self._kernel_inputs = (scale.reshape(-1).contiguous(), offset.contiguous())
         scale, offset = self._kernel_inputs
-        out = kbit_linear(rows, self.codes, scale, _IDENTITY_TABLE, self.out_features, self.group_size, self.bias,
-                          "avx2")
-        group_sums = rows.reshape(rows.shape[0], -1, self.group_size).sum(dim=2)
-        return out.addmm_(group_sums, offset.T)
+        out = kbit_linear(rows, self.codes, scale, _IDENTITY_TABLE, self.out_features, block, self.bias, "avx2")
+        block_sums = rows.reshape(rows.shape[0], -1, block).sum(dim=2)
+        return out.addmm_(block_sums, offset.T)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

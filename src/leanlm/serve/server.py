@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from leanlm.errors import ConfigError
 from leanlm.methods.streaming import StreamingConfig
+from leanlm.models.loading import INTERACTIVE_LOADING, LoadSettings
 from leanlm.settings import option
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,9 @@ def _check_address(host: str, port: int) -> None:
                           "--host") from None
 
 
-def serve(model_name: str, settings: ServeSettings = ServeSettings()) -> None:
-    """Load `model_name` and serve it until interrupted."""
+def serve(model_name: str, settings: ServeSettings = ServeSettings(),
+          loading: LoadSettings = INTERACTIVE_LOADING) -> None:
+    """Load `model_name` (computing in `loading.dtype`) and serve it until interrupted."""
     import uvicorn
 
     from leanlm.methods import load_any
@@ -75,8 +77,9 @@ def serve(model_name: str, settings: ServeSettings = ServeSettings()) -> None:
     if not settings.loopback:
         log.warning("listening on %s: the API has no authentication and anyone who can reach this address can use "
                     "it", settings.host)
-    loaded = load_any(model_name)
+    loaded = load_any(model_name, loading.dtype)
     app = build_app(loaded.model, loaded.tokenizer, model_name, settings)
-    print(f"serving {model_name} on http://{settings.host}:{settings.port}/v1 (OpenAI API; cache per conversation: "
-          f"{settings.streaming.sinks} sinks + {settings.streaming.window} recent tokens); Ctrl-C stops", flush=True)
+    print(f"serving {model_name} ({loaded.dtype}) on http://{settings.host}:{settings.port}/v1 (OpenAI API; cache "
+          f"per conversation: {settings.streaming.sinks} sinks + {settings.streaming.window} recent tokens); Ctrl-C "
+          "stops", flush=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
