@@ -90,6 +90,10 @@ def _first_linear(record):
     (lambda r: (_first_linear(r)["args"].update(in_features=7), r)[1], "does not replace a linear of that shape"),
     (lambda r: (_first_linear(r)["args"].update(bias=True), r)[1], "does not match its leanlm_quant.json"),
     (lambda r: {**r, "modules": {"model.nowhere.q_proj": _first_linear(r)}}, "has no module 'model.nowhere'"),
+    # found by the fuzz test: an empty name, and a name that is a parameter, not a module
+    (lambda r: {**r, "modules": {"": {"class": "BmmQuantizer", "args": {}}}}, "module name '' is not a module path"),
+    (lambda r: {**r, "modules": {"model.norm.weight": {"class": "BmmQuantizer", "args": {}}}},
+     "model.norm.weight is a Parameter of the model, not a module"),
 ])
 def test_every_damaged_record_is_named_before_anything_is_allocated(quantized_dir, edit, message):
     out, _ = quantized_dir

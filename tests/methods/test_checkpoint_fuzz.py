@@ -24,7 +24,7 @@ json_values = st.recursive(
 ARG_NAMES = ("in_features", "out_features", "bias", "activation", "static", "outlier_threshold", "asymmetric",
              "kv_channels", "bits", "block_size", "dtype", "group_size", "outliers", "permuted", "proxy_dims")
 MODULE_NAMES = ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "model.layers.0.self_attn.bmm_quantizer",
-                "lm_head", "model.layers.9.mlp.up_proj", "")
+                "lm_head", "model.layers.9.mlp.up_proj", "", "model.norm.weight", "model..layers")
 plausible_records = st.fixed_dictionaries({
     "method": st.sampled_from((*method_names(), "cushion+smoothquant", "smoothquant+gptq", "awq")),
     "modules": st.dictionaries(

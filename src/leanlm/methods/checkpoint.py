@@ -111,12 +111,16 @@ def _rebuilt_modules(model: nn.Module, modules: dict, source: Path) -> dict[str,
                 module = QUANTIZED_MODULES[entry["class"]](**entry["args"])
         except Exception as error:  # a constructor rejects bad args with TypeError, ValueError or ConfigError
             raise CorruptModelError(f"{source}: module {name} cannot be rebuilt from {entry['args']}: {error}") from None
+        if not all(name.split(".")):
+            raise CorruptModelError(f"{source}: module name {name!r} is not a module path (dotted names, none empty)")
         parent_name, _, leaf = name.rpartition(".")
         try:
             parent = model.get_submodule(parent_name)
         except AttributeError:
             raise CorruptModelError(f"{source}: the model has no module {parent_name!r} (for {name})") from None
         replaced = getattr(parent, leaf, None)
+        if replaced is not None and not isinstance(replaced, nn.Module):
+            raise CorruptModelError(f"{source}: {name} is a {type(replaced).__name__} of the model, not a module")
         expected = getattr(replaced, "weight", None)
         if hasattr(module, "in_features") and (expected is None or expected.shape not in (
                 (module.out_features, module.in_features), (module.in_features, module.out_features))):
