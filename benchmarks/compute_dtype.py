@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from leanlm.bench import Study, print_report, results_name, study_arguments, time_interleaved, titled  # noqa: E402
 from leanlm.bench.harness import cpu_description  # noqa: E402
 from leanlm.methods import load_any  # noqa: E402
-from leanlm.models import compute_dtype  # noqa: E402
+from leanlm.models import compute_dtype, dtype_name  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 NF4 = ["--method", "kbit", "--double-quant"]
@@ -175,7 +175,7 @@ def main() -> None:
     study = Study(name, {"model": args.model, "tasks": args.tasks, "max_tokens": args.max_tokens,
                          "decode_tokens": args.decode_tokens, "rounds": args.rounds}, args, plot=plot)
     study.payload["cpu"] = cpu_description()
-    study.payload["auto_dtype"] = str(compute_dtype("auto")).removeprefix("torch.")
+    study.payload["auto_dtype"] = dtype_name(compute_dtype("auto"))
     args.workdir.mkdir(parents=True, exist_ok=True)
     for row in study.todo("accuracy", ROWS):
         started = time.perf_counter()

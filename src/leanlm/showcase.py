@@ -20,9 +20,9 @@ from typing import Callable
 import torch
 
 from leanlm.bench.harness import peak_memory, weight_bytes
-from leanlm.memory import trim_freed_memory
 from leanlm.evaluation import EvalSettings, evaluate
 from leanlm.evaluation.streaming import StreamSettings, stream_evaluate
+from leanlm.memory import trim_freed_memory
 from leanlm.methods import (
     Calibration,
     CushionConfig,

@@ -25,7 +25,8 @@ from leanlm.cache.prefix import attached_cushion, save_cushion
 from leanlm.errors import CorruptModelError, ModelNotFoundError
 from leanlm.methods.quantize import after_load, method_names
 from leanlm.models.architectures import architecture_for
-from leanlm.models.loading import LoadedModel, compute_dtype, load_model, read_model_config, read_tokenizer
+from leanlm.models.loading import (LoadedModel, compute_dtype, dtype_name, load_model, read_model_config,
+                                   read_tokenizer)
 from leanlm.nn import QUANTIZED_MODULES, use_gemv_
 from leanlm.storage import QUANT_FILE, QUANTIZED_MARKER, staged_directory
 
@@ -259,6 +260,6 @@ def load_any(source: str | os.PathLike, dtype: str = "float32") -> LoadedModel:
         loaded = load_quantized(source)[0]
         if storage != torch.float32:
             embeddings_to_(loaded.model, storage)
-            loaded.dtype = f"float32, embedding and output head in {str(storage).removeprefix('torch.')}"
+            loaded.dtype = f"float32, embedding and output head in {dtype_name(storage)}"
         return loaded
     return load_model(source, dtype=dtype)

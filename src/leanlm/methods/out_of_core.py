@@ -35,6 +35,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from leanlm.errors import ConfigError, CorruptModelError, ModelNotFoundError, NeedsWholeModelError
+from leanlm.memory import trim_freed_memory
 from leanlm.methods.blocks import ResidentBlocks
 from leanlm.methods.checkpoint import (
     INDEX_FILE,
@@ -45,7 +46,6 @@ from leanlm.methods.checkpoint import (
 )
 from leanlm.methods.quantize import Calibration, QuantRecord, quantize_
 from leanlm.models.architectures import architecture_for, decoder_blocks
-from leanlm.memory import trim_freed_memory
 from leanlm.models.loading import LoadedModel, read_model_config, read_tokenizer, resolve_float_directory
 from leanlm.nn import use_gemv_
 from leanlm.storage import (

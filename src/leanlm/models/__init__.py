@@ -10,7 +10,16 @@ from leanlm.models.architectures import (
     iter_quantizable_linears,
     supported_model_types,
 )
-from leanlm.models.loading import INTERACTIVE_LOADING, LoadedModel, LoadSettings, cache_root, compute_dtype, load_model, load_tokenizer
+from leanlm.models.loading import (
+    INTERACTIVE_LOADING,
+    LoadedModel,
+    LoadSettings,
+    cache_root,
+    compute_dtype,
+    dtype_name,
+    load_model,
+    load_tokenizer,
+)
 from leanlm.models.registry import DEFAULT_MODEL, REGISTRY, RegisteredModel
 
 __all__ = [
@@ -26,6 +35,7 @@ __all__ = [
     "LoadedModel",
     "LoadSettings",
     "compute_dtype",
+    "dtype_name",
     "cache_root",
     "load_model",
     "load_tokenizer",

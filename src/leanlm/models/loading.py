@@ -44,6 +44,11 @@ class LoadedModel:
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32" for torch.float32: how flags, JSON and messages spell a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def compute_dtype(choice: str) -> torch.dtype:
     """"float32", "bfloat16", or "auto": bfloat16 where this CPU has native bf16 instructions, else float32 (without
     them PyTorch emulates bfloat16 and is slower than float32)."""
@@ -81,7 +86,7 @@ def load_model(source: str | os.PathLike, *, attn_implementation: str = "sdpa", 
     directory, weights_note = resolve_float_directory(source)
     model, tokenizer = _load_hf_directory(directory, attn_implementation, torch_dtype)
     return LoadedModel(model, tokenizer, str(source), directory, architecture_for(model), weights_note,
-                       str(torch_dtype).removeprefix("torch."))
+                       dtype_name(torch_dtype))
 
 
 def resolve_float_directory(source: str | os.PathLike) -> tuple[Path, str | None]:

@@ -21,6 +21,7 @@ stored tensor. Three forward paths:
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Literal
 
@@ -31,8 +32,6 @@ from leanlm.errors import ConfigError
 from leanlm.formats.gptq import SolvedWeight, SolverSettings
 from leanlm.formats.packing import pack, packed_bytes, unpack
 from leanlm.kernels.kbit_gemm import avx2_available, kbit_linear, supports_fast_path
-
-import math
 
 SpQRBackend = Literal["reference", "dense_sparse", "kernel"]
 _IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 4-bit codes are the integers themselves
