@@ -45,6 +45,8 @@ def test_eval_writes_the_contract_json(tiny_llama_dir, tmp_path, capsys):
         (["chat", "--temperature", "-1"], "--temperature: temperature must be 0 or more, got -1.0"),
         (["serve", "smollm2-135m", "--port", "70000"], "--port: port must be at most 65535, got 70000"),
         (["serve", "smollm2-135m", "--max-batch", "0"], "--max-batch: max_batch must be positive, got 0"),
+        (["eval", "smollm2-135m", "--dtype", "float16"], "--dtype 'float16': choose from auto, float32, bfloat16"),
+        (["chat", "--dtype", "fp8"], "--dtype 'fp8': choose from auto, float32, bfloat16"),
     ],
 )
 def test_bad_input_gets_a_one_line_error(argv, message, capsys):
