@@ -5,8 +5,9 @@ round by round in a rotated order (interleaved rounds, so that a slow spell of t
 alike); medians over the rounds. A round: greedy decode of --new-tokens tokens after a --prompt-tokens prompt
 (every token fed back, end-of-sequence ignored, so every system decodes the same count), then one prefill of
 --prefill-tokens tokens computing the last position's logits. leanlm decodes with a manual loop over
-transformers' forward and its DynamicCache (what `leanlm serve` runs); llama.cpp through its Python bindings
-(`Llama.eval`, one token per call). The CPU, the load average before and after, and the threads are recorded.
+transformers' forward and its DynamicCache (what `leanlm serve` runs), and in the "fused" rows through
+`leanlm.decoding.FusedDecoder` (the prompt through transformers, then one C++ call per token); llama.cpp through
+its Python bindings (`Llama.eval`, one token per call). The CPU, the load average before and after, and the threads are recorded.
 Writes benchmarks/results/decode_<model>.json + .png.
 
     python benchmarks/decode.py                  # leanlm rows; llama.cpp rows where llama-cpp-python is installed
@@ -38,22 +39,32 @@ from leanlm.report import format_table, save_figure  # noqa: E402
 # ---- the worker side: one system, commands on stdin, one JSON line per answer on stdout ----
 
 class LeanlmSystem:
-    def __init__(self, source: str, dtype: str):
+    """mode: "fp32" / "bf16" (the whole model in that dtype, transformers' eager forward: what `leanlm serve`
+    runs), or "<dtype>-fused": loaded with `--dtype <dtype>` and decoded through leanlm's fused C++ step."""
+
+    def __init__(self, source: str, mode: str, context: int):
         import torch
 
+        from leanlm.decoding import FusedDecoder
         from leanlm.methods import load_any
 
         torch.set_num_threads(2)
         self.torch = torch
-        self.model = load_any(source).model
-        if dtype == "bf16":
-            self.model = self.model.to(torch.bfloat16)
+        dtype, _, fused = mode.partition("-")
+        self.model = load_any(source, {"fp32": "float32", "bf16": "bfloat16", "auto": "auto"}[dtype]).model
+        self.fused = FusedDecoder(self.model, capacity=context) if fused else None
 
     def decode(self, prompt: list[int], new_tokens: int) -> float:
         """Seconds for `new_tokens` greedy steps after the prompt."""
         from transformers import DynamicCache
 
         torch = self.torch
+        if self.fused is not None:
+            logits = self.fused.prefill(prompt)
+            started = time.perf_counter()
+            for _ in range(new_tokens):
+                logits = self.fused.step(int(logits.argmax()))
+            return time.perf_counter() - started
         with torch.inference_mode():
             cache = DynamicCache()
             logits = self.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True,
@@ -98,7 +109,7 @@ class LlamaCppSystem:
 
 
 def worker(kind: str, spec: str, context: int) -> None:
-    system = LlamaCppSystem(spec, context) if kind == "llama.cpp" else LeanlmSystem(*spec.split("|"))
+    system = LlamaCppSystem(spec, context) if kind == "llama.cpp" else LeanlmSystem(*spec.split("|"), context)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
@@ -145,6 +156,10 @@ def systems(model: str, work: Path) -> dict[str, tuple[str, str]]:
         "leanlm NF4+DQ": ("leanlm", f"{work / 'nf4'}|fp32"),
         "leanlm SmoothQuant O3": ("leanlm", f"{work / 'sq-o3'}|fp32"),
         "leanlm LLM.int8()": ("leanlm", f"{work / 'llm-int8'}|fp32"),
+        "leanlm FP32 fused": ("leanlm", f"{model}|fp32-fused"),
+        "leanlm BF16 fused": ("leanlm", f"{model}|bf16-fused"),
+        "leanlm NF4+DQ fused": ("leanlm", f"{work / 'nf4'}|fp32-fused"),
+        "leanlm NF4+DQ fused, BF16 head": ("leanlm", f"{work / 'nf4'}|auto-fused"),
     }
     if importlib.util.find_spec("llama_cpp") is not None:
         for name in ("F32", "Q8_0", "Q4_0"):

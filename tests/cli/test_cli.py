@@ -47,6 +47,7 @@ def test_eval_writes_the_contract_json(tiny_llama_dir, tmp_path, capsys):
         (["serve", "smollm2-135m", "--max-batch", "0"], "--max-batch: max_batch must be positive, got 0"),
         (["eval", "smollm2-135m", "--dtype", "float16"], "--dtype 'float16': choose from auto, float32, bfloat16"),
         (["chat", "--dtype", "fp8"], "--dtype 'fp8': choose from auto, float32, bfloat16"),
+        (["serve", "smollm2-135m", "--head", "int4"], "--head 'int4': choose from float, int8"),
     ],
 )
 def test_bad_input_gets_a_one_line_error(argv, message, capsys):
@@ -150,19 +151,21 @@ def test_stream_writes_the_contract_keys_and_a_plot(tiny_llama_dir, tmp_path, ca
     assert "streaming" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_chat_reads_messages_from_stdin_and_outlives_its_cache(tiny_llama_dir, monkeypatch, capsys, dtype):
+@pytest.mark.parametrize("loading", [["--dtype", "float32"], ["--dtype", "bfloat16"], ["--head", "int8"]])
+def test_chat_reads_messages_from_stdin_and_outlives_its_cache(tiny_llama_dir, monkeypatch, capsys, loading):
     import io
 
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n\nWhat is two plus two?\nAnd three?\n"))
-    code = main(["chat", str(tiny_llama_dir), "--window", "24", "--max-new-tokens", "6", "--dtype", dtype])
+    code = main(["chat", str(tiny_llama_dir), "--window", "24", "--max-new-tokens", "6", *loading])
     assert code == 0
     assert capsys.readouterr().out.count("assistant> ") == 3  # the blank line is skipped
 
 
-@pytest.mark.parametrize("argv, dtype", [(["chat"], "auto"), (["serve"], "auto"), (["eval"], "float32"),
-                                         (["stream"], "float32"), (["eval", "--dtype", "auto"], "auto")])
-def test_chat_and_serve_take_the_fastest_float_path_measurements_the_reference(monkeypatch, argv, dtype):
+@pytest.mark.parametrize("argv, loaded", [(["chat"], "auto float"), (["serve"], "auto float"),
+                                          (["eval"], "float32 float"), (["stream"], "float32 float"),
+                                          (["eval", "--dtype", "auto"], "auto float"),
+                                          (["serve", "--head", "int8"], "auto int8")])
+def test_chat_and_serve_take_the_fastest_float_path_measurements_the_reference(monkeypatch, argv, loaded):
     import socket
 
     import leanlm.methods
@@ -170,15 +173,15 @@ def test_chat_and_serve_take_the_fastest_float_path_measurements_the_reference(m
     class Loaded(Exception):
         pass
 
-    def load_any(source, dtype="float32"):
-        raise Loaded(dtype)
+    def load_any(source, dtype="float32", head="float"):
+        raise Loaded(f"{dtype} {head}")
 
     monkeypatch.setattr(leanlm.methods, "load_any", load_any)
     monkeypatch.setenv("LEANLM_TRACEBACK", "1")
     with socket.socket() as probe:  # serve checks its address before loading: a free port
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with pytest.raises(Loaded, match=f"^{dtype}$"):
+    with pytest.raises(Loaded, match=f"^{loaded}$"):
         main([argv[0], "smollm2-135m", *argv[1:], *(["--port", str(port)] if argv[0] == "serve" else [])])
 
 

@@ -5,7 +5,7 @@ from leanlm.errors import ConfigError
 from leanlm.formats.gptq import SolverSettings, solve
 from leanlm.formats.minmax import (dequantize_minmax, fit_minmax, fit_symmetric, quantize_minmax,
                                    round_trip_minmax, search_symmetric)
-from leanlm.kernels.kbit_gemm import avx2_available
+from leanlm.kernels.kbit_gemm import SMALL_M, avx2_available
 from leanlm.nn import SpQRLinear
 
 
@@ -107,6 +107,15 @@ def test_static_groups_keep_act_order_groups_on_consecutive_columns():
     assert _output_error(weight, inputs, solved.weight) < in_order  # act-order still pays
 
 
+def _assert_kernel_close(actual, expected, int8_activations):
+    """At decode sizes (M <= SMALL_M) the kernel quantizes x to int8 where its blocks are multiples of 64: within
+    1% of the float product (SQNR > 40 dB); otherwise equal up to float rounding."""
+    if int8_activations:
+        assert 20 * torch.log10(expected.norm() / (actual - expected).norm()) > 40
+    else:
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("settings", [RTN, GPTQ, SPQR, SPQR4, SolverSettings(bits=4, group_size=None), SYMMETRIC,
                                       SolverSettings(bits=4, group_size=32, grid="symmetric", static_groups=True),
                                       SolverSettings(bits=4, group_size=32, grid="symmetric", scale_search=True)],
@@ -123,7 +132,7 @@ def test_stored_form_reproduces_the_solver_and_counts_every_bit(settings):
         reference = module(x)
         for backend in ("dense_sparse", "kernel") if module.bits == 4 and avx2_available() else ("dense_sparse",):
             module.backend = backend
-            torch.testing.assert_close(module(x), reference, rtol=1e-4, atol=1e-3)
+            _assert_kernel_close(module(x), reference, int8_activations=backend == "kernel" and m <= SMALL_M)
         module.backend = "reference"
     state_bits = sum(t.numel() * t.element_size() * 8 for name, t in module.state_dict().items())
     assert module.bits_per_weight() == pytest.approx(state_bits / weight.numel())
@@ -139,7 +148,7 @@ def test_rows_that_end_on_a_partial_group_still_run_the_kernel():
     assert module.kernel_block == 64 and module._resolve_backend() == "kernel"
     for m in (1, 7, 40):
         x = torch.randn(m, 320)
-        torch.testing.assert_close(module(x), x @ module.dequantized_weight().T + module.bias, rtol=1e-4, atol=1e-3)
+        _assert_kernel_close(module(x), x @ module.dequantized_weight().T + module.bias, int8_activations=m <= SMALL_M)
 
 
 def test_spqr_account_matches_the_chapter_formula():

@@ -92,3 +92,12 @@ def test_quantize_4bit_matches_bitsandbytes(quant_type, book, double_quant):
     exact = torch.stack([block.abs().max() for block in torch.split(weight.flatten(), 64)])
     theirs_constants = bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset
     assert torch.all((ours.block_constants() - exact).abs() <= (theirs_constants - exact).abs() + 1e-6)
+
+
+def test_a_value_listed_twice_is_coded_by_its_first_index():
+    """The symmetric int books end on an unused second zero; `nearest` never emits it (the 8-bit kernel reads int
+    codes as int8 values plus 127). (0.0 and -0.0 of bitsandbytes' FP4 keep their codes: its parity tests.)"""
+    for bits in (4, 8):
+        book = codebook("int", bits)
+        codes = book.nearest(torch.linspace(-1, 1, 10_001))
+        assert codes.max() == 2**bits - 2 and (codes == 2 ** (bits - 1) - 1).any()

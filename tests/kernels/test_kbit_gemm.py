@@ -9,12 +9,17 @@ from leanlm.formats.packing import pack
 from leanlm.errors import ConfigError
 from leanlm.formats.codebooks import DYNAMIC8
 from leanlm.kernels.kbit_gemm import (
+    SMALL_M,
     BlockConstants,
     avx2_available,
     code_table,
     dequantize_weight,
+    int8_kernel_isas,
+    int8_table,
     kbit_linear,
     kernel_isas,
+    quantize_activations,
+    reference_int8_activations,
     supports_fast_path,
 )
 from leanlm.nn import KbitLinear
@@ -95,14 +100,71 @@ def test_rows_not_a_multiple_of_64_take_the_in_order_kernel():
 @needs_avx2
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_kbit_linear_module_takes_the_fast_path_and_agrees(double_quant):
+    """Up to SMALL_M rows the module runs the int8-activation kernel, above it the float path."""
     torch.manual_seed(1)
     weight, bias = torch.randn(64, 256), torch.randn(64)
     fast = KbitLinear.from_float(weight, bias, "nf", 4, 64, double_quant)
     slow = KbitLinear.from_float(weight, bias, "nf", 4, 64, double_quant)
     slow.backend = "reference"
-    x = torch.randn(2, 5, 256)
-    torch.testing.assert_close(fast(x), slow(x), rtol=1e-5, atol=1e-4)
+    decode, prefill = torch.randn(2, 5, 256), torch.randn(2, 20, 256)
+    torch.testing.assert_close(fast(prefill), slow(prefill), rtol=1e-5, atol=1e-4)
+    constants, table = fast._kernel_state()
+    expected = reference_int8_activations(decode.reshape(10, 256), fast.packed, constants, table, 64, 64) + bias
+    torch.testing.assert_close(fast(decode), expected.reshape(2, 5, 64), rtol=1e-5, atol=1e-4)
     assert fast.backend == "avx2"
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 40])
+@pytest.mark.parametrize("dtype, block, in_features, double_quant", [("nf", 64, 512, False), ("fp", 192, 576, False),
+                                                                     ("nf", 64, 576, True), ("int", 256, 512, True)])
+def test_int8_activation_kernels_match_their_reference(rows, dtype, block, in_features, double_quant):
+    """Each int8 kernel computes the oracle's integers; only the float sums of scaled chunks may round apart."""
+    torch.manual_seed(3)
+    quantized = quantize_blockwise(torch.randn(96, in_features), codebook(dtype, 4), block, double_quant)
+    constants = (BlockConstants(quantized.absmax, quantized.absmax_scale, DYNAMIC8.values,
+                                quantized.absmax_offset.item()) if double_quant else BlockConstants(quantized.absmax))
+    packed, table, bias = pack(quantized.codes, 4), code_table(codebook(dtype, 4).values), torch.randn(96)
+    x = torch.randn(rows, in_features) * torch.rand(in_features) * 4  # channels of different sizes
+    expected = reference_int8_activations(x, packed, constants, table, 96, block) + bias
+    for isa in int8_kernel_isas():
+        torch.testing.assert_close(kbit_linear(x, packed, constants, table, 96, block, bias, "avx2", isa), expected,
+                                   rtol=1e-5, atol=1e-4, msg=lambda m: f"{isa}: {m}")
+    if rows <= SMALL_M:  # the automatic choice at decode sizes
+        torch.testing.assert_close(kbit_linear(x, packed, constants, table, 96, block, bias, "avx2"), expected,
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_int8_activations_cost_little_accuracy():
+    """Quantizing x per chunk of 64 and the code book to int8 keeps the product within 1.5% (SQNR > 36 dB) of the
+    float product, on activations with a few large channels as real ones have."""
+    quantized, packed, table, _ = operands(256, 1024, "nf", 64)
+    x = torch.randn(8, 1024)
+    x[:, :8] *= 20
+    exact = x @ quantized.dequantize().T
+    approximate = reference_int8_activations(x, packed, BlockConstants(quantized.absmax), table, 256, 64)
+    sqnr = 20 * torch.log10(exact.norm() / (approximate - exact).norm())
+    assert sqnr > 36, f"SQNR {sqnr:.1f} dB"
+
+
+def test_the_int8_code_book_and_activations():
+    values, inverse = int8_table(code_table(codebook("nf", 4).values))
+    assert values[0] == -127 and values[-1] == 127 and values[7] == 0 and inverse == pytest.approx(1 / 127)
+    identity, inverse = int8_table(torch.arange(16, dtype=torch.float32))  # GPTQ's codes: exact
+    assert torch.equal(identity, torch.arange(16, dtype=torch.int8)) and inverse == 1.0
+    codes, scale = quantize_activations(torch.cat([torch.linspace(-2, 2, 64), torch.zeros(64)])[None])
+    assert codes[0, 0, 0] == -127 and codes[0, 0, -1] == 127 and scale[0, 0] == pytest.approx(2 / 127)
+    assert scale[0, 1] == 0 and not codes[0, 1].any()  # an all-zero chunk quantizes to zeros, not NaN
+
+
+@needs_avx2
+def test_blocks_the_int8_kernel_cannot_read_keep_float_activations():
+    quantized, packed, table, bias = operands(96, 512, "nf", 32)  # one constant per 32 values: not per chunk of 64
+    x = torch.randn(2, 512)
+    torch.testing.assert_close(kbit_linear(x, packed, quantized.absmax, table, 96, 32, bias, "avx2"),
+                               x @ quantized.dequantize().T + bias, rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        kbit_linear(x, packed, quantized.absmax, table, 96, 32, bias, "avx2", "avx2-int8")
 
 
 def test_layouts_the_kernel_does_not_cover_use_the_reference():
@@ -143,3 +205,39 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "LEANLM_CACHE": str(cache)},
                           capture_output=True, text=True, timeout=240)
     assert done.stdout.strip() == "True", done.stderr
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 4, 5])
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_8_bit_int_codes_run_the_int8_kernel_as_stored(rows, double_quant):
+    """8-bit codes of the symmetric int book are the int8 weight plus 127: each int8 kernel computes the oracle's
+    integers; the layer is within 1% of the float product at decode sizes and equal to it at prefill sizes."""
+    torch.manual_seed(4)
+    layer = KbitLinear.from_float(torch.randn(96, 576), torch.randn(96), "int", 8, 64, double_quant)
+    assert layer.packed.max() < 255  # the unused code (a second zero) is never emitted
+    constants, _ = layer._kernel_state()
+    x = torch.randn(rows, 576)
+    expected = reference_int8_activations(x, layer.packed, constants, None, 96, 64, bits=8) + layer.bias
+    for isa in int8_kernel_isas():
+        torch.testing.assert_close(kbit_linear(x, layer.packed, constants, None, 96, 64, layer.bias, "avx2", isa,
+                                               bits=8), expected, rtol=1e-5, atol=1e-4, msg=lambda m: f"{isa}: {m}")
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
+    exact = x @ layer.dequantized_weight().T + layer.bias
+    assert 20 * torch.log10(exact.norm() / (layer(x) - exact).norm()) > 40
+    prefill = torch.randn(40, 576)
+    torch.testing.assert_close(layer(prefill), prefill @ layer.dequantized_weight().T + layer.bias)
+    with pytest.raises(ConfigError, match="8-bit codes run the int8 kernel only"):
+        kbit_linear(prefill, layer.packed, constants, None, 96, 64, layer.bias, "avx2", bits=8)
+
+
+@needs_avx2
+def test_8_bit_codes_written_with_the_unused_code_still_decode():
+    """Checkpoints written before `Codebook.nearest` stopped emitting code 255 (the int book's second zero) may
+    hold it; the layer maps it to 127, the same value, before the kernel reads the bytes."""
+    layer = KbitLinear.from_float(torch.randn(8, 64), None, "int", 8, 64)
+    layer.packed[layer.packed == 127] = 255
+    before = layer.dequantized_weight()
+    x = torch.randn(1, 64)
+    assert 20 * torch.log10((x @ before.T).norm() / (layer(x) - x @ before.T).norm()) > 40
+    assert torch.equal(layer.dequantized_weight(), before) and layer.packed.max() < 255

@@ -57,3 +57,23 @@ def test_proxy_columns_survive_a_checkpoint_and_shape_the_output(tiny_llama_dir,
     module = loaded.model.model.layers[0].self_attn.q_proj
     weight = module.dequantized_weight()
     assert torch.equal(weight[:, module.proxy_columns.long()], module.proxy_weight.float())
+
+
+def test_an_int8_head_unties_the_embedding_and_keeps_the_logits():
+    """`--head int8` (quantize_head_): the head becomes 8-bit int blocks, the tied embedding keeps its float weight
+    and the config no longer ties them; logits stay within 1% (SQNR > 40 dB) at decode and at prefill sizes."""
+    from leanlm.methods.checkpoint import quantize_head_
+
+    model = tiny_model("llama", vocab_size=256)
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    ids = torch.tensor([[5, 9, 200, 31, 77]])
+    with torch.no_grad():
+        before = model(ids).logits
+        quantize_head_(model)
+        after = model(ids).logits
+        last = model(ids[:, :1]).logits
+    head = model.get_output_embeddings()
+    assert isinstance(head, KbitLinear) and (head.bits, head.dtype, head.block_size) == (8, "int", 64)
+    assert not model.config.tie_word_embeddings and torch.equal(model.get_input_embeddings().weight, embedding)
+    for quantized, reference in ((after, before), (last, before[:, :1])):
+        assert 20 * torch.log10(reference.norm() / (quantized - reference).norm()) > 40

@@ -58,7 +58,7 @@ def command_eval(args) -> None:
     settings = settings_from_args(EvalSettings, args)
     loading = settings_from_args(LoadSettings, args)
     _check_json_path(args.json)
-    loaded = load_any(args.model, loading.dtype)
+    loaded = load_any(args.model, loading.dtype, loading.head)
     payload = {"model": args.model, "weights_note": loaded.weights_note, "dtype": loaded.dtype,
                **evaluate(loaded.model, loaded.tokenizer, settings)}
     payload["peak_rss_bytes"] = process_peak_rss_bytes()
@@ -165,7 +165,8 @@ def command_stream(args) -> None:
     from leanlm.models import LoadSettings
 
     settings = settings_from_args(StreamSettings, args)
-    loaded = load_any(args.model, settings_from_args(LoadSettings, args).dtype)
+    loading = settings_from_args(LoadSettings, args)
+    loaded = load_any(args.model, loading.dtype, loading.head)
     results = stream_evaluate(loaded.model, loaded.tokenizer, settings)
     payload = {"model": args.model, "weights_note": loaded.weights_note, **results}
     title = (f"{args.model}: {settings.max_tokens}-token stream, cache {settings.cache_size} tokens "
@@ -198,7 +199,7 @@ def command_chat(args) -> None:
     streaming = settings_from_args(StreamingConfig, args, asdict(ChatSettings().streaming))
     settings = settings_from_args(ChatSettings, args, {"streaming": streaming})
     loading = settings_from_args(LoadSettings, args, asdict(INTERACTIVE_LOADING))
-    loaded = load_any(args.model, loading.dtype)
+    loaded = load_any(args.model, loading.dtype, loading.head)
     chat = StreamingChat(loaded.model, loaded.tokenizer, settings)
     interactive = sys.stdin.isatty()
     if interactive:

@@ -31,8 +31,14 @@ class Codebook:
 
     def nearest(self, normalized: torch.Tensor) -> torch.Tensor:
         """Code of the nearest value for every element of `normalized` (in [-1, 1]), as uint8."""
-        order = torch.argsort(self.values)
+        order = torch.argsort(self.values, stable=True)
         ordered = self.values[order]
+        # A value listed twice (the symmetric int books' unused last code repeats zero) is coded by its first
+        # index, so that code is never emitted: the 8-bit kernel reads int codes as int8 values plus 127. (0.0
+        # and -0.0 differ by sign bit and both stay, as bitsandbytes' FP4 codes them.)
+        first = torch.ones_like(ordered, dtype=torch.bool)
+        first[1:] = (ordered[1:] != ordered[:-1]) | (ordered[1:].signbit() != ordered[:-1].signbit())
+        order, ordered = order[first], ordered[first]
         midpoints = (ordered[:-1] + ordered[1:]) / 2
         return order[torch.bucketize(normalized, midpoints)].to(torch.uint8)
 

@@ -28,9 +28,13 @@ from leanlm.errors import ConfigError
 from leanlm.formats.packing import unpack
 
 KbitBackend = Literal["reference", "avx2"]
-# The small-M kernel: "auto" = the fastest this CPU runs; the others name one (for tests and benchmarks).
-KernelIsa = Literal["auto", "avx512", "avx2", "in-order"]
+# The small-M kernel: "auto" = the fastest this CPU runs (int8 activations where the layout allows); the others
+# name one, for tests and benchmarks. The float kernels ("avx512", "avx2", "in-order") serve M <= SMALL_M and
+# keep x in float32; the int8 ones quantize x (llama.cpp's Q8_0 way) and, when named, serve every M.
+KernelIsa = Literal["auto", "avx512", "avx2", "in-order", "avx512-vnni-int8", "avx2-int8"]
 _ISA_CODES = {"auto": 0, "avx512": 1, "avx2": 2, "in-order": 3}
+_INT8_ISA_CODES = {"avx512-vnni-int8": 1, "avx2-int8": 2}
+INT8_CHUNK = 64  # activations are quantized per chunk of this many values; the int8 kernel's blocks are multiples
 SMALL_M = 16  # up to this many rows the register-decoding GEMV wins; above, decode tiles + SGEMM
 TILE_ROWS = 512  # output rows decoded at once on the large-M path (TILE_ROWS x K float32 of scratch)
 _SOURCE = Path(__file__).parent / "csrc" / "kbit4_gemm.cpp"
@@ -65,7 +69,7 @@ def compiled_kernels():
             fcntl.flock(guard, fcntl.LOCK_EX)
             (directory / "lock").unlink(missing_ok=True)
             return cpp_extension.load(name="leanlm_kbit4", sources=[str(_SOURCE)], build_directory=str(directory),
-                                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"],
                                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no headers: the reference path still works
         _log.warning("k-bit kernel could not be built (%s); using the reference path", str(error).splitlines()[0])
@@ -82,6 +86,31 @@ def kernel_isas() -> list[str]:
     if extension is None:
         return []
     return (["avx512"] if extension.has_avx512() else []) + ["avx2", "in-order"]
+
+
+def int8_kernel_isas() -> list[str]:
+    """The int8-activation kernels this machine runs."""
+    extension = compiled_kernels()
+    if extension is None:
+        return []
+    return (["avx512-vnni-int8"] if extension.has_avx512_vnni() else []) + ["avx2-int8"]
+
+
+def supports_int8_activations(block_size: int, in_features: int) -> bool:
+    """The int8 kernel's layout: one block constant per chunk of 64 activations."""
+    return block_size % INT8_CHUNK == 0 and in_features % block_size == 0
+
+
+# 8-bit codes of the symmetric int code book (`codebooks.codebook("int", 8)`: value (code - 127) / 127) are the
+# int8 weight plus 127, which the kernel reads as they are stored: no table.
+INT8_CODE_BIAS = 127
+_NO_TABLE = torch.zeros(16, dtype=torch.int8)
+
+
+def is_int8_code_book(values: torch.Tensor) -> bool:
+    """Whether an 8-bit code book is the symmetric int one the 8-bit kernel assumes."""
+    grid = (torch.arange(255, dtype=torch.float32) - INT8_CODE_BIAS) / INT8_CODE_BIAS
+    return values.numel() == 256 and torch.allclose(values[:255].float(), grid, rtol=0, atol=1e-7)
 
 
 def default_backend() -> KbitBackend:
@@ -101,6 +130,54 @@ def code_table(values: torch.Tensor) -> torch.Tensor:
     table = torch.zeros(16, dtype=torch.float32)
     table[: values.numel()] = values.float()
     return table
+
+
+@lru_cache(maxsize=64)
+def _int8_table(values: tuple[float, ...]) -> tuple[torch.Tensor, float]:
+    table = torch.tensor(values, dtype=torch.float32)
+    if torch.equal(table, table.round()) and table.abs().max() <= 127:
+        return table.to(torch.int8), 1.0  # small integers (GPTQ's 0..15) stay exact
+    factor = 127.0 / float(table.abs().max())
+    return (table * factor).round().to(torch.int8), 1.0 / factor
+
+
+def int8_table(table: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """A 16-entry float code table as the int8 kernel reads it: (int8 values, factor back to the table's scale)."""
+    return _int8_table(tuple(table.tolist()))
+
+
+def int8_kernel_table(table: torch.Tensor | None, bits: int) -> tuple[torch.Tensor, float]:
+    """What the int8 kernel reads for a layer's code book: 4 bits, `int8_table`; 8-bit int codes, no table (the
+    codes are the int8 values plus 127) and the factor 1 / 127."""
+    return (_NO_TABLE, 1.0 / INT8_CODE_BIAS) if bits == 8 else int8_table(table)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float32 -> (int8 codes (M, K / 64, 64) in x's order, float32 scales (M, K / 64)): per chunk of 64,
+    scale = amax / 127 and codes = round(x / scale), as the kernel quantizes (it then stores them reordered)."""
+    chunks = x.reshape(x.shape[0], -1, INT8_CHUNK)
+    scale = chunks.abs().amax(dim=2) / 127.0
+    codes = torch.where(scale[..., None] > 0, chunks / scale[..., None], torch.zeros(())).round()
+    return codes.to(torch.int8), scale
+
+
+def reference_int8_activations(x: torch.Tensor, packed: torch.Tensor, constants: "BlockConstants",
+                               table: torch.Tensor | None, out_features: int, block_size: int,
+                               bits: int = 4) -> torch.Tensor:
+    """The int8 kernel's oracle in plain PyTorch: x quantized per chunk, the 4-bit code book rounded to int8 (8-bit
+    codes are int8 values already), each chunk's dot product exact (int64), then scaled by the block constant and
+    the chunk's scale (in float64)."""
+    codes, x_scale = quantize_activations(x)
+    if bits == 8:
+        weight_codes, inverse = packed.long() - INT8_CODE_BIAS, 1.0 / INT8_CODE_BIAS
+    else:
+        values, inverse = int8_table(table)
+        weight_codes = values[unpack(packed, 4, out_features * x.shape[1]).long()]
+    weight_codes = weight_codes.reshape(out_features, -1, INT8_CHUNK)
+    dots = torch.einsum("mck,nck->mnc", codes.long(), weight_codes.long())  # (M, N, chunks), exact
+    weight_scale = constants.dense().double().reshape(out_features, -1).repeat_interleave(
+        block_size // INT8_CHUNK, dim=1) * inverse
+    return (dots.double() * weight_scale[None] * x_scale.double()[:, None, :]).sum(dim=2).float()
 
 
 @dataclass(frozen=True)
@@ -140,6 +217,8 @@ def kbit_linear(
     bias: torch.Tensor | None,
     backend: KbitBackend,
     isa: KernelIsa = "auto",
+    int8_activations: bool = True,  # whether "auto" may quantize x at decode sizes (not under autograd: see nn)
+    bits: int = 4,  # 8: codes of the int code book, one byte each (the int8 kernel only)
 ) -> torch.Tensor:
     in_features = x.shape[1]
     constants = absmax if isinstance(absmax, BlockConstants) else BlockConstants(absmax)
@@ -149,13 +228,21 @@ def kbit_linear(
         return torch.nn.functional.linear(x, weight, bias)
     if backend != "avx2":
         raise ValueError(f"unknown k-bit backend {backend!r}; choose reference or avx2")
-    if isa not in _ISA_CODES:
-        raise ConfigError(f"unknown k-bit kernel {isa!r}; choose one of {', '.join(_ISA_CODES)}")
+    if isa not in _ISA_CODES and isa not in _INT8_ISA_CODES:
+        raise ConfigError(f"unknown k-bit kernel {isa!r}; choose one of {', '.join([*_ISA_CODES, *_INT8_ISA_CODES])}")
     extension = compiled_kernels()
     if extension is None:
         raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
     x = x.contiguous()
-    if x.shape[0] <= SMALL_M:
+    int8 = isa in _INT8_ISA_CODES or (isa == "auto" and int8_activations and x.shape[0] <= SMALL_M
+                                        and supports_int8_activations(block_size, in_features))
+    if bits == 8 and not int8:
+        raise ConfigError("8-bit codes run the int8 kernel only (isa auto at decode sizes, or an int8 kernel named)")
+    if int8:
+        values, inverse = int8_kernel_table(table, bits)
+        out = extension.kbit_gemv_int8(x, packed, constants.absmax, values, inverse, out_features, block_size, bits,
+                                       _INT8_ISA_CODES.get(isa, 0), **constants.kernel_arguments())
+    elif x.shape[0] <= SMALL_M:
         out = extension.kbit4_gemv(x, packed, constants.absmax, table, out_features, block_size, _ISA_CODES[isa],
                                    **constants.kernel_arguments())
     else:

@@ -22,12 +22,12 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from leanlm.cache.prefix import attached_cushion, save_cushion
-from leanlm.errors import CorruptModelError, ModelNotFoundError
+from leanlm.errors import ConfigError, CorruptModelError, ModelNotFoundError
 from leanlm.methods.quantize import after_load, method_names
 from leanlm.models.architectures import architecture_for
-from leanlm.models.loading import (LoadedModel, compute_dtype, dtype_name, load_model, read_model_config,
-                                   read_tokenizer)
-from leanlm.nn import QUANTIZED_MODULES, use_gemv_
+from leanlm.models.loading import (LoadedModel, LoadSettings, compute_dtype, dtype_name, load_model,
+                                   read_model_config, read_tokenizer)
+from leanlm.nn import QUANTIZED_MODULES, KbitLinear, use_gemv_
 from leanlm.storage import QUANT_FILE, QUANTIZED_MARKER, staged_directory
 
 WEIGHTS_FILE = "model.safetensors"
@@ -251,15 +251,34 @@ def embeddings_to_(model: nn.Module, dtype: torch.dtype) -> None:
         outputs.weight = nn.Parameter(outputs.weight.detach().to(dtype), requires_grad=False)
 
 
-def load_any(source: str | os.PathLike, dtype: str = "float32") -> LoadedModel:
+def load_any(source: str | os.PathLike, dtype: str = "float32", head: str = "float") -> LoadedModel:
     """A float model (registry name, HF directory, .gguf) computing in `dtype` (see `compute_dtype`), or a leanlm
     quantized checkpoint, whose quantized layers compute as their kernels do (float32 activations); there
-    `dtype` is that of its embedding and output head (`embeddings_to_`)."""
+    `dtype` is that of its embedding and output head (`embeddings_to_`). `head="int8"`: the output head in 8-bit
+    int blocks (`quantize_head_`)."""
+    LoadSettings(dtype, head)  # checked before the slow load
     if is_quantized_checkpoint(source):
-        storage = compute_dtype(dtype)  # checked before the slow load
+        storage = compute_dtype(dtype)
         loaded = load_quantized(source)[0]
         if storage != torch.float32:
             embeddings_to_(loaded.model, storage)
             loaded.dtype = f"float32, embedding and output head in {dtype_name(storage)}"
-        return loaded
-    return load_model(source, dtype=dtype)
+    else:
+        loaded = load_model(source, dtype=dtype)
+    if head == "int8":
+        quantize_head_(loaded.model)
+        loaded.dtype += ", output head in 8-bit int blocks"
+    return loaded
+
+
+def quantize_head_(model: nn.Module) -> None:
+    """The output head as 8-bit int blocks of 64 (a KbitLinear whose codes the int8 kernel reads as stored: 8.5
+    bits a weight, as llama.cpp's Q8_0). At batch-1 decode a small model's head is its largest read (SmolLM2's
+    49152 x 576: 54 MiB in bfloat16, 29 MiB so). A tied embedding keeps its own float weight (the model is
+    untied, and its config says so, so nothing ties them back)."""
+    head = model.get_output_embeddings()
+    if head.in_features % 64:
+        raise ConfigError(f"an 8-bit head needs a hidden size that is a multiple of 64, not {head.in_features}")
+    weight = head.weight.detach()
+    model.set_output_embeddings(KbitLinear.from_float(weight, head.bias, "int", 8, 64))
+    model.config.tie_word_embeddings = False

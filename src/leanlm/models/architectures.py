@@ -64,6 +64,9 @@ class ArchitectureTable:
     # rows are stored in llama.cpp's interleaved rotary order (Llama's converter permutes them; Gemma's does not).
     gguf_architecture: str | None = None
     gguf_interleaved_qk: bool = False
+    # Whether leanlm's one-call C++ decode step (`leanlm.decoding.fused`) implements this family's block:
+    # RMSNorm, rotary attention with grouped keys/values, SwiGLU (Llama, Mistral, Qwen2).
+    fused_decode: bool = False
     # Returns why a particular config of this family is unsupported, or None.
     config_problem: Callable[[object], str | None] = field(default=lambda config: None, compare=False)
 
@@ -103,6 +106,7 @@ def _llama_like(family: str, model_types: tuple[str, ...], gguf_architecture: st
         rotary_embedding="model.rotary_emb",
         gguf_architecture=gguf_architecture,
         gguf_interleaved_qk=gguf_interleaved_qk,
+        fused_decode=True,
     )
 
 
@@ -128,6 +132,7 @@ TABLES: tuple[ArchitectureTable, ...] = (
             NormFeeds("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
         ),
         norm_weight_offset=1.0,
+        fused_decode=False,  # (1 + weight) norms, norms after each sub-block, q / k norms, GeGLU: not yet
     ),
     ArchitectureTable(
         family="opt",

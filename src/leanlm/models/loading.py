@@ -59,6 +59,9 @@ def compute_dtype(choice: str) -> torch.dtype:
     return COMPUTE_DTYPES[choice]
 
 
+HEAD_FORMATS = ("float", "int8")
+
+
 @dataclass(frozen=True)
 class LoadSettings:
     dtype: str = option("float32", "compute dtype of a float model: float32 (the reference), bfloat16, or auto "
@@ -66,9 +69,15 @@ class LoadSettings:
                                    "float32 elsewhere). A quantized checkpoint's layers compute as their kernels "
                                    "do; this is the dtype of its token embedding and output head",
                         choices=("auto", *COMPUTE_DTYPES))
+    head: str = option("float", "the output head: float (in the dtype above), or int8: 8-bit int blocks of 64 read "
+                                "with int8 activations at decode (llama.cpp's Q4_0 files hold theirs in Q8_0), "
+                                "faster decode for a small loss; a tied embedding keeps its float copy",
+                       choices=HEAD_FORMATS)
 
     def __post_init__(self):
         compute_dtype(self.dtype)
+        if self.head not in HEAD_FORMATS:
+            raise ConfigError(f"unknown head format {self.head!r}; choose one of {', '.join(HEAD_FORMATS)}")
 
 
 # `leanlm chat` and `leanlm serve` take the fastest float path this CPU has; eval and stream keep the reference.

@@ -1,5 +1,6 @@
 """KbitLinear: weight-only k-bit linear (thesis ch. 3, QLoRA's NF4): packed k-bit codes of any data type,
-block-wise absmax constants (optionally double-quantized), activations stay float32.
+block-wise absmax constants (optionally double-quantized), activations float32 (at decode sizes, up to SMALL_M
+rows without gradients, quantized per chunk of 64 to int8 for the int8 kernel, as llama.cpp does).
 
 Storage is really k bits per weight (`packed` holds the bit stream); `bits_per_weight` is the exact account.
 The forward pass runs leanlm's AVX2 kernel where the layout allows (4-bit codes, blocks tiling each row), else
@@ -15,14 +16,18 @@ from leanlm.formats.blockwise import SECOND_LEVEL_BLOCK, BlockwiseQuantized, qua
 from leanlm.formats.codebooks import DYNAMIC8, Codebook, codebook
 from leanlm.formats.packing import pack, packed_bytes, unpack
 from leanlm.kernels.kbit_gemm import (
+    INT8_CODE_BIAS,
+    SMALL_M,
     BlockConstants,
     KbitBackend,
     KernelIsa,
     code_table,
     default_backend,
     dequantize_weight,
+    is_int8_code_book,
     kbit_linear,
     supports_fast_path,
+    supports_int8_activations,
 )
 
 
@@ -107,7 +112,7 @@ class KbitLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight this layer computes with, proxy columns included."""
-        if self._resolve_backend() == "reference":
+        if self._resolve_backend() == "reference" or self.bits != 4:
             weight = self.quantized().dequantize()
         else:
             weight = dequantize_weight(self.packed, *self._kernel_state(), self.out_features, self.in_features,
@@ -126,19 +131,28 @@ class KbitLinear(nn.Module):
         self._kernel_inputs = None
         super()._load_from_state_dict(*args, **kwargs)
 
-    def _kernel_state(self) -> tuple[BlockConstants, torch.Tensor]:
+    def _kernel_state(self) -> tuple[BlockConstants, torch.Tensor | None]:
         """(the block constants as stored - double-quantized ones stay 8-bit, the kernel decodes them row by row -,
         16-entry code table), derived once from the buffers."""
         if self._kernel_inputs is None:
             constants = (BlockConstants(self.absmax, self.absmax_scale, DYNAMIC8.values, self.absmax_offset.item(),
                                         SECOND_LEVEL_BLOCK)
                          if self.double_quant else BlockConstants(self.absmax.float().contiguous()))
-            self._kernel_inputs = (constants, code_table(self.codebook.values))
+            table = code_table(self.codebook.values) if self.bits == 4 else None  # 8-bit codes need no table
+            if self._runs_int8_codes():  # written before `Codebook.nearest` stopped emitting the unused code
+                self.packed.masked_fill_(self.packed == 255, INT8_CODE_BIAS)  # 255 (= 0.0, as is 127)
+            self._kernel_inputs = (constants, table)
         return self._kernel_inputs
+
+    def _runs_int8_codes(self) -> bool:
+        """8-bit codes of the symmetric int book (llama.cpp's Q8_0 in all but the block): the int8 kernel reads them
+        as stored, at decode sizes."""
+        return (self.bits == 8 and is_int8_code_book(self.codebook.values)
+                and supports_int8_activations(self.block_size, self.in_features) and self.proxy_columns is None)
 
     def _resolve_backend(self) -> KbitBackend:
         if self.backend is None:
-            fits = supports_fast_path(self.bits, self.block_size, self.in_features)
+            fits = supports_fast_path(self.bits, self.block_size, self.in_features) or self._runs_int8_codes()
             self.backend = default_backend() if fits else "reference"
         return self.backend
 
@@ -149,13 +163,16 @@ class KbitLinear(nn.Module):
             return _FrozenKbitMatmul.apply(x, self)
         return self._forward_frozen(x)
 
-    def _forward_frozen(self, x: torch.Tensor) -> torch.Tensor:
-        if self._resolve_backend() == "reference":
+    def _forward_frozen(self, x: torch.Tensor, int8_activations: bool = True) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        # 8-bit codes have only the decode-size kernel; a prefill multiplies by the de-quantized weight.
+        eight_bit_prefill = self.bits == 8 and not (int8_activations and rows.shape[0] <= SMALL_M)
+        if self._resolve_backend() == "reference" or eight_bit_prefill:
             return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
         absmax, table = self._kernel_state()
-        rows = x.reshape(-1, self.in_features).float()
+        rows = rows.float()
         out = kbit_linear(rows, self.packed, absmax, table, self.out_features, self.block_size, self.bias, self.backend,
-                          self.kernel_isa)
+                          self.kernel_isa, int8_activations, self.bits)
         if self.proxy_columns is not None:
             out.addmm_(rows[:, self.proxy_columns.long()], self.proxy_weight.float().T)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -174,7 +191,9 @@ class _FrozenKbitMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: KbitLinear) -> torch.Tensor:
         ctx.layer = layer
-        return layer._forward_frozen(x)
+        # Float activations: the backward pass multiplies by the float weight, and the forward must be the
+        # function it differentiates (int8 activations are for inference at decode sizes).
+        return layer._forward_frozen(x, int8_activations=False)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):

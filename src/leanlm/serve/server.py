@@ -77,7 +77,7 @@ def serve(model_name: str, settings: ServeSettings = ServeSettings(),
     if not settings.loopback:
         log.warning("listening on %s: the API has no authentication and anyone who can reach this address can use "
                     "it", settings.host)
-    loaded = load_any(model_name, loading.dtype)
+    loaded = load_any(model_name, loading.dtype, loading.head)
     app = build_app(loaded.model, loaded.tokenizer, model_name, settings)
     print(f"serving {model_name} ({loaded.dtype}) on http://{settings.host}:{settings.port}/v1 (OpenAI API; cache "
           f"per conversation: {settings.streaming.sinks} sinks + {settings.streaming.window} recent tokens); Ctrl-C "

@@ -27,6 +27,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -48,11 +51,14 @@ struct BlockConstants {
   // The constants of output row n: the float32 array's own, or decoded into `scratch`.
   const float* row(int64_t n, float* scratch) const {
     if (direct != nullptr) return direct + n * per_row;
-    for (int64_t b = 0; b < per_row; ++b) {
-      const int64_t i = n * per_row + b;
-      // Rounded after the product and after the sum, as the reference computes it: no fused multiply-add.
-      volatile float scaled = code_values[codes[i]] * scales[i / group];
-      scratch[b] = scaled + offset;
+    // The group index is stepped, not divided for: a 64-bit division per block cost more than the row's
+    // dot product (the int8 kernel ran at half speed with double-quantized constants).
+    int64_t i = n * per_row, g = i / group, group_end = (g + 1) * group;
+    for (int64_t b = 0; b < per_row; ++b, ++i) {
+      if (i == group_end) ++g, group_end += group;
+      // Rounded after the product and after the sum, as the reference computes it: the file is built with
+      // -ffp-contract=off, so no fused multiply-add is formed here (explicit _fmadd_ intrinsics still are).
+      scratch[b] = code_values[codes[i]] * scales[g] + offset;
     }
     return scratch;
   }
@@ -209,6 +215,7 @@ struct Ops {
 #pragma GCC pop_options
 
 #include "float_gemv.inc"
+#include "kbit4_int8.inc"
 
 bool cpu_has_avx512() {
   __builtin_cpu_init();
@@ -253,6 +260,8 @@ BlockConstants constants_of(const torch::Tensor& absmax, const c10::optional<tor
   constants.group = dq_group;
   return constants;
 }
+
+#include "fused_decode.inc"
 
 }  // namespace
 
@@ -307,6 +316,45 @@ torch::Tensor kbit4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor ab
       for (; r + 8 <= rows; r += 8) group(std::integral_constant<int, 8>{}, r);
     for (; r + 4 <= rows; r += 4) group(std::integral_constant<int, 4>{}, r);
     for (; r < rows; ++r) group(std::integral_constant<int, 1>{}, r);
+  });
+  return out;
+}
+
+// The int8-activation kernel (kbit4_int8.inc) for 4- or 8-bit codes: isa 1 = AVX512-VNNI, 2 = AVX2, 0 = the
+// best this CPU runs. `table` is the 4-bit code book as 16 int8 values (ignored for 8 bits, whose codes are the
+// int8 values plus 127), `table_inverse` the factor back to the book's own scale.
+torch::Tensor kbit_gemv_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor table,
+                             double table_inverse, int64_t out_features, int64_t block, int64_t bits, int64_t isa,
+                             c10::optional<torch::Tensor> dq_scales, c10::optional<torch::Tensor> dq_values,
+                             double dq_offset, int64_t dq_group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (M, K)");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed: contiguous uint8");
+  TORCH_CHECK(table.scalar_type() == torch::kInt8 && table.numel() == 16 && table.is_contiguous(),
+              "table: 16 int8 values");
+  TORCH_CHECK(bits == 4 || bits == 8, "the int8 kernel reads 4- or 8-bit codes, got ", bits);
+  const int64_t rows = x.size(0), K = x.size(1);
+  TORCH_CHECK(block % kChunk == 0 && K % block == 0, "the int8 kernel needs blocks of a multiple of 64 tiling rows");
+  TORCH_CHECK(packed.numel() == out_features * K * bits / 8, "packed has the wrong size");
+  TORCH_CHECK(absmax.numel() == out_features * K / block, "absmax has the wrong size");
+  const BlockConstants constants = constants_of(absmax, dq_scales, dq_values, dq_offset, dq_group, K / block);
+  if (isa == kAuto) isa = cpu_has_avx512_vnni() ? kAvx512 : kAvx2;
+  TORCH_CHECK(isa == kAvx512 || isa == kAvx2, "the int8 kernel runs avx512-vnni or avx2, got ", isa);
+  TORCH_CHECK(isa != kAvx512 || cpu_has_avx512_vnni(), "this CPU has no AVX512-VNNI");
+  QuantizedActivations quantized;
+  quantized.quantize(x.data_ptr<float>(), rows, K, bits);
+  auto out = torch::empty({rows, out_features}, x.options());
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const int8_t* tp = table.data_ptr<int8_t>();
+  float* op = out.data_ptr<float>();
+  const float inverse = static_cast<float>(table_inverse);
+  at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      gemv_int8_rows<4>(isa == kAvx512, bits, quantized.row(r), pp, constants, tp, inverse, K, block,
+                        op + r * out_features, out_features, first, last);
+    for (; r < rows; ++r)
+      gemv_int8_rows<1>(isa == kAvx512, bits, quantized.row(r), pp, constants, tp, inverse, K, block,
+                        op + r * out_features, out_features, first, last);
   });
   return out;
 }
@@ -381,6 +429,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("absmax"), py::arg("table"), py::arg("out_features"), py::arg("block"),
         py::arg("isa"), py::arg("dq_scales") = py::none(), py::arg("dq_values") = py::none(),
         py::arg("dq_offset") = 0.0, py::arg("dq_group") = 256);
+  m.def("kbit_gemv_int8", &kbit_gemv_int8, "4- or 8-bit weight x int8-quantized activations (llama.cpp's Q8_0 way)",
+        py::arg("x"), py::arg("packed"), py::arg("absmax"), py::arg("table"), py::arg("table_inverse"),
+        py::arg("out_features"), py::arg("block"), py::arg("bits"), py::arg("isa"), py::arg("dq_scales") = py::none(),
+        py::arg("dq_values") = py::none(), py::arg("dq_offset") = 0.0, py::arg("dq_group") = 256);
+  py::class_<fused::Decoder>(m, "FusedDecoder")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, double, torch::Tensor,
+                    torch::Tensor>(),
+           py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("attention_scale"), py::arg("inverse_frequencies"), py::arg("rope_scale"), py::arg("embedding"),
+           py::arg("final_norm"))
+      .def("add_linear", &fused::Decoder::add_linear, py::arg("kind"), py::arg("weight"), py::arg("in_features"),
+           py::arg("out_features"), py::arg("bias") = py::none(), py::arg("absmax") = py::none(),
+           py::arg("table") = py::none(), py::arg("table_inverse") = 1.0, py::arg("block") = 0,
+           py::arg("dq_scales") = py::none(), py::arg("dq_values") = py::none(), py::arg("dq_offset") = 0.0,
+           py::arg("dq_group") = 256)
+      .def("add_layer", &fused::Decoder::add_layer)
+      .def("set_head", &fused::Decoder::set_head)
+      .def("step", &fused::Decoder::step, py::arg("token"), py::arg("position"), py::arg("keys"), py::arg("values"));
+  m.def("has_avx512_vnni", &cpu_has_avx512_vnni, "whether this CPU runs the AVX512-VNNI int8 kernel");
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernel");
   m.def("dequantize_rows", &dequantize_rows, "4-bit weights of out.size(0) output rows from first_row into out (AVX2)",
         py::arg("packed"), py::arg("absmax"), py::arg("table"), py::arg("block"), py::arg("first_row"), py::arg("out"),
