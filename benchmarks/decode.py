@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -39,10 +40,10 @@ from leanlm.report import format_table, save_figure  # noqa: E402
 # ---- the worker side: one system, commands on stdin, one JSON line per answer on stdout ----
 
 class LeanlmSystem:
-    """mode: "fp32" / "bf16" (the whole model in that dtype, transformers' eager forward: what `leanlm serve`
-    runs), or "<dtype>-fused": loaded with `--dtype <dtype>` and decoded through leanlm's fused C++ step."""
+    """`load_any(source, dtype, head)`, decoded through transformers' eager forward (what `leanlm serve` runs) or
+    leanlm's fused C++ step (`decoder`: eager | fused)."""
 
-    def __init__(self, source: str, mode: str, context: int):
+    def __init__(self, source: str, dtype: str, decoder: str, head: str, context: int):
         import torch
 
         from leanlm.decoding import FusedDecoder
@@ -50,9 +51,8 @@ class LeanlmSystem:
 
         torch.set_num_threads(2)
         self.torch = torch
-        dtype, _, fused = mode.partition("-")
-        self.model = load_any(source, {"fp32": "float32", "bf16": "bfloat16", "auto": "auto"}[dtype]).model
-        self.fused = FusedDecoder(self.model, capacity=context) if fused else None
+        self.model = load_any(source, dtype, head).model
+        self.fused = FusedDecoder(self.model, capacity=context) if decoder == "fused" else None
 
     def decode(self, prompt: list[int], new_tokens: int) -> float:
         """Seconds for `new_tokens` greedy steps after the prompt."""
@@ -81,6 +81,25 @@ class LeanlmSystem:
             started = time.perf_counter()
             self.model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
             return time.perf_counter() - started
+
+    def negative_log_likelihoods(self, ids: list[int]) -> dict:
+        """Mean NLL of ids[1:] read two ways: in one forward (the prefill path, float activations: what `leanlm
+        eval` scores) and token by token through this system's decoder (int8 activations in the 4- and 8-bit
+        kernels at batch 1): what decoding quantizes beyond the weights."""
+        from transformers import DynamicCache
+
+        torch = self.torch
+        targets = torch.tensor(ids[1:])
+        with torch.inference_mode():
+            whole = self.model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+            if self.fused is not None:
+                steps = [self.fused.prefill(ids[:1])] + [self.fused.step(token) for token in ids[1:-1]]
+            else:
+                cache = DynamicCache()
+                steps = [self.model(input_ids=torch.tensor([[token]]), past_key_values=cache,
+                                    use_cache=True).logits[0, -1].float() for token in ids[:-1]]
+        nll = torch.nn.functional.cross_entropy
+        return {"prefill": nll(whole, targets).item(), "decode": nll(torch.stack(steps), targets).item()}
 
 
 class LlamaCppSystem:
@@ -117,6 +136,8 @@ def worker(kind: str, spec: str, context: int) -> None:
             answer = {"seconds": system.decode(command["prompt"], command["new_tokens"])}
         elif command["do"] == "prefill":
             answer = {"seconds": system.prefill(command["ids"])}
+        elif command["do"] == "nll":
+            answer = system.negative_log_likelihoods(command["ids"])
         else:
             answer = {"peak_rss_bytes": process_peak_rss_bytes()}
         print(json.dumps(answer), flush=True)
@@ -150,33 +171,43 @@ class Worker:
 
 def systems(model: str, work: Path) -> dict[str, tuple[str, str]]:
     """Row name -> (kind, spec) of its worker; llama.cpp rows only where its bindings are installed."""
-    rows = {
-        "leanlm FP32": ("leanlm", f"{model}|fp32"),
-        "leanlm BF16": ("leanlm", f"{model}|bf16"),
-        "leanlm NF4+DQ": ("leanlm", f"{work / 'nf4'}|fp32"),
-        "leanlm SmoothQuant O3": ("leanlm", f"{work / 'sq-o3'}|fp32"),
-        "leanlm LLM.int8()": ("leanlm", f"{work / 'llm-int8'}|fp32"),
-        "leanlm FP32 fused": ("leanlm", f"{model}|fp32-fused"),
-        "leanlm BF16 fused": ("leanlm", f"{model}|bf16-fused"),
-        "leanlm NF4+DQ fused": ("leanlm", f"{work / 'nf4'}|fp32-fused"),
-        "leanlm NF4+DQ fused, BF16 head": ("leanlm", f"{work / 'nf4'}|auto-fused"),
-    }
+    nf4, int8 = work / "nf4", work / "int8"
+    # (source, --dtype, decoder, --head)
+    leanlm = {"FP32": (model, "float32", "eager", "float"),
+              "BF16": (model, "bfloat16", "eager", "float"),
+              "NF4+DQ": (nf4, "float32", "eager", "float"),
+              "SmoothQuant O3": (work / "sq-o3", "float32", "eager", "float"),
+              "LLM.int8()": (work / "llm-int8", "float32", "eager", "float"),
+              "FP32 fused": (model, "float32", "fused", "float"),
+              "BF16 weights fused": (model, "bfloat16", "fused", "float"),
+              "NF4+DQ fused": (nf4, "float32", "fused", "float"),
+              "NF4+DQ fused, BF16 head": (nf4, "auto", "fused", "float"),
+              "NF4+DQ fused, int8 head": (nf4, "auto", "fused", "int8"),
+              "int8 blocks fused, int8 head": (int8, "auto", "fused", "int8")}
+    rows = {f"leanlm {name}": ("leanlm", "|".join(map(str, spec))) for name, spec in leanlm.items()}
     if importlib.util.find_spec("llama_cpp") is not None:
         for name in ("F32", "Q8_0", "Q4_0"):
             rows[f"llama.cpp {name}"] = ("llama.cpp", str(work / f"{name.lower()}.gguf"))
     return rows
 
 
-def prepare(model: str, work: Path) -> None:
-    """The checkpoints and GGUF files the workers load (made once, kept in the work directory)."""
+def chosen_systems(model: str, work: Path, names: list[str] | None) -> dict[str, tuple[str, str]]:
+    """The rows of `systems` whose name contains one of `names` (all when None)."""
+    return {name: row for name, row in systems(model, work).items() if not names or any(text in name for text in names)}
+
+
+def prepare(model: str, work: Path, rows: dict[str, tuple[str, str]]) -> None:
+    """The checkpoints and GGUF files `rows` load (made once, kept in the work directory)."""
+    specs = [spec for _, spec in rows.values()]
     recipes = {"nf4": ["--method", "kbit", "--double-quant"],
+               "int8": ["--method", "kbit", "--dtype", "int", "--bits", "8"],  # blocks of 64: Q8_0's kind
                "sq-o3": ["--method", "smoothquant", "--level", "O3", "--no-bmm", "--calib-samples", "64"],
                "llm-int8": ["--method", "llm-int8"]}
     for name, recipe in recipes.items():
-        if not (work / name).exists():
+        if not (work / name).exists() and any(spec.startswith(f"{work / name}|") for spec in specs):
             subprocess.run([sys.executable, "-m", "leanlm.cli.main", "quantize", model, *recipe, "--out",
                             str(work / name)], check=True)
-    if importlib.util.find_spec("llama_cpp") is None:
+    if not any(kind == "llama.cpp" for kind, _ in rows.values()):
         return
     from leanlm.bench.llama_cpp import quantize_gguf
     from leanlm.export import export_gguf
@@ -195,10 +226,11 @@ def measure(model: str, work: Path, args) -> dict:
 
     ids = encode(load_tokenizer(model), datasets.wikitext2_test_text()[:20_000])
     prompt, prefill_ids = ids[:args.prompt_tokens], ids[:args.prefill_tokens]
-    context = args.prompt_tokens + args.new_tokens + args.prefill_tokens + 8
+    quality_ids = ids[:args.quality_tokens]
+    context = max(args.prompt_tokens + args.new_tokens + args.prefill_tokens, args.quality_tokens) + 8
     load_before = os.getloadavg()
     workers = {name: Worker(kind, spec, context, work / "workers.log") for name, (kind, spec) in
-               systems(model, work).items()}
+               chosen_systems(model, work, args.systems).items()}
     samples = {name: {"decode": [], "prefill": []} for name in workers}
     try:
         names = list(workers)
@@ -219,8 +251,10 @@ def measure(model: str, work: Path, args) -> dict:
                           "decode_ms_per_token": 1e3 * decode / args.new_tokens,
                           "prefill_tokens_per_second": args.prefill_tokens / prefill,
                           "peak_rss_bytes": worker_.ask(do="rss")["peak_rss_bytes"], "samples": samples[name]}
+            if name.startswith("leanlm"):  # after the RSS: a whole window's logits would raise the peak
+                rows[name]["nll"] = worker_.ask(do="nll", ids=quality_ids)
             print(f"{name}: decode {rows[name]['decode_tokens_per_second']:.1f} tok/s, prefill "
-                  f"{rows[name]['prefill_tokens_per_second']:.0f} tok/s", flush=True)
+                  f"{rows[name]['prefill_tokens_per_second']:.0f} tok/s, {rows[name].get('nll', '')}", flush=True)
     finally:
         for worker_ in workers.values():
             worker_.close()
@@ -234,12 +268,19 @@ def report(payload: dict) -> str:
     head = (f"{run['cpu']}, 2 threads each, load average {run['load_average_before'][0]:.1f} before / "
             f"{run['load_average_after'][0]:.1f} after; decode of {settings['new_tokens']} tokens after "
             f"{settings['prompt_tokens']}, prefill of {settings['prefill_tokens']}, medians of {settings['rounds']} "
-            "interleaved rounds")
+            f"interleaved rounds; perplexity of the first {settings['quality_tokens']} WikiText-2 test tokens read in "
+            "one forward and token by token through the row's decoder")
+
+    def perplexity(row: dict, path: str) -> str:
+        return f"{math.exp(row['nll'][path]):.2f}" if "nll" in row else "-"
+
     table = [[name, f"{row['decode_tokens_per_second']:.1f}", f"{row['decode_ms_per_token']:.1f}",
-              f"{row['prefill_tokens_per_second']:.0f}", f"{row['peak_rss_bytes'] / 2**20:,.0f}"]
+              f"{row['prefill_tokens_per_second']:.0f}", f"{row['peak_rss_bytes'] / 2**20:,.0f}",
+              perplexity(row, "prefill"), perplexity(row, "decode")]
              for name, row in run["rows"].items()]
     return head + "\n\n" + format_table(["system", "decode tokens/s", "ms per token", "prefill tokens/s",
-                                         "peak RSS MiB"], table, markdown=True)
+                                         "peak RSS MiB", "ppl, one forward", "ppl, token by token"], table,
+                                        markdown=True)
 
 
 def plot(payload: dict, path) -> None:
@@ -265,6 +306,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--systems", nargs="+", default=None, metavar="TEXT",
+                        help="only the rows whose name contains one of these (a larger model's workers may not "
+                             "all fit in memory at once)")
+    parser.add_argument("--quality-tokens", type=int, default=512,
+                        help="WikiText-2 tokens scored in one forward and token by token (leanlm rows)")
     parser.add_argument("--context", type=int, default=1024, help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-decode")
@@ -275,11 +321,12 @@ def main() -> None:
     if args.report:
         return print_report(name, report)
     study = Study(name, {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                         "prefill_tokens": args.prefill_tokens, "rounds": args.rounds}, args, plot=plot)
+                         "prefill_tokens": args.prefill_tokens, "rounds": args.rounds,
+                         "quality_tokens": args.quality_tokens, "systems": args.systems}, args, plot=plot)
     study.payload["model"] = args.model
     work = args.workdir / args.model
     work.mkdir(parents=True, exist_ok=True)
-    prepare(args.model, work)
+    prepare(args.model, work, chosen_systems(args.model, work, args.systems))
     if study.pending("run"):
         study.set("run", measure(args.model, work, args))
     print(report(study.payload))

@@ -8,7 +8,8 @@ constants either way (double quantization is decoded once, when the layer first 
 code on the same inputs twice.
 Then, in a child process, the same linear as a CPU without AVX512-BF16 runs it (the brief's AVX2 machine):
 bitsandbytes with that feature hidden from it (it then de-quantizes and calls FP32 `linear`) beside leanlm's
-AVX2 kernel. Writes benchmarks/results/kbit_speed.json + .png.
+AVX2 kernel. And each 4- and 8-bit kernel's batch-1 streaming speed beside the machine's read bandwidth (the
+`bandwidth` part). Writes benchmarks/results/kbit_speed.json + .png.
 
     python benchmarks/kbit_speed.py
     python benchmarks/kbit_speed.py --without-avx512bf16   # the child's part alone, printed as JSON
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -34,7 +36,7 @@ from torch import nn  # noqa: E402
 
 from leanlm.bench import Study, print_report, study_arguments, time_modules, weight_bytes  # noqa: E402
 from leanlm.bench.harness import add_speedups, cpu_description, float_paths, speed_table  # noqa: E402
-from leanlm.kernels.kbit_gemm import kernel_isas  # noqa: E402
+from leanlm.kernels.kbit_gemm import int8_kernel_isas, kernel_isas  # noqa: E402
 from leanlm.methods import KbitConfig, quantize_  # noqa: E402
 from leanlm.models import load_model  # noqa: E402
 from leanlm.nn import KbitLinear  # noqa: E402
@@ -131,6 +133,72 @@ def bench_linear(repeats: int, without_avx512bf16: bool = False) -> dict:
     return results
 
 
+BANDWIDTH_SHAPE = (4096, 14336)  # Llama-3-8B's MLP down projection (out, in)
+BANDWIDTH_LAYERS = 4  # 4 x ~30 MB of codes: more than the 32 MB L3, so every call streams from memory
+
+
+def bandwidth_variants() -> dict[str, tuple[str, bool, int]]:
+    """Row name -> (kernel, double quantization, bits) of the batch-1 streaming measurement."""
+    variants = {}
+    for isa in [*int8_kernel_isas(), *(i for i in kernel_isas() if i != "in-order")]:
+        activations = "int8 activations" if isa.endswith("int8") else "float activations"
+        variants[f"nf4+dq, {activations}, {isa}"] = (isa, True, 4)
+    variants["nf4, int8 activations, auto"] = ("auto", False, 4)
+    variants["int8 codes (Q8_0's kind), auto"] = ("auto", False, 8)
+    return variants
+
+
+def read_bandwidth(array: torch.Tensor) -> float:
+    started = time.perf_counter()
+    array.sum()
+    return array.numel() * array.element_size() / (time.perf_counter() - started)
+
+
+def bench_bandwidth(repeats: int) -> dict:
+    """Batch-1 speed of each 4- and 8-bit kernel as bytes of weight read per second, beside the machine's read
+    bandwidth (issue 27 asks >= 70% of it): BANDWIDTH_LAYERS weights of BANDWIDTH_SHAPE run in turn, so every call
+    reads its weight from memory; the read bandwidth is a two-thread torch.sum of a 256 MB float32 array, timed in
+    the same rounds (interleaved), medians over `repeats` rounds."""
+    torch.manual_seed(0)
+    variants = bandwidth_variants()
+    layers: dict[str, list[KbitLinear]] = {name: [] for name in variants}
+    for _ in range(BANDWIDTH_LAYERS):
+        weight = torch.randn(*BANDWIDTH_SHAPE) * 0.02
+        built: dict[tuple[bool, int], KbitLinear] = {}
+        for name, (isa, double_quant, bits) in variants.items():
+            if (double_quant, bits) not in built:
+                dtype = "nf" if bits == 4 else "int"
+                built[(double_quant, bits)] = KbitLinear.from_float(weight, None, dtype, bits, 64, double_quant)
+            layers[name].append(built[(double_quant, bits)])
+        del weight
+    x = torch.randn(1, BANDWIDTH_SHAPE[1])
+    array = torch.randn(64 * 2**20)
+    samples: dict[str, list[float]] = {name: [] for name in [*variants, "read bandwidth"]}
+    with torch.inference_mode():
+        for round_index in range(repeats + 1):  # the first round warms up
+            read = read_bandwidth(array)
+            for name, (isa, _, _) in variants.items():
+                for layer in layers[name]:
+                    layer.kernel_isa = isa
+                started = time.perf_counter()
+                for layer in layers[name]:
+                    layer(x)
+                seconds = time.perf_counter() - started
+                stored = sum(layer.bits_per_weight() * layer.in_features * layer.out_features / 8
+                             for layer in layers[name])
+                if round_index:
+                    samples[name].append(stored / seconds)
+            if round_index:
+                samples["read bandwidth"].append(read)
+    result = {name: {"bytes_per_second": statistics.median(values), "samples": values}
+              for name, values in samples.items()}
+    for name in variants:
+        result[name]["share_of_read_bandwidth"] = (result[name]["bytes_per_second"]
+                                                   / result["read bandwidth"]["bytes_per_second"])
+    result["cpu"] = cpu_description()
+    return result
+
+
 def decode_tokens_per_second(model, prompt: torch.Tensor, new_tokens: int) -> float:
     with torch.inference_mode():
         model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up
@@ -177,6 +245,15 @@ def report(payload: dict) -> str:
                 speed_table({m: entries[m] for m in map(str, ROWS)}, AVX2_NAMES, extra={
                     "leanlm nf4+dq avx2 / bitsandbytes":
                         lambda row: f"{row['leanlm nf4+dq avx2']['speedup_vs_bitsandbytes']:.2f}x"})]
+    if "bandwidth" in payload:
+        entries = payload["bandwidth"]
+        read = entries["read bandwidth"]["bytes_per_second"]
+        rows = [[name, f"{entry['bytes_per_second'] / 1e9:.1f}", f"{100 * entry['share_of_read_bandwidth']:.0f}%"]
+                for name, entry in entries.items() if name not in ("cpu", "read bandwidth")]
+        out += ["", f"batch-1 streaming on {entries['cpu']}: {BANDWIDTH_LAYERS} weights of {BANDWIDTH_SHAPE[0]} x "
+                f"{BANDWIDTH_SHAPE[1]} in turn, GB of stored weight read per second; the machine reads "
+                f"{read / 1e9:.1f} GB/s (two-thread sum of 256 MB, same rounds):",
+                format_table(["kernel", "GB/s", "of read bandwidth"], rows, markdown=True)]
     if "decode" in payload:
         decode = payload["decode"]
         out += ["", "batch-1 greedy decode, tokens/s:", format_table(
@@ -227,6 +304,8 @@ def main() -> None:
                   plot=plot)
     if study.pending("linear_4096"):
         study.set("linear_4096", bench_linear(args.repeats))
+    if study.pending("bandwidth"):
+        study.set("bandwidth", bench_bandwidth(args.repeats))
     if study.pending("decode"):
         study.set("decode", bench_decode(args.model, args.new_tokens))
     if study.pending("linear_4096_without_avx512bf16"):

@@ -59,21 +59,28 @@ def test_proxy_columns_survive_a_checkpoint_and_shape_the_output(tiny_llama_dir,
     assert torch.equal(weight[:, module.proxy_columns.long()], module.proxy_weight.float())
 
 
-def test_an_int8_head_unties_the_embedding_and_keeps_the_logits():
-    """`--head int8` (quantize_head_): the head becomes 8-bit int blocks, the tied embedding keeps its float weight
-    and the config no longer ties them; logits stay within 1% (SQNR > 40 dB) at decode and at prefill sizes."""
+def test_an_int8_head_holds_a_tied_table_once_and_keeps_the_logits():
+    """`--head int8` (quantize_head_): the head becomes 8-bit int blocks of 64 and a tied embedding reads its rows
+    from the head's codes (one 8-bit table, as llama.cpp's Q8_0 token_embd); the config no longer ties them.
+    Logits stay within 1% (SQNR > 40 dB) at decode and at prefill sizes; an untied embedding stays float."""
     from leanlm.methods.checkpoint import quantize_head_
+    from leanlm.nn.kbit_linear import KbitEmbedding
 
     model = tiny_model("llama", vocab_size=256)
-    embedding = model.get_input_embeddings().weight.detach().clone()
     ids = torch.tensor([[5, 9, 200, 31, 77]])
     with torch.no_grad():
         before = model(ids).logits
         quantize_head_(model)
         after = model(ids).logits
         last = model(ids[:, :1]).logits
-    head = model.get_output_embeddings()
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     assert isinstance(head, KbitLinear) and (head.bits, head.dtype, head.block_size) == (8, "int", 64)
-    assert not model.config.tie_word_embeddings and torch.equal(model.get_input_embeddings().weight, embedding)
+    assert isinstance(embedding, KbitEmbedding) and embedding.head is head and not model.config.tie_word_embeddings
+    assert torch.equal(embedding(ids)[0], head.dequantized_weight()[ids[0]])
+    assert "embed_tokens" not in " ".join(name for name, _ in model.state_dict().items() if "packed" in name)
     for quantized, reference in ((after, before), (last, before[:, :1])):
         assert 20 * torch.log10(reference.norm() / (quantized - reference).norm()) > 40
+    untied = tiny_model("mistral", vocab_size=256)
+    table = untied.get_input_embeddings().weight.detach().clone()
+    quantize_head_(untied)
+    assert torch.equal(untied.get_input_embeddings().weight, table)

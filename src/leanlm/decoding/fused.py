@@ -10,7 +10,7 @@ cache, after which every token is one call. The results are the eager path's: th
 4-bit kernel with int8 activations, the float GEMV), activations in float32; `greedy_tokens` is the test's
 bridge between the two.
 
-Supported: the families whose table says `fused_decode` (Llama, Mistral, Qwen2), SiLU MLPs, float linears,
+Supported: the families whose table says `fused_decode` (Llama, Mistral, Qwen2, Gemma 3), float linears,
 4-bit k-bit linears (NF4 / FP4 / int4, double-quantized or not) and 8-bit int ones, in blocks of a multiple of 64. Anything else
 gets None from `FusedDecoder.build`, with `fused_decoder_problem` saying why, and decodes through transformers.
 """
@@ -24,9 +24,13 @@ from transformers import DynamicCache
 from leanlm.errors import ConfigError
 from leanlm.kernels.kbit_gemm import compiled_kernels, int8_kernel_table, supports_int8_activations
 from leanlm.models.architectures import architecture_for, decoder_blocks
-from leanlm.nn.kbit_linear import KbitLinear
+from leanlm.nn.kbit_linear import KbitEmbedding, KbitLinear
 
 _FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+# The table's MLP kind -> (the C++ step's activation code, the config's activation name it implements)
+_ACTIVATIONS = {"swiglu": (0, "silu"), "geglu": (1, "gelu_pytorch_tanh")}
+# Rotary kinds whose frequencies transformers computes once (rotary_emb's buffers), not per sequence length
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 _KBIT_KINDS = {4: 2, 8: 3}
 
 
@@ -51,11 +55,17 @@ def fused_decoder_problem(model: nn.Module) -> str | None:
     if not table.fused_decode:
         return f"the fused decode step does not implement {table.family} blocks yet"
     config = model.config
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"MLP activation {config.hidden_act!r} (the fused step runs SiLU)"
-    if getattr(config, "rope_parameters", None) and config.rope_parameters.get("rope_type", "default") not in (
-            "default", "llama3", "linear", "dynamic"):
-        return f"rope type {config.rope_parameters['rope_type']!r}"
+    expected = _ACTIVATIONS[table.mlp_activation][1] if table.mlp_activation in _ACTIVATIONS else None
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if activation != expected:
+        return f"MLP activation {activation!r} in a {table.mlp_activation} MLP"
+    for capping in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, capping, None) is not None:
+            return f"{capping} = {getattr(config, capping)} (the fused step has no soft-capping)"
+    rope = getattr(config, "rope_parameters", None) or {}
+    for parameters in [value for value in rope.values() if isinstance(value, dict)] or [rope]:  # Gemma 3: per kind
+        if parameters.get("rope_type", "default") not in _STATIC_ROPE:
+            return f"rope type {parameters['rope_type']!r} (its frequencies change with the length)"
     for index, block in enumerate(decoder_blocks(model, table)):
         for path in table.quantizable_linears:
             problem = _linear_problem(f"{table.blocks}.{index}.{path}", block.get_submodule(path))
@@ -78,23 +88,43 @@ class FusedDecoder:
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-        if sliding is not None and capacity > sliding:
-            raise ConfigError(f"capacity {capacity} is past the model's sliding window of {sliding} tokens")
-        rotary = model.get_submodule(table.rotary_embedding)
+        embedding = model.get_input_embeddings()
+        if isinstance(embedding, KbitEmbedding):  # rows read from the 8-bit head's codes (`--head int8`)
+            table_rows = embedding.head.packed.reshape(embedding.num_embeddings, -1)
+            row_codes = {"embedding_absmax": embedding.head._kernel_state()[0].dense(),
+                         "embedding_values": embedding.head.codebook.values.float()}
+            embedding_scale = embedding.scale or 1.0
+        else:
+            table_rows, row_codes = embedding.weight.detach(), {}
+            embedding_scale = getattr(embedding, "embed_scale", None)  # Gemma: sqrt(hidden), in the weight's dtype
+            embedding_scale = 1.0 if embedding_scale is None else float(embedding_scale.to(embedding.weight.dtype))
+        self._norm_offset = table.norm_weight_offset
         self._decoder = compiled_kernels().FusedDecoder(
             config.hidden_size, heads, kv_heads, head_dim, config.rms_norm_eps, attention.scaling,
-            rotary.inv_freq.float(), float(rotary.attention_scaling), model.get_input_embeddings().weight.detach(),
-            model.get_submodule(table.final_norm).weight.detach())
-        input_norm, post_attention_norm = (feed.norm for feed in table.norm_feeds)
-        for block in blocks:
+            _ACTIVATIONS[table.mlp_activation][0], table_rows, embedding_scale,
+            self._norm(model.get_submodule(table.final_norm)), **row_codes)
+        attention_norm, mlp_norm = (feed.norm for feed in table.norm_feeds)
+        for index, block in enumerate(blocks):
             ids = [self._add_linear(block.get_submodule(path)) for path in table.quantizable_linears]
-            self._decoder.add_layer(block.get_submodule(input_norm).weight.detach(),
-                                    block.get_submodule(post_attention_norm).weight.detach(), *ids)
+            frequencies, rope_scale, window = _layer_rotary(model, table, index)
+            optional = {}
+            if table.output_norms:
+                optional["attention_output_norm"], optional["mlp_output_norm"] = (
+                    self._norm(block.get_submodule(path)) for path in table.output_norms)
+            if table.qk_norms:
+                optional["q_norm"], optional["k_norm"] = (self._norm(block.get_submodule(path))
+                                                          for path in table.qk_norms)
+            self._decoder.add_layer(self._norm(block.get_submodule(attention_norm)),
+                                    self._norm(block.get_submodule(mlp_norm)), *ids, frequencies, rope_scale,
+                                    window, **optional)
         self._decoder.set_head(self._add_linear(model.get_output_embeddings()))
         shape = (len(blocks), kv_heads, capacity, head_dim)
         self.keys, self.values = torch.zeros(shape), torch.zeros(shape)
         self.position = 0
+
+    def _norm(self, module: nn.Module) -> torch.Tensor:
+        """A norm's weight as the factor it multiplies by (Gemma's RMSNorm: 1 + weight, in float32 as it computes)."""
+        return module.weight.detach().float() + self._norm_offset
 
     @classmethod
     def build(cls, model: nn.Module, capacity: int = 4096) -> "FusedDecoder | None":
@@ -133,6 +163,23 @@ class FusedDecoder:
         logits = self._decoder.step(int(token), self.position, self.keys, self.values)
         self.position += 1
         return logits
+
+
+def _layer_rotary(model: nn.Module, table, index: int) -> tuple[torch.Tensor, float, int]:
+    """(inverse frequencies, output scale, sliding window or 0) of block `index`'s rotary attention: Gemma 3 keeps
+    one set of frequencies per layer type (local and global layers), the others one for all; a window is the
+    attention module's own (Qwen2, Gemma 3: sliding layers only) or the config's (Mistral: every layer)."""
+    rotary = model.get_submodule(table.rotary_embedding)
+    layer_types = getattr(model.config, "layer_types", None)
+    kind = layer_types[index] if layer_types else None
+    if kind is not None and hasattr(rotary, f"{kind}_inv_freq"):
+        frequencies, scale = getattr(rotary, f"{kind}_inv_freq"), getattr(rotary, f"{kind}_attention_scaling")
+    else:
+        frequencies, scale = rotary.inv_freq, rotary.attention_scaling
+    attention = decoder_blocks(model, table)[index].get_submodule(table.attention_module)
+    window = (attention.sliding_window if hasattr(attention, "sliding_window")
+              else getattr(model.config, "sliding_window", None))
+    return frequencies.float(), float(scale), int(window or 0)
 
 
 def greedy_tokens(model: nn.Module, prompt: list[int], new_tokens: int, fused: bool) -> list[int]:

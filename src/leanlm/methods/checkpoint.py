@@ -28,6 +28,7 @@ from leanlm.models.architectures import architecture_for
 from leanlm.models.loading import (LoadedModel, LoadSettings, compute_dtype, dtype_name, load_model,
                                    read_model_config, read_tokenizer)
 from leanlm.nn import QUANTIZED_MODULES, KbitLinear, use_gemv_
+from leanlm.nn.kbit_linear import KbitEmbedding
 from leanlm.storage import QUANT_FILE, QUANTIZED_MARKER, staged_directory
 
 WEIGHTS_FILE = "model.safetensors"
@@ -274,11 +275,28 @@ def load_any(source: str | os.PathLike, dtype: str = "float32", head: str = "flo
 def quantize_head_(model: nn.Module) -> None:
     """The output head as 8-bit int blocks of 64 (a KbitLinear whose codes the int8 kernel reads as stored: 8.5
     bits a weight, as llama.cpp's Q8_0). At batch-1 decode a small model's head is its largest read (SmolLM2's
-    49152 x 576: 54 MiB in bfloat16, 29 MiB so). A tied embedding keeps its own float weight (the model is
-    untied, and its config says so, so nothing ties them back)."""
+    49152 x 576: 54 MiB in bfloat16, 29 MiB so). A tied embedding then reads its rows from the head's codes
+    (`KbitEmbedding`); the config says untied, so nothing ties them back to a float weight."""
     head = model.get_output_embeddings()
     if head.in_features % 64:
         raise ConfigError(f"an 8-bit head needs a hidden size that is a multiple of 64, not {head.in_features}")
     weight = head.weight.detach()
-    model.set_output_embeddings(KbitLinear.from_float(weight, head.bias, "int", 8, 64))
+    quantized = KbitLinear(head.in_features, head.out_features, head.bias is not None, "int", 8, 64)
+    # A few thousand rows at a time: the whole head in float32 beside its codes would be the load's peak memory
+    # (671 MiB for Gemma-3's 262144 x 640).
+    parts = [KbitLinear.from_float(weight[first:first + 4096], None, "int", 8, 64)
+             for first in range(0, head.out_features, 4096)]
+    quantized.packed = torch.cat([part.packed for part in parts])
+    quantized.absmax = torch.cat([part.absmax for part in parts])
+    if head.bias is not None:
+        quantized.bias = head.bias.detach().float().clone()
+    embedding = model.get_input_embeddings()
+    if embedding.weight.data_ptr() == weight.data_ptr():
+        # Tied: the embedding reads the head's codes, so the table is held once (in 8 bits). A scaled embedding
+        # (Gemma) multiplies as transformers does, in the float32 of the de-quantized rows.
+        compute = next((p.dtype for p in model.parameters() if p.is_floating_point() and p is not embedding.weight),
+                       torch.float32)
+        scale = getattr(embedding, "embed_scale", None)
+        model.set_input_embeddings(KbitEmbedding(quantized, compute, None if scale is None else float(scale)))
+    model.set_output_embeddings(quantized)
     model.config.tie_word_embeddings = False

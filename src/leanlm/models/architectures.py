@@ -64,9 +64,13 @@ class ArchitectureTable:
     # rows are stored in llama.cpp's interleaved rotary order (Llama's converter permutes them; Gemma's does not).
     gguf_architecture: str | None = None
     gguf_interleaved_qk: bool = False
-    # Whether leanlm's one-call C++ decode step (`leanlm.decoding.fused`) implements this family's block:
-    # RMSNorm, rotary attention with grouped keys/values, SwiGLU (Llama, Mistral, Qwen2).
+    # Whether leanlm's one-call C++ decode step (`leanlm.decoding.fused`) implements this family's block: RMSNorm,
+    # rotary attention with grouped keys/values, a gated MLP, and what the two fields below add.
     fused_decode: bool = False
+    # Norms applied to the attention and the MLP outputs before the residual add (Gemma 3), block-relative.
+    output_norms: tuple[str, str] | None = None
+    # Per-head norms of the queries and keys before the rotation (Gemma 3), block-relative.
+    qk_norms: tuple[str, str] | None = None
     # Returns why a particular config of this family is unsupported, or None.
     config_problem: Callable[[object], str | None] = field(default=lambda config: None, compare=False)
 
@@ -132,7 +136,8 @@ TABLES: tuple[ArchitectureTable, ...] = (
             NormFeeds("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
         ),
         norm_weight_offset=1.0,
-        fused_decode=False,  # (1 + weight) norms, norms after each sub-block, q / k norms, GeGLU: not yet
+        output_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+        qk_norms=("self_attn.q_norm", "self_attn.k_norm"),
     ),
     ArchitectureTable(
         family="opt",

@@ -165,10 +165,10 @@ class KbitLinear(nn.Module):
 
     def _forward_frozen(self, x: torch.Tensor, int8_activations: bool = True) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        # 8-bit codes have only the decode-size kernel; a prefill multiplies by the de-quantized weight.
-        eight_bit_prefill = self.bits == 8 and not (int8_activations and rows.shape[0] <= SMALL_M)
-        if self._resolve_backend() == "reference" or eight_bit_prefill:
+        if self._resolve_backend() == "reference":
             return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+        if self.bits == 8 and not (int8_activations and rows.shape[0] <= SMALL_M):
+            return self._eight_bit_prefill(rows).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         absmax, table = self._kernel_state()
         rows = rows.float()
         out = kbit_linear(rows, self.packed, absmax, table, self.out_features, self.block_size, self.bias, self.backend,
@@ -176,6 +176,20 @@ class KbitLinear(nn.Module):
         if self.proxy_columns is not None:
             out.addmm_(rows[:, self.proxy_columns.long()], self.proxy_weight.float().T)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def _eight_bit_prefill(self, rows: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
+        """8-bit codes have only the decode-size kernel: a prefill multiplies by the de-quantized weight, a few
+        thousand output rows at a time (an 8-bit head de-quantized whole would be the peak memory: 671 MiB for
+        Gemma-3's 262144 x 640)."""
+        constants = self._kernel_state()[0].dense().reshape(self.out_features, -1)
+        codes = self.packed.reshape(self.out_features, -1, self.block_size)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        x = rows.float()
+        for first in range(0, self.out_features, rows_at_once):
+            last = min(first + rows_at_once, self.out_features)
+            weight = self.codebook.values[codes[first:last].long()] * constants[first:last, :, None]
+            out[:, first:last] = x @ weight.reshape(last - first, -1).T
+        return out.add_(self.bias) if self.bias is not None else out
 
     def extra_repr(self) -> str:
         blocks = "per-row" if self.per_row else f"block {self.block_size}"
@@ -199,3 +213,35 @@ class _FrozenKbitMatmul(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         weight = ctx.layer.dequantized_weight().to(grad_output.dtype)
         return grad_output @ weight, None
+
+
+class KbitEmbedding(nn.Module):
+    """The token embedding of a tied model whose head became a KbitLinear (`--head int8`): the rows looked up are
+    read from the head's codes and de-quantized, so the table is held once, in 8 bits, as llama.cpp's Q8_0
+    `token_embd` serves both too. `scale`: a scaled embedding's factor (Gemma: sqrt(hidden)); `dtype`: what the
+    model computes in."""
+
+    def __init__(self, head: KbitLinear, dtype: torch.dtype, scale: float | None = None):
+        super().__init__()
+        self._head = (head,)  # a reference, not a submodule: the codes are the head's buffers, stored once
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.dtype, self.scale = dtype, scale
+
+    @property
+    def head(self) -> KbitLinear:
+        return self._head[0]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The de-quantized float32 rows of `ids` (any shape), before the scale."""
+        head, flat = self.head, ids.reshape(-1)
+        constants = head._kernel_state()[0].dense().reshape(head.out_features, -1)
+        codes = head.packed.reshape(head.out_features, -1, head.block_size)[flat]
+        values = head.codebook.values[codes.long()] * constants[flat, :, None]
+        return values.reshape(*ids.shape, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.rows(ids)
+        return (out * self.scale if self.scale is not None else out).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, read from the output head's 8-bit codes"

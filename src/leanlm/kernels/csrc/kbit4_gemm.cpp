@@ -434,17 +434,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out_features"), py::arg("block"), py::arg("bits"), py::arg("isa"), py::arg("dq_scales") = py::none(),
         py::arg("dq_values") = py::none(), py::arg("dq_offset") = 0.0, py::arg("dq_group") = 256);
   py::class_<fused::Decoder>(m, "FusedDecoder")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, double, torch::Tensor,
-                    torch::Tensor>(),
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, torch::Tensor, double,
+                    torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
            py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"),
-           py::arg("attention_scale"), py::arg("inverse_frequencies"), py::arg("rope_scale"), py::arg("embedding"),
-           py::arg("final_norm"))
+           py::arg("attention_scale"), py::arg("activation"), py::arg("embedding"), py::arg("embedding_scale"),
+           py::arg("final_norm"), py::arg("embedding_absmax") = py::none(), py::arg("embedding_values") = py::none())
       .def("add_linear", &fused::Decoder::add_linear, py::arg("kind"), py::arg("weight"), py::arg("in_features"),
            py::arg("out_features"), py::arg("bias") = py::none(), py::arg("absmax") = py::none(),
            py::arg("table") = py::none(), py::arg("table_inverse") = 1.0, py::arg("block") = 0,
            py::arg("dq_scales") = py::none(), py::arg("dq_values") = py::none(), py::arg("dq_offset") = 0.0,
            py::arg("dq_group") = 256)
-      .def("add_layer", &fused::Decoder::add_layer)
+      .def("add_layer", &fused::Decoder::add_layer, py::arg("attention_norm"), py::arg("mlp_norm"), py::arg("q"),
+           py::arg("k"), py::arg("v"), py::arg("o"), py::arg("gate"), py::arg("up"), py::arg("down"),
+           py::arg("inverse_frequencies"), py::arg("rope_scale"), py::arg("window"),
+           py::arg("attention_output_norm") = py::none(), py::arg("mlp_output_norm") = py::none(),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
       .def("set_head", &fused::Decoder::set_head)
       .def("step", &fused::Decoder::step, py::arg("token"), py::arg("position"), py::arg("keys"), py::arg("values"));
   m.def("has_avx512_vnni", &cpu_has_avx512_vnni, "whether this CPU runs the AVX512-VNNI int8 kernel");
