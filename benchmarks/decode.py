@@ -7,7 +7,8 @@ alike); medians over the rounds. A round: greedy decode of --new-tokens tokens a
 --prefill-tokens tokens computing the last position's logits. leanlm decodes with a manual loop over
 transformers' forward and its DynamicCache (what `leanlm serve` runs), and in the "fused" rows through
 `leanlm.decoding.FusedDecoder` (the prompt through transformers, then one C++ call per token); llama.cpp through
-its Python bindings (`Llama.eval`, one token per call). The CPU, the load average before and after, and the threads are recorded.
+its Python bindings (`Llama.eval`, one token per call). The CPU, the load average before and after, and the threads
+are recorded. The leanlm rows also score --quality-tokens of WikiText-2 in one forward and token by token.
 Writes benchmarks/results/decode_<model>.json + .png.
 
     python benchmarks/decode.py                  # leanlm rows; llama.cpp rows where llama-cpp-python is installed

@@ -11,8 +11,9 @@ cache, after which every token is one call. The results are the eager path's: th
 bridge between the two.
 
 Supported: the families whose table says `fused_decode` (Llama, Mistral, Qwen2, Gemma 3), float linears,
-4-bit k-bit linears (NF4 / FP4 / int4, double-quantized or not) and 8-bit int ones, in blocks of a multiple of 64. Anything else
-gets None from `FusedDecoder.build`, with `fused_decoder_problem` saying why, and decodes through transformers.
+4-bit k-bit linears (NF4 / FP4 / int4, double-quantized or not) and 8-bit int ones, in blocks of a multiple of 64.
+Anything else gets None from `FusedDecoder.build`, with `fused_decoder_problem` saying why, and decodes through
+transformers.
 """
 
 from __future__ import annotations

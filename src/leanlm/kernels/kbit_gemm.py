@@ -69,7 +69,8 @@ def compiled_kernels():
             fcntl.flock(guard, fcntl.LOCK_EX)
             (directory / "lock").unlink(missing_ok=True)
             return cpp_extension.load(name="leanlm_kbit4", sources=[str(_SOURCE)], build_directory=str(directory),
-                                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"],
+                                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp",
+                                                    "-ffp-contract=off"],
                                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no headers: the reference path still works
         _log.warning("k-bit kernel could not be built (%s); using the reference path", str(error).splitlines()[0])

@@ -64,6 +64,22 @@ struct BlockConstants {
   }
 };
 
+// Walks one output row's block constants in order, as the int8 kernels read them (one per block, inside their
+// chunk loop, where the scalar work overlaps the vector work): the float32 array's own, or double-quantized
+// ones decoded as reached, rounded as `BlockConstants::row` rounds them.
+struct RowConstants {
+  const BlockConstants& c;
+  int64_t i, g = 0, group_end = 0;
+  RowConstants(const BlockConstants& constants, int64_t n) : c(constants), i(n * constants.per_row) {
+    if (c.direct == nullptr) g = i / c.group, group_end = (g + 1) * c.group;
+  }
+  float next() {
+    if (c.direct != nullptr) return c.direct[i++];
+    if (i == group_end) ++g, group_end += c.group;
+    return c.code_values[c.codes[i++]] * c.scales[g] + c.offset;
+  }
+};
+
 // 16 codes (8 packed bytes) -> two vectors of 8 floats, in order, through the 16-entry code book.
 inline void decode16(const uint8_t* bytes, __m256 low_table, __m256 high_table, __m256& first, __m256& second) {
   const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
