@@ -12,8 +12,8 @@ The permutation (int16 per input column) maps the solver's column order back. `b
 stored tensor. Three forward paths:
 - `reference` de-quantizes the whole weight (outliers included) and runs one matmul: the test oracle;
 - `dense_sparse` runs the de-quantized dense part, then adds the outliers' products;
-- `kernel` (4-bit codes) reuses the k-bit AVX2 kernel: a group's weights are scale * (q - 8) + offset
-  (offset = -scale * (zero - 8)), so y = kbit(x, codes, scale, table -8..7) + (per-block sums of x) @ offset^T, then
+- `kernel` (4-bit codes) reuses the k-bit AVX2 kernel: a group's weights are scale * q + offset
+  (offset = -scale * zero), so y = kbit(x, codes, scale, table 0..15) + (per-block sums of x) @ offset^T, then
   the outliers. The kernel's blocks must tile each row, and a row need not be a whole number of groups
   (SmolLM2's 576 columns in groups of 128 end on a group of 64), so it runs blocks of gcd(group, columns)
   columns, each with its group's scale and offset. The default wherever those blocks are a multiple of 16.
@@ -34,11 +34,7 @@ from leanlm.formats.packing import pack, packed_bytes, unpack
 from leanlm.kernels.kbit_gemm import avx2_available, kbit_linear, supports_fast_path
 
 SpQRBackend = Literal["reference", "dense_sparse", "kernel"]
-# The 4-bit codes as centred integers (code - 8), the offset absorbing the 8: the same product in float, and at
-# decode, where the kernel quantizes x to int8, the rounding of x no longer meets a code book that is all positive
-# (whose mean, 7.5, the offset then cancels: the error it leaves is that of a centred book, about 3x smaller).
-_CODE_CENTRE = 8
-_CENTRED_TABLE = torch.arange(16, dtype=torch.float32) - _CODE_CENTRE
+_IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 4-bit codes are the integers themselves
 
 
 class SpQRLinear(nn.Module):
@@ -178,10 +174,10 @@ class SpQRLinear(nn.Module):
         if self._kernel_inputs is None:  # each kernel block takes its group's scale and offset
             group_of_block = torch.arange(self.in_features // block) * block // self.group_size
             scale = self._statistic("scale")[:, group_of_block]
-            offset = -scale * (self._statistic("zero")[:, group_of_block] - _CODE_CENTRE)
+            offset = -scale * self._statistic("zero")[:, group_of_block]
             self._kernel_inputs = (scale.reshape(-1).contiguous(), offset.contiguous())
         scale, offset = self._kernel_inputs
-        out = kbit_linear(rows, self.codes, scale, _CENTRED_TABLE, self.out_features, block, self.bias, "avx2")
+        out = kbit_linear(rows, self.codes, scale, _IDENTITY_TABLE, self.out_features, block, self.bias, "avx2")
         block_sums = rows.reshape(rows.shape[0], -1, block).sum(dim=2)
         return out.addmm_(block_sums, offset.T)
 
