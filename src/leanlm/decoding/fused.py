@@ -107,7 +107,7 @@ class FusedDecoder:
         attention_norm, mlp_norm = (feed.norm for feed in table.norm_feeds)
         for index, block in enumerate(blocks):
             ids = [self._add_linear(block.get_submodule(path)) for path in table.quantizable_linears]
-            frequencies, rope_scale, window = _layer_rotary(model, table, index)
+            frequencies, rope_scale, window = _layer_rotary(model, table, index, block)
             optional = {}
             if table.output_norms:
                 optional["attention_output_norm"], optional["mlp_output_norm"] = (
@@ -166,10 +166,10 @@ class FusedDecoder:
         return logits
 
 
-def _layer_rotary(model: nn.Module, table, index: int) -> tuple[torch.Tensor, float, int]:
-    """(inverse frequencies, output scale, sliding window or 0) of block `index`'s rotary attention: Gemma 3 keeps
-    one set of frequencies per layer type (local and global layers), the others one for all; a window is the
-    attention module's own (Qwen2, Gemma 3: sliding layers only) or the config's (Mistral: every layer)."""
+def _layer_rotary(model: nn.Module, table, index: int, block: nn.Module) -> tuple[torch.Tensor, float, int]:
+    """(inverse frequencies, output scale, sliding window or 0) of `block` (number `index`)'s rotary attention:
+    Gemma 3 keeps one set of frequencies per layer type (local and global layers), the others one for all; a window
+    is the attention module's own (Qwen2, Gemma 3: sliding layers only) or the config's (Mistral: every layer)."""
     rotary = model.get_submodule(table.rotary_embedding)
     layer_types = getattr(model.config, "layer_types", None)
     kind = layer_types[index] if layer_types else None
@@ -177,7 +177,7 @@ def _layer_rotary(model: nn.Module, table, index: int) -> tuple[torch.Tensor, fl
         frequencies, scale = getattr(rotary, f"{kind}_inv_freq"), getattr(rotary, f"{kind}_attention_scaling")
     else:
         frequencies, scale = rotary.inv_freq, rotary.attention_scaling
-    attention = decoder_blocks(model, table)[index].get_submodule(table.attention_module)
+    attention = block.get_submodule(table.attention_module)
     window = (attention.sliding_window if hasattr(attention, "sliding_window")
               else getattr(model.config, "sliding_window", None))
     return frequencies.float(), float(scale), int(window or 0)

@@ -181,15 +181,19 @@ class KbitLinear(nn.Module):
         """8-bit codes have only the decode-size kernel: a prefill multiplies by the de-quantized weight, a few
         thousand output rows at a time (an 8-bit head de-quantized whole would be the peak memory: 671 MiB for
         Gemma-3's 262144 x 640)."""
-        constants = self._kernel_state()[0].dense().reshape(self.out_features, -1)
-        codes = self.packed.reshape(self.out_features, -1, self.block_size)
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         x = rows.float()
         for first in range(0, self.out_features, rows_at_once):
             last = min(first + rows_at_once, self.out_features)
-            weight = self.codebook.values[codes[first:last].long()] * constants[first:last, :, None]
-            out[:, first:last] = x @ weight.reshape(last - first, -1).T
+            out[:, first:last] = x @ self.eight_bit_rows(slice(first, last)).T
         return out.add_(self.bias) if self.bias is not None else out
+
+    def eight_bit_rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        """Output rows `index` of an 8-bit layer's weight, de-quantized (float32, (rows, in_features)): its codes
+        are one byte each, so rows are read without unpacking the whole weight."""
+        constants = self._kernel_state()[0].dense().reshape(self.out_features, -1)[index]
+        codes = self.packed.reshape(self.out_features, -1, self.block_size)[index]
+        return (self.codebook.values[codes.long()] * constants[:, :, None]).reshape(-1, self.in_features)
 
     def extra_repr(self) -> str:
         blocks = "per-row" if self.per_row else f"block {self.block_size}"
@@ -233,11 +237,7 @@ class KbitEmbedding(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The de-quantized float32 rows of `ids` (any shape), before the scale."""
-        head, flat = self.head, ids.reshape(-1)
-        constants = head._kernel_state()[0].dense().reshape(head.out_features, -1)
-        codes = head.packed.reshape(head.out_features, -1, head.block_size)[flat]
-        values = head.codebook.values[codes.long()] * constants[flat, :, None]
-        return values.reshape(*ids.shape, self.embedding_dim)
+        return self.head.eight_bit_rows(ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = self.rows(ids)
