@@ -13,6 +13,7 @@ Writes benchmarks/results/decode_<model>.json + .png.
 
     python benchmarks/decode.py                  # leanlm rows; llama.cpp rows where llama-cpp-python is installed
     python benchmarks/decode.py --report
+    python benchmarks/decode.py --tag xeon          # another CPU's run, kept beside the first
 """
 
 from __future__ import annotations
@@ -184,7 +185,10 @@ def systems(model: str, work: Path) -> dict[str, tuple[str, str]]:
               "NF4+DQ fused": (nf4, "float32", "fused", "float"),
               "NF4+DQ fused, BF16 head": (nf4, "auto", "fused", "float"),
               "NF4+DQ fused, int8 head": (nf4, "auto", "fused", "int8"),
-              "int8 blocks fused, int8 head": (int8, "auto", "fused", "int8")}
+              "int8 blocks fused, int8 head": (int8, "auto", "fused", "int8"),
+              "SmoothQuant O3 fused, int8 head": (work / "sq-o3", "auto", "fused", "int8"),
+              "LLM.int8() fused, int8 head": (work / "llm-int8", "auto", "fused", "int8"),
+              "GPTQ fused, int8 head": (work / "gptq", "auto", "fused", "int8")}
     rows = {f"leanlm {name}": ("leanlm", "|".join(map(str, spec))) for name, spec in leanlm.items()}
     if importlib.util.find_spec("llama_cpp") is not None:
         for name in ("F32", "Q8_0", "Q4_0"):
@@ -203,7 +207,8 @@ def prepare(model: str, work: Path, rows: dict[str, tuple[str, str]]) -> None:
     recipes = {"nf4": ["--method", "kbit", "--double-quant"],
                "int8": ["--method", "kbit", "--dtype", "int", "--bits", "8"],  # blocks of 64: Q8_0's kind
                "sq-o3": ["--method", "smoothquant", "--level", "O3", "--no-bmm", "--calib-samples", "64"],
-               "llm-int8": ["--method", "llm-int8"]}
+               "llm-int8": ["--method", "llm-int8"],
+               "gptq": ["--method", "gptq", "--calib-samples", "64"]}  # groups of 128, act-order
     for name, recipe in recipes.items():
         if not (work / name).exists() and any(spec.startswith(f"{work / name}|") for spec in specs):
             subprocess.run([sys.executable, "-m", "leanlm.cli.main", "quantize", model, *recipe, "--out",
@@ -260,7 +265,16 @@ def measure(model: str, work: Path, args) -> dict:
         for worker_ in workers.values():
             worker_.close()
     return {"rows": rows, "cpu": cpu_description(), "load_average_before": load_before,
-            "load_average_after": os.getloadavg()}
+            "load_average_after": os.getloadavg(), "llama_cpp_build": llama_cpp_build()}
+
+
+def llama_cpp_build() -> str | None:
+    """The instruction sets llama.cpp was built with (its own report), if its bindings are installed."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode().strip()
 
 
 def report(payload: dict) -> str:
@@ -279,6 +293,8 @@ def report(payload: dict) -> str:
               f"{row['prefill_tokens_per_second']:.0f}", f"{row['peak_rss_bytes'] / 2**20:,.0f}",
               perplexity(row, "prefill"), perplexity(row, "decode")]
              for name, row in run["rows"].items()]
+    if run.get("llama_cpp_build"):
+        head += f"; llama.cpp built with {run['llama_cpp_build']}"
     return head + "\n\n" + format_table(["system", "decode tokens/s", "ms per token", "prefill tokens/s",
                                          "peak RSS MiB", "ppl, one forward", "ppl, token by token"], table,
                                         markdown=True)
@@ -312,13 +328,15 @@ def main() -> None:
                              "all fit in memory at once)")
     parser.add_argument("--quality-tokens", type=int, default=512,
                         help="WikiText-2 tokens scored in one forward and token by token (leanlm rows)")
+    parser.add_argument("--tag", default=None,
+                        help="results in decode_<model>_<tag>.json, beside (not over) another machine's")
     parser.add_argument("--context", type=int, default=1024, help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-decode")
     args = parser.parse_args()
     if args.worker:
         return worker(*args.worker, args.context)
-    name = results_name("decode", args.model)
+    name = results_name("decode", args.model) + (f"_{args.tag}" if args.tag else "")
     if args.report:
         return print_report(name, report)
     study = Study(name, {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,

@@ -4,6 +4,10 @@ the window is forgotten, the attention sinks (the first tokens: the chat templat
 
 Each turn feeds only the text the chat template adds since the previous turn, in chunks no longer than the
 window, then decodes token by token, handing each new piece of text to a callback as soon as it is known.
+
+Where the model allows it (`leanlm.decoding.fused_decoder_problem`), the conversation runs through the fused C++
+decode step with its own sink cache: the first prompt is read by transformers' forward (a batched prefill), every
+later token, the later turns' included, by the fused step, one call per token.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Callable
 import torch
 
 from leanlm.errors import ConfigError
+from leanlm.decoding import FusedDecoder
 from leanlm.evaluation.tokens import encode
 from leanlm.methods.streaming import StreamingConfig, sink_cache
 from leanlm.settings import option
@@ -26,6 +31,8 @@ class ChatSettings:
     max_new_tokens: int = option(256, "tokens an answer may take at most")
     temperature: float = option(0.0, "sampling temperature; 0 = greedy")
     seed: int = option(0, "seed of the sampling")
+    fused: bool = option(True, "decode through leanlm's fused C++ step where the model allows it (else, and with "
+                               "--no-fused, through transformers' forward)", flag="--no-fused")
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -39,7 +46,8 @@ class StreamingChat:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ConfigError("this model's tokenizer has no chat template; `leanlm chat` needs an instruct model")
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
-        self.cache = sink_cache(model, settings.streaming)
+        self.fused = FusedDecoder.build(model, streaming=settings.streaming) if settings.fused else None
+        self.cache = sink_cache(model, settings.streaming) if self.fused is None else None
         self.messages: list[dict] = []
         self.fed_text = ""  # everything the cache has read so far, as text
         self.generator = torch.Generator().manual_seed(settings.seed)
@@ -80,6 +88,8 @@ class StreamingChat:
         """Read `ids` into the cache in chunks that fit the window; the last position's logits."""
         if not ids:
             raise ConfigError("the chat template produced no tokens for this turn")
+        if self.fused is not None:  # the first prompt as a batched prefill, the rest a token per call
+            return self.fused.prefill(ids) if self.fused.position == 0 else self.fused.read(ids)
         chunk = self.settings.streaming.window
         with torch.inference_mode():
             for start in range(0, len(ids), chunk):

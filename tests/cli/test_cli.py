@@ -151,7 +151,8 @@ def test_stream_writes_the_contract_keys_and_a_plot(tiny_llama_dir, tmp_path, ca
     assert "streaming" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("loading", [["--dtype", "float32"], ["--dtype", "bfloat16"], ["--head", "int8"]])
+@pytest.mark.parametrize("loading", [["--dtype", "float32"], ["--dtype", "bfloat16"], ["--head", "int8"],
+                                     ["--no-fused"]])
 def test_chat_reads_messages_from_stdin_and_outlives_its_cache(tiny_llama_dir, monkeypatch, capsys, loading):
     import io
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from leanlm.kernels.int8_gemm import fbgemm_available, int8_linear, pack_weight
+from leanlm.kernels.int8_gemm import fbgemm_available, int8_gemv, int8_linear, pack_weight, w8a8_kernel_isas
+from leanlm.nn.w8a8_linear import W8A8Linear
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="PyTorch has no fbgemm/x86 quantized engine here")
 
@@ -51,3 +52,44 @@ def test_the_packed_copy_gives_the_weight_back_exactly(zero_point):
 def test_unknown_backend_is_named():
     with pytest.raises(ValueError, match="unknown int8 backend 'cuda'"):
         int8_linear(torch.zeros(1, 2), torch.tensor(1.0), torch.zeros(1, 2, dtype=torch.int8), torch.ones(1), None, "cuda")
+
+
+needs_w8a8_kernel = pytest.mark.skipif(not w8a8_kernel_isas(), reason="leanlm's kernels cannot be built here")
+
+
+@needs_w8a8_kernel
+@pytest.mark.parametrize("k", [64, 576, 1000, 1536])  # 1000: a tail of 8 bytes after the vector loop
+@pytest.mark.parametrize("static", [False, True])
+def test_the_one_token_kernel_gives_the_eager_w8a8_product(k, static):
+    """Every ISA against the float64 oracle (full-range integers at unit scales: exact, the AVX2 sign trick's
+    saturation case included) and against fbgemm with real scales: the same floats bit for bit."""
+    torch.manual_seed(k)
+    weight = torch.randint(-127, 128, (96, k), dtype=torch.int8)
+    ones = torch.ones(96)
+    integers = torch.randint(-128, 128, (1, k)).float()
+    expected = int8_linear(integers, torch.tensor(1.0), weight, ones, None, "reference")
+    x = torch.randn(1, k) * 3
+    weight_scale = torch.rand(96) * 0.01 + 1e-3
+    bias = torch.randn(96)
+    x_scale = torch.tensor(0.02) if static else x.abs().amax() / 127  # static: values beyond the range clamp
+    eager = int8_linear(x.clone(), x_scale, None, None, bias, "fbgemm", pack_weight(weight, weight_scale))
+    for isa in w8a8_kernel_isas():
+        assert torch.equal(int8_gemv(integers, weight, ones, None, 1.0, isa=isa), expected), isa
+        out = int8_gemv(x, weight, weight_scale, bias, float(x_scale) if static else None, isa=isa)
+        assert torch.equal(out, eager), isa
+
+
+@needs_w8a8_kernel
+def test_the_one_token_kernel_runs_llm_int8s_outlier_columns_in_float():
+    """LLM.int8(): |x| >= threshold positions leave the int8 product (and its scale) and are multiplied in float by
+    their de-quantized weight column, as W8A8Linear's reference backend computes."""
+    torch.manual_seed(3)
+    x = torch.randn(1, 256)
+    x[0, [5, 77, 200]] = torch.tensor([9.0, -12.0, 7.5])
+    layer = W8A8Linear.from_float(torch.randn(64, 256), torch.randn(64), "per_channel", activation="per_token",
+                                  backend="reference", outlier_threshold=6.0)
+    expected = layer(x)
+    assert layer.decomposition_counts["outlier_dims"] == 3
+    for isa in w8a8_kernel_isas():
+        out = int8_gemv(x, layer.weight, layer.weight_scale, layer.bias, None, 6.0, isa=isa)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-5)

@@ -203,8 +203,9 @@ def command_chat(args) -> None:
     chat = StreamingChat(loaded.model, loaded.tokenizer, settings)
     interactive = sys.stdin.isatty()
     if interactive:
+        decoder = "leanlm's fused step" if chat.fused is not None else "transformers' forward"
         print(f"chatting with {args.model} in {loaded.dtype} (cache: {streaming.sinks} sinks + "
-              f"{streaming.window} recent tokens); Ctrl-D ends")
+              f"{streaming.window} recent tokens; decoding through {decoder}); Ctrl-D ends")
     while True:
         if interactive:
             print("you> ", end="", flush=True)

@@ -11,9 +11,17 @@ cache, after which every token is one call. The results are the eager path's: th
 bridge between the two.
 
 Supported: the families whose table says `fused_decode` (Llama, Mistral, Qwen2, Gemma 3), float linears,
-4-bit k-bit linears (NF4 / FP4 / int4, double-quantized or not) and 8-bit int ones, in blocks of a multiple of 64.
-Anything else gets None from `FusedDecoder.build`, with `fused_decoder_problem` saying why, and decodes through
-transformers.
+4-bit k-bit linears (NF4 / FP4 / int4, double-quantized or not) and 8-bit int ones, in blocks of a multiple of 64;
+W8A8 linears of every SmoothQuant level (static or dynamic scales, per-tensor / per-channel / per-group weights)
+and LLM.int8()'s outlier decomposition, with SmoothQuant's int8 attention matmuls where the model runs them;
+4-bit GPTQ / SpQR layers (act-order permutation, group offsets, quantized statistics, sparse outliers) whose kernel
+blocks are a multiple of 64. A W8A8 layer hands the step a plain int8 copy of its weight: fbgemm's packed copy,
+which transformers' prefill runs, stays too. Anything else gets None from `FusedDecoder.build`, with
+`fused_decoder_problem` saying why, and decodes through transformers.
+
+Caches: dense (a fixed capacity), or StreamingLLM's sink cache (`streaming`), which the step keeps as a ring that
+never moves a key (see `step` in fused_decode.inc), so a stream of any length decodes in bounded memory; a
+CushionCache prefix is read before the prompt in either. `leanlm chat` decodes through this step.
 """
 
 from __future__ import annotations
@@ -22,10 +30,16 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from leanlm.errors import ConfigError
+from leanlm.cache.prefix import attached_cushion, prefix_cache
+from leanlm.errors import ConfigError, LeanLMError
+from leanlm.formats.int8 import QMAX
 from leanlm.kernels.kbit_gemm import compiled_kernels, int8_kernel_table, supports_int8_activations
+from leanlm.methods.streaming import StreamingConfig, sink_cache
 from leanlm.models.architectures import architecture_for, decoder_blocks
+from leanlm.nn.attention import ATTENTION_NAME
 from leanlm.nn.kbit_linear import KbitEmbedding, KbitLinear
+from leanlm.nn.spqr_linear import IDENTITY_TABLE, SpQRLinear
+from leanlm.nn.w8a8_linear import W8A8Linear
 
 _FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 # The table's MLP kind -> (the C++ step's activation code, the config's activation name it implements)
@@ -43,13 +57,36 @@ def _linear_problem(name: str, module: nn.Module) -> str | None:
             return (f"{name}: {module.extra_repr()} (the fused step runs 4-bit codes and 8-bit int codes in blocks of "
                     "a multiple of 64, without proxy columns)")
         return None
+    if isinstance(module, SpQRLinear):
+        if module._resolve_backend() != "kernel" or not supports_int8_activations(module.kernel_block,
+                                                                                   module.in_features):
+            return (f"{name}: {module.extra_repr()} (the fused step runs 4-bit GPTQ / SpQR codes in kernel blocks of "
+                    f"a multiple of 64; these are {module.kernel_block} columns)")
+        return None
+    if isinstance(module, W8A8Linear):
+        if module.asymmetric:
+            return f"{name}: zero-point (asymmetric) int8, a baseline the fused step does not run"
+        if int(module.weight.min()) == -128:  # absmax quantization never writes it
+            return f"{name}: an int8 weight of -128, which the AVX2 kernel's sign trick cannot negate"
+        return None
     if type(module).__name__ in ("Linear", "GemvLinear") and module.weight.dtype in _FLOAT_KINDS:
         return None
-    return f"{name} is a {type(module).__name__}; the fused step runs float and 4-bit k-bit linears"
+    return f"{name} is a {type(module).__name__}; the fused step runs float, k-bit and W8A8 linears"
 
 
-def fused_decoder_problem(model: nn.Module) -> str | None:
-    """Why `model` cannot decode through the fused step, or None if it can."""
+def fused_decoder_problem(model: nn.Module, streaming: StreamingConfig | None = None) -> str | None:
+    """Why `model` cannot decode through the fused step (with StreamingLLM's cache if `streaming` is given), or
+    None if it can."""
+    if streaming is not None:
+        try:
+            sink_cache(model, streaming)  # the architecture and sizes the eager sink cache accepts
+        except LeanLMError as error:
+            return str(error)
+        table = architecture_for(model)
+        for index, block in enumerate(decoder_blocks(model, table)):
+            if _layer_rotary(model, table, index, block)[2] or _bmm_quantization(model, block, table):
+                return ("a sink cache in the fused step runs full-attention layers whose attention matmuls are "
+                        "float (not sliding windows, not SmoothQuant's int8 attention)")
     if compiled_kernels() is None:
         return "leanlm's CPU kernels are not available on this machine"
     table = architecture_for(model)
@@ -76,12 +113,21 @@ def fused_decoder_problem(model: nn.Module) -> str | None:
 
 
 class FusedDecoder:
-    """One sequence at a time: `prefill(ids)` then `step(token)` per new token; both return the last logits."""
+    """One sequence at a time: `prefill(ids)` then `step(token)` per new token (or `read(ids)`); each returns the
+    last logits. A model with a CushionCache prefix reads it first, as its eager forward does. With `streaming`,
+    the cache is StreamingLLM's (sinks + a window of recent tokens, any number of tokens in bounded memory:
+    `capacity` is then sinks + window + 1); without, a dense cache of `capacity` tokens."""
 
-    def __init__(self, model: nn.Module, capacity: int = 4096):
-        problem = fused_decoder_problem(model)
+    def __init__(self, model: nn.Module, capacity: int = 4096, streaming: StreamingConfig | None = None):
+        problem = fused_decoder_problem(model, streaming)
         if problem:
             raise ConfigError(f"this model cannot use the fused decode step: {problem}")
+        cushion = attached_cushion(model)
+        self.streaming, self.prefix = streaming, cushion.length if cushion is not None else 0
+        # the sink slots hold the cushion too (as `sink_cache` builds them)
+        self.sinks, self.window = (streaming.sinks + self.prefix, streaming.window) if streaming else (0, 0)
+        if streaming:
+            capacity = self.sinks + self.window + 1
         self.model, self.capacity = model, capacity
         table, config = architecture_for(model), model.config
         blocks = decoder_blocks(model, table)
@@ -117,7 +163,7 @@ class FusedDecoder:
                                                           for path in table.qk_norms)
             self._decoder.add_layer(self._norm(block.get_submodule(attention_norm)),
                                     self._norm(block.get_submodule(mlp_norm)), *ids, frequencies, rope_scale,
-                                    window, **optional)
+                                    window, **optional, **_bmm_quantization(model, block, table))
         self._decoder.set_head(self._add_linear(model.get_output_embeddings()))
         shape = (len(blocks), kv_heads, capacity, head_dim)
         self.keys, self.values = torch.zeros(shape), torch.zeros(shape)
@@ -128,11 +174,27 @@ class FusedDecoder:
         return module.weight.detach().float() + self._norm_offset
 
     @classmethod
-    def build(cls, model: nn.Module, capacity: int = 4096) -> "FusedDecoder | None":
-        return None if fused_decoder_problem(model) else cls(model, capacity)
+    def build(cls, model: nn.Module, capacity: int = 4096,
+              streaming: StreamingConfig | None = None) -> "FusedDecoder | None":
+        return None if fused_decoder_problem(model, streaming) else cls(model, capacity, streaming)
 
     def _add_linear(self, module: nn.Module) -> int:
         bias = None if module.bias is None else module.bias.detach()
+        if isinstance(module, W8A8Linear):  # a plain int8 copy beside fbgemm's packed one, which prefill runs
+            return self._decoder.add_w8a8_linear(module.weight.contiguous(), module.weight_scale, bias,
+                                                 float(module.input_scale) if module.static else 0.0,
+                                                 module.outlier_threshold or 0.0)
+        if isinstance(module, SpQRLinear):
+            scale, offset = module.kernel_constants()
+            values, inverse = int8_kernel_table(IDENTITY_TABLE, 4)
+            linear = self._decoder.add_linear(_KBIT_KINDS[4], module.codes, module.in_features, module.out_features,
+                                              bias, scale, values, inverse, module.kernel_block)
+            outliers = {}
+            if module.outlier_count:
+                outliers = {"outlier_row_offsets": module.outlier_row_offsets,
+                            "outlier_columns": module.outlier_columns, "outlier_values": module.outlier_values}
+            self._decoder.add_spqr_parts(linear, offset, module.permutation, **outliers)
+            return linear
         if not isinstance(module, KbitLinear):
             weight = module.weight.detach()
             return self._decoder.add_linear(_FLOAT_KINDS[weight.dtype], weight, module.in_features,
@@ -144,25 +206,41 @@ class FusedDecoder:
                                         module.block_size, **constants.kernel_arguments())
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
-        """Reads `ids` from the start of the sequence through transformers' forward; the last position's logits."""
-        if not 0 < len(ids) < self.capacity:
+        """Reads `ids` from the start of the sequence through transformers' forward (a batched prefill; in chunks of
+        the window with a sink cache, as `leanlm chat` reads), then hands its cache to the fused step; the last
+        position's logits."""
+        if not ids or (not self.streaming and self.prefix + len(ids) >= self.capacity):
             raise ConfigError(f"a prompt of {len(ids)} tokens does not fit a fused cache of {self.capacity}")
-        cache = DynamicCache()
+        cache = new_cache(self.model, self.streaming)
+        chunk = self.window or len(ids)
         with torch.inference_mode():
-            logits = self.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
-                                logits_to_keep=1).logits[0, -1].float()
+            for start in range(0, len(ids), chunk):
+                logits = self.model(input_ids=torch.tensor([ids[start : start + chunk]]), past_key_values=cache,
+                                    use_cache=True, logits_to_keep=1).logits[0, -1].float()
+        if self.streaming:
+            cache.settle()  # the eviction a sink cache defers to its next update
+        # Cache slot j holds the key rotated at position j: a ring slot's stream position, from here on.
+        length = cache.get_seq_length()
         for index, layer in enumerate(cache.layers):
-            self.keys[index, :, : len(ids)] = layer.keys[0].float()
-            self.values[index, :, : len(ids)] = layer.values[0].float()
-        self.position = len(ids)
+            self.keys[index, :, :length] = layer.keys[0].float()
+            self.values[index, :, :length] = layer.values[0].float()
+        self.position = length
         return logits
 
     def step(self, token: int) -> torch.Tensor:
         """The logits (vocab,) after reading `token` at the next position."""
-        if self.position >= self.capacity:
+        if not self.streaming and self.position >= self.capacity:
             raise ConfigError(f"the fused cache is full ({self.capacity} tokens)")
-        logits = self._decoder.step(int(token), self.position, self.keys, self.values)
+        logits = self._decoder.step(int(token), self.position, self.keys, self.values, self.sinks, self.window)
         self.position += 1
+        return logits
+
+    def read(self, ids: list[int]) -> torch.Tensor:
+        """`step` through `ids` (a chat turn after the first prompt); the last logits."""
+        if not ids:
+            raise ConfigError("nothing to read")
+        for token in ids:
+            logits = self.step(token)
         return logits
 
 
@@ -183,19 +261,50 @@ def _layer_rotary(model: nn.Module, table, index: int, block: nn.Module) -> tupl
     return frequencies.float(), float(scale), int(window or 0)
 
 
-def greedy_tokens(model: nn.Module, prompt: list[int], new_tokens: int, fused: bool) -> list[int]:
-    """Greedy decode of `new_tokens` tokens after `prompt`, through the fused step or transformers' forward."""
+_BMM_MODES = {"per_tensor": 1, "per_token": 2}
+
+
+def _bmm_quantization(model: nn.Module, block: nn.Module, table) -> dict:
+    """The C++ step's arguments for SmoothQuant's int8 attention matmuls in `block` (nn/attention.py), if the model
+    runs them: the mode, the static scales (as BmmQuantizer computes them) and whether probabilities are rounded."""
+    quantizer = getattr(block.get_submodule(table.attention_module), "bmm_quantizer", None)
+    if quantizer is None or model.config._attn_implementation != ATTENTION_NAME:
+        return {}
+    if not quantizer.static:
+        return {"bmm_mode": _BMM_MODES[quantizer.activation], "bmm_probabilities": quantizer.quantize_probs}
+    q, k, v = ((absmax / QMAX).clamp(min=1e-8).item() for absmax in
+               (quantizer.q_absmax, quantizer.k_absmax, quantizer.v_channel_absmax.amax()))
+    return {"bmm_mode": 3, "bmm_q_scale": q, "bmm_k_scale": k, "bmm_v_scale": v,
+            "bmm_probabilities": quantizer.quantize_probs}
+
+
+def new_cache(model: nn.Module, streaming: StreamingConfig | None = None):
+    """The cache transformers' forward decodes `model` with: StreamingLLM's, or a dense one that starts with the
+    model's CushionCache prefix, if it has one."""
+    if streaming is not None:
+        return sink_cache(model, streaming)
+    return prefix_cache(model, attached_cushion(model), 1) or DynamicCache()
+
+
+def greedy_tokens(model: nn.Module, prompt: list[int], new_tokens: int, fused: bool,
+                  streaming: StreamingConfig | None = None) -> list[int]:
+    """Greedy decode of `new_tokens` tokens after `prompt`, through the fused step or transformers' forward, with a
+    dense cache or StreamingLLM's (`streaming`)."""
     if fused:
-        decoder = FusedDecoder(model, capacity=len(prompt) + new_tokens)
+        cushion = attached_cushion(model)
+        capacity = (cushion.length if cushion is not None else 0) + len(prompt) + new_tokens + 1
+        decoder = FusedDecoder(model, capacity, streaming)
         logits, tokens = decoder.prefill(prompt), []
         for _ in range(new_tokens):
             tokens.append(int(logits.argmax()))
             logits = decoder.step(tokens[-1])
         return tokens
-    cache, tokens = DynamicCache(), []
+    cache, tokens = new_cache(model, streaming), []
+    chunk = streaming.window if streaming is not None else len(prompt)  # as the fused prefill reads
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True,
-                       logits_to_keep=1).logits[0, -1]
+        for start in range(0, len(prompt), chunk):
+            logits = model(input_ids=torch.tensor([prompt[start : start + chunk]]), past_key_values=cache,
+                           use_cache=True, logits_to_keep=1).logits[0, -1]
         for _ in range(new_tokens):
             tokens.append(int(logits.argmax()))
             logits = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1]

@@ -7,6 +7,9 @@ asymmetric ("zeropoint") baseline, which is per tensor.
 test oracle. `fbgemm` is PyTorch's quantized CPU backend (AVX2/AVX-512), many times faster than fp32 matmul
 here, where `torch._int_mm` falls back to a scalar loop: its op quantizes the input, runs the u8 x s8 GEMM and
 applies both scales and the bias in one call. The two agree to float32 rounding of the final scaling.
+
+`int8_gemv` is leanlm's own kernel for one token (`csrc/w8a8_gemv.inc`: AVX512-VNNI or AVX2), what the fused decode
+step runs: fbgemm's fixed cost per call is most of a decode-sized product. Its oracle is `reference` above.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from typing import Literal
 
 import torch
 
+from leanlm.errors import ConfigError
 from leanlm.formats.int8 import QMAX, QMIN
+from leanlm.kernels.kbit_gemm import compiled_kernels
 
 Backend = Literal["reference", "fbgemm"]
 
@@ -55,6 +60,33 @@ class PackedInt8Weight:
 
 
 _GEMM = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+
+
+W8A8_KERNEL_ISAS = {"avx512-vnni": 1, "avx2": 2}
+
+
+def w8a8_kernel_isas() -> list[str]:
+    """The W8A8 one-token kernels this machine runs."""
+    extension = compiled_kernels()
+    if extension is None:
+        return []
+    return (["avx512-vnni"] if extension.has_avx512_vnni() else []) + ["avx2"]
+
+
+def int8_gemv(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+              input_scale: float | None = None, outlier_threshold: float | None = None,
+              isa: str = "auto") -> torch.Tensor:
+    """One token x (1, K) float32 times the int8 weight (N, K): x quantized with the calibrated `input_scale`
+    (static) or its own absmax (dynamic: per token and per tensor are one scale here), LLM.int8()'s
+    |x| >= outlier_threshold positions multiplied in float. (1, N) float32, `int8_linear`'s result."""
+    extension = compiled_kernels()
+    if extension is None:
+        raise ConfigError("leanlm's CPU kernels are not available on this machine (see the warning logged)")
+    if isa != "auto" and isa not in W8A8_KERNEL_ISAS:
+        raise ConfigError(f"unknown W8A8 kernel {isa!r}; choose auto or one of {', '.join(W8A8_KERNEL_ISAS)}")
+    return extension.w8a8_gemv(x.float().contiguous(), weight_int8.contiguous(), weight_scale.float().contiguous(),
+                               bias, float(input_scale or 0.0), float(outlier_threshold or 0.0),
+                               W8A8_KERNEL_ISAS.get(isa, 0))
 
 
 def pack_weight(weight_int8: torch.Tensor, weight_scale: torch.Tensor, weight_zero_point: int = 0) -> PackedInt8Weight:

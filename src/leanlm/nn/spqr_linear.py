@@ -34,7 +34,7 @@ from leanlm.formats.packing import pack, packed_bytes, unpack
 from leanlm.kernels.kbit_gemm import avx2_available, kbit_linear, supports_fast_path
 
 SpQRBackend = Literal["reference", "dense_sparse", "kernel"]
-_IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 4-bit codes are the integers themselves
+IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 4-bit codes are the integers themselves
 
 
 class SpQRLinear(nn.Module):
@@ -167,17 +167,23 @@ class SpQRLinear(nn.Module):
             self.backend = "kernel" if fits and avx2_available() else "dense_sparse"
         return self.backend
 
-    def _dense_product(self, rows: torch.Tensor) -> torch.Tensor:
-        if self._resolve_backend() == "dense_sparse":
-            return nn.functional.linear(rows, self.dense_weight(), self.bias)
-        block = self.kernel_block
+    def kernel_constants(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the 4-bit kernel path reads beside the codes (built once): one scale per kernel block, flat
+        (rows * blocks,), and each block's offset -scale * zero (rows, blocks); the code book is 0..15."""
         if self._kernel_inputs is None:  # each kernel block takes its group's scale and offset
+            block = self.kernel_block
             group_of_block = torch.arange(self.in_features // block) * block // self.group_size
             scale = self._statistic("scale")[:, group_of_block]
             offset = -scale * self._statistic("zero")[:, group_of_block]
             self._kernel_inputs = (scale.reshape(-1).contiguous(), offset.contiguous())
-        scale, offset = self._kernel_inputs
-        out = kbit_linear(rows, self.codes, scale, _IDENTITY_TABLE, self.out_features, block, self.bias, "avx2")
+        return self._kernel_inputs
+
+    def _dense_product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._resolve_backend() == "dense_sparse":
+            return nn.functional.linear(rows, self.dense_weight(), self.bias)
+        block = self.kernel_block
+        scale, offset = self.kernel_constants()
+        out = kbit_linear(rows, self.codes, scale, IDENTITY_TABLE, self.out_features, block, self.bias, "avx2")
         block_sums = rows.reshape(rows.shape[0], -1, block).sum(dim=2)
         return out.addmm_(block_sums, offset.T)
 

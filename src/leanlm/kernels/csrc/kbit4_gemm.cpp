@@ -232,6 +232,7 @@ struct Ops {
 
 #include "float_gemv.inc"
 #include "kbit4_int8.inc"
+#include "w8a8_gemv.inc"
 
 bool cpu_has_avx512() {
   __builtin_cpu_init();
@@ -449,6 +450,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("absmax"), py::arg("table"), py::arg("table_inverse"),
         py::arg("out_features"), py::arg("block"), py::arg("bits"), py::arg("isa"), py::arg("dq_scales") = py::none(),
         py::arg("dq_values") = py::none(), py::arg("dq_offset") = 0.0, py::arg("dq_group") = 256);
+  m.def("w8a8_gemv", &w8a8_gemv, "int8 weight x one int8-quantized token (SmoothQuant W8A8, LLM.int8())", py::arg("x"),
+        py::arg("weight"), py::arg("weight_scale"), py::arg("bias") = py::none(), py::arg("input_scale") = 0.0,
+        py::arg("outlier_threshold") = 0.0, py::arg("isa") = 0);
   py::class_<fused::Decoder>(m, "FusedDecoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, torch::Tensor, double,
                     torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
@@ -464,9 +468,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("k"), py::arg("v"), py::arg("o"), py::arg("gate"), py::arg("up"), py::arg("down"),
            py::arg("inverse_frequencies"), py::arg("rope_scale"), py::arg("window"),
            py::arg("attention_output_norm") = py::none(), py::arg("mlp_output_norm") = py::none(),
-           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("bmm_mode") = 0,
+           py::arg("bmm_q_scale") = 0.0, py::arg("bmm_k_scale") = 0.0, py::arg("bmm_v_scale") = 0.0,
+           py::arg("bmm_probabilities") = false)
+      .def("add_w8a8_linear", &fused::Decoder::add_w8a8_linear, py::arg("weight"), py::arg("weight_scale"),
+           py::arg("bias") = py::none(), py::arg("input_scale") = 0.0, py::arg("outlier_threshold") = 0.0)
+      .def("add_spqr_parts", &fused::Decoder::add_spqr_parts, py::arg("id"), py::arg("block_offsets"),
+           py::arg("permutation") = py::none(), py::arg("outlier_row_offsets") = py::none(),
+           py::arg("outlier_columns") = py::none(), py::arg("outlier_values") = py::none())
       .def("set_head", &fused::Decoder::set_head)
-      .def("step", &fused::Decoder::step, py::arg("token"), py::arg("position"), py::arg("keys"), py::arg("values"));
+      .def("step", &fused::Decoder::step, py::arg("token"), py::arg("position"), py::arg("keys"), py::arg("values"),
+           py::arg("sinks") = 0, py::arg("window") = 0);
   m.def("has_avx512_vnni", &cpu_has_avx512_vnni, "whether this CPU runs the AVX512-VNNI int8 kernel");
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernel");
   m.def("dequantize_rows", &dequantize_rows, "4-bit weights of out.size(0) output rows from first_row into out (AVX2)",
