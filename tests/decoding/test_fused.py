@@ -285,3 +285,20 @@ def test_a_chat_through_the_fused_step_answers_as_through_transformers(smollm2_t
     assert len(set("".join(replies[True]))) > 8  # words, not one token over and over
     rendered = smollm2_tokenizer.apply_chat_template(chat.messages, tokenize=False)
     assert len(smollm2_tokenizer(rendered)["input_ids"]) > chat.settings.streaming.cache_size  # outgrew the cache
+
+
+@needs_kernels
+def test_indices_read_from_a_checkpoint_are_bounds_checked_before_the_step_reads_them():
+    """A GPTQ / SpQR layer's permutation and outlier columns come from the file; the C++ step reads them without
+    bounds checks per token, so one pointing outside the layer is refused when the decoder is built."""
+    from leanlm.nn.spqr_linear import SpQRLinear
+
+    model = _model("llama", "spqr")
+    layer = next(module for module in model.modules() if isinstance(module, SpQRLinear) and module.outlier_count)
+    columns, permutation = layer.outlier_columns.clone(), layer.permutation.clone()  # the loaded, corrupted
+    layer.outlier_columns = columns.index_fill(0, torch.tensor([0]), layer.in_features)
+    with pytest.raises(RuntimeError, match="outside the layer"):
+        FusedDecoder(model)
+    layer.outlier_columns, layer.permutation = columns, permutation.index_fill(0, torch.tensor([0]), -1)
+    with pytest.raises(RuntimeError, match="each an input column"):
+        FusedDecoder(model)
