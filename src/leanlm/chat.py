@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from leanlm.errors import ConfigError
-from leanlm.decoding import FusedDecoder
+from leanlm.decoding import FusedDecoder, read_in_chunks
 from leanlm.evaluation.tokens import encode
 from leanlm.methods.streaming import StreamingConfig, sink_cache
 from leanlm.settings import option
@@ -90,13 +90,7 @@ class StreamingChat:
             raise ConfigError("the chat template produced no tokens for this turn")
         if self.fused is not None:  # the first prompt as a batched prefill, the rest a token per call
             return self.fused.prefill(ids) if self.fused.position == 0 else self.fused.read(ids)
-        chunk = self.settings.streaming.window
-        with torch.inference_mode():
-            for start in range(0, len(ids), chunk):
-                piece = torch.tensor([ids[start : start + chunk]])
-                logits = self.model(input_ids=piece, past_key_values=self.cache, use_cache=True,
-                                    logits_to_keep=1).logits
-        return logits[0, -1]
+        return read_in_chunks(self.model, self.cache, ids, self.settings.streaming.window)
 
     def _pick(self, logits: torch.Tensor) -> int:
         return sample_token(logits, self.settings.temperature, 1.0, self.generator)

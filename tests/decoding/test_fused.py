@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from leanlm.cache.prefix import Cushion, attach_cushion
-from leanlm.decoding import FusedDecoder, fused_decoder_problem, greedy_tokens, new_cache
+from leanlm.decoding import FusedDecoder, fused_decoder_problem, greedy_tokens, new_cache, read_in_chunks
 from leanlm.errors import ConfigError
 from leanlm.kernels.kbit_gemm import avx2_available
 from leanlm.methods import (GPTQConfig, KbitConfig, LLMInt8Config, SmoothQuantConfig, SpQRConfig, W8A8Config,
@@ -198,10 +198,8 @@ def _eager_stream_logits(model, prompt, tokens, streaming):
     """transformers' forward with `new_cache(model, streaming)`: the prompt in chunks of the window, then one token
     at a time (what `leanlm chat` runs)."""
     cache, steps = new_cache(model, streaming), []
-    chunk = streaming.window if streaming is not None else len(prompt)
+    read_in_chunks(model, cache, prompt, streaming.window if streaming is not None else len(prompt))
     with torch.inference_mode():
-        for start in range(0, len(prompt), chunk):
-            model(input_ids=torch.tensor([prompt[start : start + chunk]]), past_key_values=cache, use_cache=True)
         for token in tokens:
             steps.append(model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1])
     return torch.stack(steps).float()

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from leanlm.kernels.int8_gemm import fbgemm_available, int8_gemv, int8_linear, pack_weight, w8a8_kernel_isas
+from leanlm.kernels.int8_gemm import fbgemm_available, int8_gemv, int8_linear, pack_weight
+from leanlm.kernels.kbit_gemm import int8_kernel_isas
 from leanlm.nn.w8a8_linear import W8A8Linear
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="PyTorch has no fbgemm/x86 quantized engine here")
@@ -54,7 +55,7 @@ def test_unknown_backend_is_named():
         int8_linear(torch.zeros(1, 2), torch.tensor(1.0), torch.zeros(1, 2, dtype=torch.int8), torch.ones(1), None, "cuda")
 
 
-needs_w8a8_kernel = pytest.mark.skipif(not w8a8_kernel_isas(), reason="leanlm's kernels cannot be built here")
+needs_w8a8_kernel = pytest.mark.skipif(not int8_kernel_isas(), reason="leanlm's kernels cannot be built here")
 
 
 @needs_w8a8_kernel
@@ -73,7 +74,7 @@ def test_the_one_token_kernel_gives_the_eager_w8a8_product(k, static):
     bias = torch.randn(96)
     x_scale = torch.tensor(0.02) if static else x.abs().amax() / 127  # static: values beyond the range clamp
     eager = int8_linear(x.clone(), x_scale, None, None, bias, "fbgemm", pack_weight(weight, weight_scale))
-    for isa in w8a8_kernel_isas():
+    for isa in int8_kernel_isas():
         assert torch.equal(int8_gemv(integers, weight, ones, None, 1.0, isa=isa), expected), isa
         out = int8_gemv(x, weight, weight_scale, bias, float(x_scale) if static else None, isa=isa)
         assert torch.equal(out, eager), isa
@@ -90,6 +91,6 @@ def test_the_one_token_kernel_runs_llm_int8s_outlier_columns_in_float():
                                   backend="reference", outlier_threshold=6.0)
     expected = layer(x)
     assert layer.decomposition_counts["outlier_dims"] == 3
-    for isa in w8a8_kernel_isas():
+    for isa in int8_kernel_isas():
         out = int8_gemv(x, layer.weight, layer.weight_scale, layer.bias, None, 6.0, isa=isa)
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-5)

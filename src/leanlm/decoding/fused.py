@@ -32,7 +32,6 @@ from transformers import DynamicCache
 
 from leanlm.cache.prefix import attached_cushion, prefix_cache
 from leanlm.errors import ConfigError, LeanLMError
-from leanlm.formats.int8 import QMAX
 from leanlm.kernels.kbit_gemm import compiled_kernels, int8_kernel_table, supports_int8_activations
 from leanlm.methods.streaming import StreamingConfig, sink_cache
 from leanlm.models.architectures import architecture_for, decoder_blocks
@@ -212,11 +211,7 @@ class FusedDecoder:
         if not ids or (not self.streaming and self.prefix + len(ids) >= self.capacity):
             raise ConfigError(f"a prompt of {len(ids)} tokens does not fit a fused cache of {self.capacity}")
         cache = new_cache(self.model, self.streaming)
-        chunk = self.window or len(ids)
-        with torch.inference_mode():
-            for start in range(0, len(ids), chunk):
-                logits = self.model(input_ids=torch.tensor([ids[start : start + chunk]]), past_key_values=cache,
-                                    use_cache=True, logits_to_keep=1).logits[0, -1].float()
+        logits = read_in_chunks(self.model, cache, ids, self.window or len(ids)).float()
         if self.streaming:
             cache.settle()  # the eviction a sink cache defers to its next update
         # Cache slot j holds the key rotated at position j: a ring slot's stream position, from here on.
@@ -272,10 +267,8 @@ def _bmm_quantization(model: nn.Module, block: nn.Module, table) -> dict:
         return {}
     if not quantizer.static:
         return {"bmm_mode": _BMM_MODES[quantizer.activation], "bmm_probabilities": quantizer.quantize_probs}
-    q, k, v = ((absmax / QMAX).clamp(min=1e-8).item() for absmax in
-               (quantizer.q_absmax, quantizer.k_absmax, quantizer.v_channel_absmax.amax()))
-    return {"bmm_mode": 3, "bmm_q_scale": q, "bmm_k_scale": k, "bmm_v_scale": v,
-            "bmm_probabilities": quantizer.quantize_probs}
+    scales = {f"bmm_{which}_scale": scale.item() for which, scale in quantizer.static_scales().items()}
+    return {"bmm_mode": 3, **scales, "bmm_probabilities": quantizer.quantize_probs}
 
 
 def new_cache(model: nn.Module, streaming: StreamingConfig | None = None):
@@ -284,6 +277,16 @@ def new_cache(model: nn.Module, streaming: StreamingConfig | None = None):
     if streaming is not None:
         return sink_cache(model, streaming)
     return prefix_cache(model, attached_cushion(model), 1) or DynamicCache()
+
+
+def read_in_chunks(model: nn.Module, cache, ids: list[int], chunk: int) -> torch.Tensor:
+    """`ids` through transformers' forward into `cache`, `chunk` tokens per forward (a sink cache's window, so that
+    no forward reads more than the cache keeps); the last position's logits."""
+    with torch.inference_mode():
+        for start in range(0, len(ids), chunk):
+            logits = model(input_ids=torch.tensor([ids[start : start + chunk]]), past_key_values=cache,
+                           use_cache=True, logits_to_keep=1).logits[0, -1]
+    return logits
 
 
 def greedy_tokens(model: nn.Module, prompt: list[int], new_tokens: int, fused: bool,
@@ -300,11 +303,8 @@ def greedy_tokens(model: nn.Module, prompt: list[int], new_tokens: int, fused: b
             logits = decoder.step(tokens[-1])
         return tokens
     cache, tokens = new_cache(model, streaming), []
-    chunk = streaming.window if streaming is not None else len(prompt)  # as the fused prefill reads
+    logits = read_in_chunks(model, cache, prompt, streaming.window if streaming is not None else len(prompt))
     with torch.inference_mode():
-        for start in range(0, len(prompt), chunk):
-            logits = model(input_ids=torch.tensor([prompt[start : start + chunk]]), past_key_values=cache,
-                           use_cache=True, logits_to_keep=1).logits[0, -1]
         for _ in range(new_tokens):
             tokens.append(int(logits.argmax()))
             logits = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1]

@@ -22,7 +22,7 @@ import torch
 
 from leanlm.errors import ConfigError
 from leanlm.formats.int8 import QMAX, QMIN
-from leanlm.kernels.kbit_gemm import compiled_kernels
+from leanlm.kernels.kbit_gemm import INT8_ISA_CODES, compiled_kernels
 
 Backend = Literal["reference", "fbgemm"]
 
@@ -62,31 +62,21 @@ class PackedInt8Weight:
 _GEMM = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
 
 
-W8A8_KERNEL_ISAS = {"avx512-vnni": 1, "avx2": 2}
-
-
-def w8a8_kernel_isas() -> list[str]:
-    """The W8A8 one-token kernels this machine runs."""
-    extension = compiled_kernels()
-    if extension is None:
-        return []
-    return (["avx512-vnni"] if extension.has_avx512_vnni() else []) + ["avx2"]
-
-
 def int8_gemv(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
               input_scale: float | None = None, outlier_threshold: float | None = None,
               isa: str = "auto") -> torch.Tensor:
     """One token x (1, K) float32 times the int8 weight (N, K): x quantized with the calibrated `input_scale`
     (static) or its own absmax (dynamic: per token and per tensor are one scale here), LLM.int8()'s
-    |x| >= outlier_threshold positions multiplied in float. (1, N) float32, `int8_linear`'s result."""
+    |x| >= outlier_threshold positions multiplied in float. (1, N) float32, `int8_linear`'s result. `isa`: auto or
+    one of `int8_kernel_isas()` (the k-bit int8 kernels' instruction sets, which this kernel shares)."""
     extension = compiled_kernels()
     if extension is None:
         raise ConfigError("leanlm's CPU kernels are not available on this machine (see the warning logged)")
-    if isa != "auto" and isa not in W8A8_KERNEL_ISAS:
-        raise ConfigError(f"unknown W8A8 kernel {isa!r}; choose auto or one of {', '.join(W8A8_KERNEL_ISAS)}")
+    if isa != "auto" and isa not in INT8_ISA_CODES:
+        raise ConfigError(f"unknown W8A8 kernel {isa!r}; choose auto or one of {', '.join(INT8_ISA_CODES)}")
     return extension.w8a8_gemv(x.float().contiguous(), weight_int8.contiguous(), weight_scale.float().contiguous(),
                                bias, float(input_scale or 0.0), float(outlier_threshold or 0.0),
-                               W8A8_KERNEL_ISAS.get(isa, 0))
+                               INT8_ISA_CODES.get(isa, 0))
 
 
 def pack_weight(weight_int8: torch.Tensor, weight_scale: torch.Tensor, weight_zero_point: int = 0) -> PackedInt8Weight:

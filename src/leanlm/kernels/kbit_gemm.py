@@ -33,7 +33,7 @@ KbitBackend = Literal["reference", "avx2"]
 # keep x in float32; the int8 ones quantize x (llama.cpp's Q8_0 way) and, when named, serve every M.
 KernelIsa = Literal["auto", "avx512", "avx2", "in-order", "avx512-vnni-int8", "avx2-int8"]
 _ISA_CODES = {"auto": 0, "avx512": 1, "avx2": 2, "in-order": 3}
-_INT8_ISA_CODES = {"avx512-vnni-int8": 1, "avx2-int8": 2}
+INT8_ISA_CODES = {"avx512-vnni-int8": 1, "avx2-int8": 2}
 INT8_CHUNK = 64  # activations are quantized per chunk of this many values; the int8 kernel's blocks are multiples
 SMALL_M = 16  # up to this many rows the register-decoding GEMV wins; above, decode tiles + SGEMM
 TILE_ROWS = 512  # output rows decoded at once on the large-M path (TILE_ROWS x K float32 of scratch)
@@ -229,20 +229,20 @@ def kbit_linear(
         return torch.nn.functional.linear(x, weight, bias)
     if backend != "avx2":
         raise ValueError(f"unknown k-bit backend {backend!r}; choose reference or avx2")
-    if isa not in _ISA_CODES and isa not in _INT8_ISA_CODES:
-        raise ConfigError(f"unknown k-bit kernel {isa!r}; choose one of {', '.join([*_ISA_CODES, *_INT8_ISA_CODES])}")
+    if isa not in _ISA_CODES and isa not in INT8_ISA_CODES:
+        raise ConfigError(f"unknown k-bit kernel {isa!r}; choose one of {', '.join([*_ISA_CODES, *INT8_ISA_CODES])}")
     extension = compiled_kernels()
     if extension is None:
         raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
     x = x.contiguous()
-    int8 = isa in _INT8_ISA_CODES or (isa == "auto" and int8_activations and x.shape[0] <= SMALL_M
+    int8 = isa in INT8_ISA_CODES or (isa == "auto" and int8_activations and x.shape[0] <= SMALL_M
                                         and supports_int8_activations(block_size, in_features))
     if bits == 8 and not int8:
         raise ConfigError("8-bit codes run the int8 kernel only (isa auto at decode sizes, or an int8 kernel named)")
     if int8:
         values, inverse = int8_kernel_table(table, bits)
         out = extension.kbit_gemv_int8(x, packed, constants.absmax, values, inverse, out_features, block_size, bits,
-                                       _INT8_ISA_CODES.get(isa, 0), **constants.kernel_arguments())
+                                       INT8_ISA_CODES.get(isa, 0), **constants.kernel_arguments())
     elif x.shape[0] <= SMALL_M:
         out = extension.kbit4_gemv(x, packed, constants.absmax, table, out_features, block_size, _ISA_CODES[isa],
                                    **constants.kernel_arguments())

@@ -56,10 +56,14 @@ class BmmQuantizer(nn.Module):
             self.v_channel_absmax = torch.zeros_like(per_channel)
         self.v_channel_absmax = torch.maximum(self.v_channel_absmax, per_channel)
 
+    def static_scales(self) -> dict[str, torch.Tensor]:
+        """The calibrated scales of q, k and v (one each, per tensor)."""
+        absmax = {"q": self.q_absmax, "k": self.k_absmax, "v": self.v_channel_absmax.amax()}
+        return {which: (value / QMAX).clamp(min=1e-8) for which, value in absmax.items()}
+
     def quantize(self, tensor: torch.Tensor, which: str) -> torch.Tensor:
         if self.static:
-            absmax = {"q": self.q_absmax, "k": self.k_absmax, "v": self.v_channel_absmax.amax()}[which]
-            return fake_quantize(tensor, (absmax / QMAX).clamp(min=1e-8))
+            return fake_quantize(tensor, self.static_scales()[which])
         if which == "v":  # v's token dimension is the inner one of P.V: it cannot carry a per-token scale
             return fake_quantize(tensor, absmax_scale(tensor))
         return fake_quantize(tensor, activation_scale(tensor, self.activation))

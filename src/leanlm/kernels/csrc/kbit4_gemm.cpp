@@ -376,6 +376,35 @@ torch::Tensor kbit_gemv_int8(torch::Tensor x, torch::Tensor packed, torch::Tenso
   return out;
 }
 
+// The W8A8 linear on one token x (1, K) float32: `input_scale` > 0 static, else dynamic; `outlier_threshold` > 0 is
+// LLM.int8(). One row only: with more, the eager path's per-tensor scale and outlier columns span all rows.
+torch::Tensor w8a8_gemv(torch::Tensor x, torch::Tensor weight, torch::Tensor weight_scale,
+                        c10::optional<torch::Tensor> bias, double input_scale, double outlier_threshold,
+                        int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "x: one contiguous float32 row (1, K)");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kInt8 && weight.is_contiguous() &&
+                  weight.size(1) == x.size(1), "weight: contiguous int8 (N, K)");
+  TORCH_CHECK(weight_scale.scalar_type() == torch::kFloat && weight_scale.numel() == weight.size(0) &&
+                  weight_scale.is_contiguous(), "weight_scale: float32, one per output row");
+  if (isa == kAuto) isa = cpu_has_avx512_vnni() ? kAvx512 : kAvx2;
+  TORCH_CHECK(isa == kAvx512 || isa == kAvx2, "the W8A8 kernel runs avx512-vnni or avx2, got ", isa);
+  TORCH_CHECK(isa != kAvx512 || cpu_has_avx512_vnni(), "this CPU has no AVX512-VNNI");
+  const int64_t K = x.size(1), N = weight.size(0);
+  w8a8::Quantization how;
+  how.static_scale = static_cast<float>(input_scale);
+  how.outlier_threshold = static_cast<float>(outlier_threshold);
+  w8a8::QuantizedRow quantized;
+  quantized.quantize(x.data_ptr<float>(), K, how);
+  auto out = torch::empty({1, N}, x.options());
+  at::parallel_for(0, N, 16, [&](int64_t first, int64_t last) {
+    w8a8::gemv_rows(isa == kAvx512, quantized, x.data_ptr<float>(), weight.data_ptr<int8_t>(),
+                    weight_scale.data_ptr<float>(), K, out.data_ptr<float>(), first, last);
+  });
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
 void dequantize_rows(torch::Tensor packed, torch::Tensor absmax, torch::Tensor table, int64_t block,
                      int64_t first_row, torch::Tensor out, c10::optional<torch::Tensor> dq_scales,
                      c10::optional<torch::Tensor> dq_values, double dq_offset, int64_t dq_group) {
