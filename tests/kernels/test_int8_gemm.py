@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from leanlm.errors import ConfigError
 from leanlm.kernels.int8_gemm import fbgemm_available, int8_gemv, int8_linear, pack_weight
 from leanlm.kernels.kbit_gemm import int8_kernel_isas
 from leanlm.nn.w8a8_linear import W8A8Linear
@@ -94,3 +95,9 @@ def test_the_one_token_kernel_runs_llm_int8s_outlier_columns_in_float():
     for isa in int8_kernel_isas():
         out = int8_gemv(x, layer.weight, layer.weight_scale, layer.bias, None, 6.0, isa=isa)
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-5)
+
+
+@needs_w8a8_kernel
+def test_the_one_token_kernel_names_an_unknown_instruction_set():
+    with pytest.raises(ConfigError, match="unknown W8A8 kernel 'avx9'; choose auto or one of avx512-vnni-int8"):
+        int8_gemv(torch.randn(1, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8), None, isa="avx9")
