@@ -5,7 +5,7 @@ round by round in a rotated order (interleaved rounds, so that a slow spell of t
 alike); medians over the rounds. A round: greedy decode of --new-tokens tokens after a --prompt-tokens prompt
 (every token fed back, end-of-sequence ignored, so every system decodes the same count), then one prefill of
 --prefill-tokens tokens computing the last position's logits. leanlm decodes with a manual loop over
-transformers' forward and its DynamicCache (what `leanlm serve` runs), and in the "fused" rows through
+transformers' forward and its DynamicCache (what `leanlm serve --no-fused` runs), and in the "fused" rows through
 `leanlm.decoding.FusedDecoder` (the prompt through transformers, then one C++ call per token); llama.cpp through
 its Python bindings (`Llama.eval`, one token per call). The CPU, the load average before and after, and the threads
 are recorded. The leanlm rows also score --quality-tokens of WikiText-2 in one forward and token by token.
@@ -42,7 +42,7 @@ from leanlm.report import format_table, save_figure  # noqa: E402
 # ---- the worker side: one system, commands on stdin, one JSON line per answer on stdout ----
 
 class LeanlmSystem:
-    """`load_any(source, dtype, head)`, decoded through transformers' eager forward (what `leanlm serve` runs) or
+    """`load_any(source, dtype, head)`, decoded through transformers' eager forward (what `leanlm serve --no-fused` runs) or
     leanlm's fused C++ step (`decoder`: eager | fused)."""
 
     def __init__(self, source: str, dtype: str, decoder: str, head: str, context: int):
@@ -318,7 +318,7 @@ def plot(payload: dict, path) -> None:
 
 
 def main() -> None:
-    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), tag=True)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=512)
@@ -328,15 +328,13 @@ def main() -> None:
                              "all fit in memory at once)")
     parser.add_argument("--quality-tokens", type=int, default=512,
                         help="WikiText-2 tokens scored in one forward and token by token (leanlm rows)")
-    parser.add_argument("--tag", default=None,
-                        help="results in decode_<model>_<tag>.json, beside (not over) another machine's")
     parser.add_argument("--context", type=int, default=1024, help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-decode")
     args = parser.parse_args()
     if args.worker:
         return worker(*args.worker, args.context)
-    name = results_name("decode", args.model) + (f"_{args.tag}" if args.tag else "")
+    name = results_name("decode", args.model, args.tag)
     if args.report:
         return print_report(name, report)
     study = Study(name, {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,

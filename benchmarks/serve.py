@@ -8,7 +8,11 @@ read per turn and the server's resident memory, turn by turn. Writes benchmarks/
 
     python benchmarks/serve.py                         # leanlm FP32 / NF4 + DQ / SmoothQuant O3
     pip install -c constraints.txt -e ".[llama]"       # adds llama.cpp's server rows (compiles llama.cpp)
+    python benchmarks/serve.py --tag xeon-amx          # another CPU's run, kept beside the first
     python benchmarks/serve.py --report
+
+leanlm's servers generate through its fused decode step (the default); the "transformers" row runs `--no-fused`
+(every request's token batched through transformers' forward) for comparison.
 
 Bounded: every request has max_tokens (--tokens), every client count runs its clients once, every server is
 stopped at the end of its row; nothing listens beyond 127.0.0.1.
@@ -196,7 +200,9 @@ def systems(args, work: Path) -> dict[str, list[str] | None]:
     rows: dict[str, list[str] | None] = {
         "leanlm FP32": [*leanlm, args.model, *window],
         "leanlm NF4+DQ": [*leanlm, str(work / "nf4"), *window],
+        "leanlm NF4+DQ, int8 head": [*leanlm, str(work / "nf4"), *window, "--head", "int8"],
         "leanlm SmoothQuant O3": [*leanlm, str(work / "sq-o3"), *window],
+        "leanlm NF4+DQ, transformers": [*leanlm, str(work / "nf4"), *window, "--no-fused"],
     }
     have_llama = all(importlib.util.find_spec(name) is not None
                      for name in ("llama_cpp", "starlette_context", "pydantic_settings", "sse_starlette"))
@@ -233,7 +239,9 @@ def prepare(args, work: Path) -> None:
 
 def report(payload: dict) -> str:
     rows = payload.get("rows", {})
-    out = [f"{payload.get('cpu', 'this CPU')}; {payload['settings']['tokens']} tokens per answer, greedy"]
+    load = payload.get("load_average")
+    out = [f"{payload.get('cpu', 'this CPU')}; {payload['settings']['tokens']} tokens per answer, greedy"
+           + (f"; load average {load[0]:.1f} before / {load[1]:.1f} after" if load else "")]
     table = []
     for name, row in rows.items():
         table.append([name, *(f"{row[str(c)]['aggregate_tokens_per_second']:.1f}" for c in CLIENTS),
@@ -276,14 +284,14 @@ def plot(payload: dict, path) -> None:
 
 
 def main() -> None:
-    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), tag=True)
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens of every answer")
     parser.add_argument("--window", type=int, default=1000, help="leanlm's sink-cache window")
     parser.add_argument("--turns", type=int, default=80, help="turns of the long conversation")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the load test")
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-serve")
     args = parser.parse_args()
-    name = results_name("serve", args.model)
+    name = results_name("serve", args.model, args.tag)
     if args.report:
         return print_report(name, report)
     study = Study(name, {"tokens": args.tokens, "window": args.window, "turns": args.turns, "rounds": args.rounds},
@@ -294,6 +302,7 @@ def main() -> None:
     prepare(args, work)
     commands = systems(args, work)
     if study.pending("rows"):
+        load_before = os.getloadavg()[0]
         running: dict[str, Server] = {}
         try:
             for row, command in commands.items():
@@ -308,6 +317,7 @@ def main() -> None:
         finally:
             for server in running.values():
                 server.stop()
+        study.payload["load_average"] = [load_before, os.getloadavg()[0]]  # a shared machine: before / after
         study.set("rows", rows)
     if study.pending("conversation"):
         server = Server(commands["leanlm FP32"] + ["--port", str(port := free_port())], port,

@@ -28,7 +28,7 @@ REPORTED = {
     "out_of_core": ["out_of_core_llama3-8b-shape"],
     "qlora": ["qlora_smollm2-135m", "qlora_gemma3-270m"],
     "resident_memory": ["resident_memory_smollm2-135m"],
-    "serve": ["serve_smollm2-135m"],
+    "serve": ["serve_smollm2-135m_xeon-amx"],
     "sink_pretraining": ["sink_pretraining"],
     "streaming": ["streaming_smollm2-135m"],
     "swarm": ["swarm"],

@@ -89,7 +89,7 @@ class StreamingChat:
         if not ids:
             raise ConfigError("the chat template produced no tokens for this turn")
         if self.fused is not None:  # the first prompt as a batched prefill, the rest a token per call
-            return self.fused.prefill(ids) if self.fused.position == 0 else self.fused.read(ids)
+            return self.fused.prefill(ids) if self.fused.cache is None else self.fused.read(ids)
         return read_in_chunks(self.model, self.cache, ids, self.settings.streaming.window)
 
     def _pick(self, logits: torch.Tensor) -> int:

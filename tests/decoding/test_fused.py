@@ -1,6 +1,8 @@
 """The fused decode step against transformers' eager forward: the same logits step by step (up to summation
 order), hence the same greedy tokens, for every family it implements and every linear kind it runs."""
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -117,11 +119,11 @@ def test_the_cache_bounds_are_checked():
         decoder.step(2)
 
 
-def _perturbed_eager_logits(model, prompt, tokens, relative_noise=1e-7):
-    """The eager logits with the embedding's output perturbed by `relative_noise`: how far float rounding alone
-    moves a decode whose activations are quantized to int8 (a rounding that lands on the other side of a
-    quantization step changes the value by a whole step)."""
-    torch.manual_seed(0)
+def _perturbed_eager_logits(model, prompt, tokens, relative_noise=1e-7, seed=0):
+    """The eager logits with the embedding's output perturbed by `relative_noise` (noise drawn from `seed`): how far
+    float rounding alone moves a decode whose activations are quantized to int8 (a rounding that lands on the
+    other side of a quantization step changes the value by a whole step)."""
+    torch.manual_seed(seed)
     hook = model.get_input_embeddings().register_forward_hook(
         lambda module, args, out: out * (1 + relative_noise * torch.randn_like(out)))
     try:
@@ -166,7 +168,9 @@ def test_smollm2_w8a8_decodes_fused_within_the_eager_paths_own_rounding_noise(de
     """int8 activations (and int8 attention inputs) make a 30-layer decode chaotic: a value near a rounding tie flips
     a whole step, and the change grows downstream. Measured on WikiText-2 text read token by token (teacher forced),
     the fused step departs from the eager path no further than the eager path departs from itself when its embedding
-    output is perturbed by 1e-6 relative: largest logit change, next-token loss, greedy-token agreement."""
+    output is perturbed by 1e-6 relative: largest logit change, next-token loss, greedy-token agreement, each
+    against the widest of four perturbations (on an AMD EPYC four draws moved the loss by 0.001 to 0.023: one
+    draw is too few a sample of this noise)."""
     from leanlm.data import datasets
     from leanlm.evaluation.tokens import encode
     from leanlm.models import load_model
@@ -177,7 +181,8 @@ def test_smollm2_w8a8_decodes_fused_within_the_eager_paths_own_rounding_noise(de
     model = loaded.model
     quantize_(model, config)
     eager = _eager_logits(model, prompt, tokens)[:-1]
-    perturbed = _perturbed_eager_logits(model, prompt, tokens, relative_noise=1e-6)[:-1]
+    perturbed = [_perturbed_eager_logits(model, prompt, tokens, relative_noise=1e-6, seed=seed)[:-1]
+                 for seed in range(4)]
     decoder = FusedDecoder(model, capacity=256)
     decoder.prefill(prompt)
     fused = torch.stack([decoder.step(token) for token in tokens])[:-1]
@@ -189,9 +194,9 @@ def test_smollm2_w8a8_decodes_fused_within_the_eager_paths_own_rounding_noise(de
     def agreement(logits):
         return (logits.argmax(1) == eager.argmax(1)).float().mean().item()
 
-    assert (fused - eager).abs().max() <= 2 * (perturbed - eager).abs().max()
-    assert abs(loss(fused) - loss(eager)) <= max(2 * abs(loss(perturbed) - loss(eager)), 0.01)
-    assert agreement(fused) >= agreement(perturbed) - 0.05
+    assert (fused - eager).abs().max() <= 2 * max((other - eager).abs().max() for other in perturbed)
+    assert abs(loss(fused) - loss(eager)) <= max(2 * max(abs(loss(other) - loss(eager)) for other in perturbed), 0.01)
+    assert agreement(fused) >= min(agreement(other) for other in perturbed) - 0.05
 
 
 def _eager_stream_logits(model, prompt, tokens, streaming):
@@ -210,8 +215,9 @@ def _with_cushion(model, length=3):
     torch.manual_seed(1)
     config = model.config
     shape = (1, config.num_key_value_heads, length, config.hidden_size // config.num_attention_heads)
-    cushion = Cushion(list(range(length)), [torch.randn(shape) for _ in range(config.num_hidden_layers)],
-                      [torch.randn(shape) for _ in range(config.num_hidden_layers)])
+    dtype = model.get_input_embeddings().weight.dtype
+    cushion = Cushion(list(range(length)), [torch.randn(shape).to(dtype) for _ in range(config.num_hidden_layers)],
+                      [torch.randn(shape).to(dtype) for _ in range(config.num_hidden_layers)])
     attach_cushion(model, cushion)
     return model
 
@@ -230,8 +236,8 @@ def test_fused_step_with_a_sink_cache_gives_the_eager_sink_caches_logits(family,
     tokens = greedy_tokens(model, prompt, 40, fused=False, streaming=streaming)
     assert greedy_tokens(model, prompt, 40, fused=True, streaming=streaming) == tokens
     decoder = FusedDecoder(model, streaming=streaming)
-    assert decoder.keys.shape[2] == 2 + 8 + 1  # bounded, however long the stream
     decoder.prefill(prompt)
+    assert decoder.cache.keys.shape[2] == 2 + 8 + 1  # bounded, however long the stream
     fused = torch.stack([decoder.step(token) for token in tokens])
     eager = _eager_stream_logits(model, prompt, tokens, streaming)
     tolerance = 1e-4 if weights == "float32" else 2e-2
@@ -247,10 +253,97 @@ def test_a_cushioncache_prefix_is_read_before_the_prompt(streaming):
     assert greedy_tokens(model, prompt, 24, fused=True, streaming=streaming) == tokens
     decoder = FusedDecoder(model, capacity=64, streaming=streaming)
     decoder.prefill(prompt)
-    assert decoder.position == 3 + len(prompt)
+    assert decoder.cache.position == 3 + len(prompt)
     fused = torch.stack([decoder.step(token) for token in tokens])
     eager = _eager_stream_logits(model, prompt, tokens, streaming)
     torch.testing.assert_close(fused, eager, rtol=0, atol=1e-4 * eager.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("window, room, dtype", [(8, None, torch.float32), (8, None, torch.bfloat16),
+                                                 (80, 30, torch.float32), (8, 30, torch.float32)],
+                         ids=["ring", "ring-bf16", "kept-dense", "room-past-the-window"])
+@pytest.mark.parametrize("cushion", [False, True], ids=["", "cushion"])
+def test_a_cache_goes_into_the_fused_layout_and_back(window, room, dtype, cushion):
+    """What `leanlm serve` does with each conversation: a prompt read by transformers' forward into a sink cache,
+    tokens through the fused step (a ring that goes round, or a dense cache where they cannot overflow it), the
+    cache given back (`release`) and read on by the forward: the same cache and logits as transformers' all along."""
+    model = _model("llama", "float32").to(dtype)
+    if cushion:
+        model = _with_cushion(model)
+    streaming = StreamingConfig(sinks=2, window=window)
+    decoder = FusedDecoder(model, streaming=streaming)
+    prompt, tokens, more = [3, 17, 99, 5, 250], [(11 * i + 4) % 256 for i in range(20)], [8, 13, 21, 34, 55, 89]
+    eager = new_cache(model, streaming)
+    read_in_chunks(model, eager, prompt, window)
+    reference = _eager_stream_logits(model, prompt, tokens, streaming)
+    fused_cache = decoder.adopt(eager, room)
+    assert (fused_cache.window, fused_cache.capacity) == ((0, len(prompt) + 3 * cushion + room) if window == 80 else
+                                                          (window, 2 + 3 * cushion + window + 1))
+    fused = torch.stack([decoder.step(token, fused_cache) for token in tokens])
+    scale = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(fused, reference, rtol=0, atol=scale * reference.abs().max().item())
+    given_back, alone = decoder.release(fused_cache), new_cache(model, streaming)
+    read_in_chunks(model, alone, prompt + tokens, 1)  # one token per forward, as the step read them
+    for cache in (given_back, alone):
+        cache.settle()
+    for back, single in zip(given_back.layers, alone.layers):
+        assert back.keys.dtype == single.keys.dtype == dtype
+        for a, b in ((back.keys, single.keys), (back.values, single.values)):
+            torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=scale * b.abs().max().item())
+    after_back, after_alone = (read_in_chunks(model, cache, more, window) for cache in (given_back, alone))
+    torch.testing.assert_close(after_back.float(), after_alone.float(), rtol=0,
+                               atol=scale * after_alone.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("weights", ["float32", "nf4-dq+int8-head", "w8a8-O2", "smoothquant-O3", "llm-int8", "gptq",
+                                     "spqr"])
+@pytest.mark.parametrize("family", FUSED_FAMILIES)
+def test_a_batched_step_gives_each_sequence_what_stepping_it_alone_gives(family, weights):
+    """Five sequences at different positions stepped together (every weight read once for all five rows: 4 + 1 in
+    the int8 kernels) over three steps: each row's logits and cache are those of stepping that sequence alone (its
+    own int8 activation scales and int8 attention, not shared with the others)."""
+    model = _model(family, weights)
+    decoder = FusedDecoder(model, capacity=48)
+    caches = []
+    for length in (3, 9, 17, 4, 30):
+        decoder.prefill([(5 * i + length) % 256 for i in range(length)])
+        caches.append(decoder.cache)
+    alone = copy.deepcopy(caches)
+    tokens = [11, 200, 37, 5, 94]
+    for _ in range(3):
+        batched = decoder.step_batch(tokens, caches)
+        single = torch.stack([decoder.step(token, cache) for token, cache in zip(tokens, alone)])
+        torch.testing.assert_close(batched, single, rtol=0, atol=1e-6 * single.abs().max().item())
+        tokens = [int(row.argmax()) for row in single]
+    for together, by_itself in zip(caches, alone):
+        assert together.position == by_itself.position
+        torch.testing.assert_close(together.keys[:, :, :together.position], by_itself.keys[:, :, :by_itself.position])
+
+
+@needs_kernels
+@pytest.mark.parametrize("weights", ["float32", "nf4"])
+def test_a_batch_mixes_rings_that_went_round_and_dense_caches(weights):
+    """A server's batch: sink caches at several points of their ring and a dense one (a request that cannot
+    overflow its window), stepped together over 5 steps as each alone, and refused when two rows share a cache."""
+    model = _model("llama", weights)
+    decoder = FusedDecoder(model, streaming=StreamingConfig(sinks=2, window=8))
+    caches = []
+    for length, room in ((3, None), (11, None), (25, None), (4, 5)):
+        eager = new_cache(model, decoder.streaming)
+        read_in_chunks(model, eager, [(3 * i + length) % 256 for i in range(length)], 8)
+        caches.append(decoder.adopt(eager, room))
+    assert [cache.window for cache in caches] == [8, 8, 8, 0]
+    alone = copy.deepcopy(caches)
+    tokens = [1, 2, 3, 4]
+    for _ in range(5):
+        batched = decoder.step_batch(tokens, caches)
+        single = torch.stack([decoder.step(token, cache) for token, cache in zip(tokens, alone)])
+        torch.testing.assert_close(batched, single, rtol=0, atol=1e-6 * single.abs().max().item())
+        tokens = [int(row.argmax()) for row in single]
+    with pytest.raises(ConfigError, match="each cache once"):
+        decoder.step_batch([1, 2], [caches[0], caches[0]])
 
 
 @needs_kernels

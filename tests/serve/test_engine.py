@@ -1,13 +1,15 @@
 """The engine's batched decode step against each conversation fed alone."""
 
 import copy
+import queue
 
 import pytest
 import torch
 
+from leanlm.kernels.kbit_gemm import avx2_available
 from leanlm.methods.streaming import StreamingConfig, sink_cache
 from leanlm.serve.conversations import Conversation, ConversationStore, cache_bytes
-from leanlm.serve.engine import forward_batch, held_back
+from leanlm.serve.engine import Engine, Request, Sampling, forward_batch, held_back
 from tiny import tiny_model
 
 
@@ -78,3 +80,41 @@ def test_held_back_text_is_the_part_a_stop_string_could_still_begin():
     assert held_back("hello wor", ("world",)) == 3
     assert held_back("hello", ("xyz",)) == 0
     assert held_back("ab", ("b!", "ab?")) == 2
+
+
+def _serve_turns(engine: Engine, conversations: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Every conversation's prompt as a request at once; each one's generated ids."""
+    events: queue.Queue = queue.Queue()
+    requests = [Request(prompt, Sampling(max_tokens=max_tokens, temperature=0.0), lambda event, i=i: events.put((i, event)))
+                for i, prompt in enumerate(conversations)]
+    for request in requests:
+        engine.submit(request)
+    finished = 0
+    while finished < len(requests):
+        index, event = events.get(timeout=60)
+        assert event[0] != "error", event
+        finished += event[0] == "done"
+    return [request.generated for request in requests]
+
+
+@pytest.mark.skipif(not avx2_available(), reason="leanlm's kernels cannot be built here")
+def test_the_fused_engine_answers_as_the_batched_forward_does_over_turns_past_the_window(smollm2_tokenizer):
+    """Four conversations at once, three turns each, each turn resending the history (the store continues it): the
+    fused step (caches moved into its layout and back every turn, rings going round) and transformers' batched
+    forward generate the same greedy tokens."""
+    model = tiny_model("llama", vocab_size=len(smollm2_tokenizer), seed=1)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(20)  # decisive logits: no near-ties between the two paths
+    streaming = StreamingConfig(sinks=2, window=24)
+    engines = [Engine(model, smollm2_tokenizer, streaming, max_batch=4, fused=fused) for fused in (True, False)]
+    assert engines[0].fused is not None and engines[1].fused is None
+    histories = [[[7 * i + j + 3 for j in range(5 + 3 * i)]] * 2 for i in range(4)]
+    for turn in range(3):
+        answers = [_serve_turns(engine, [history[e] for history in histories], max_tokens=12)
+                   for e, engine in enumerate(engines)]
+        assert answers[0] == answers[1], f"turn {turn}"
+        assert all(len(answer) == 12 for answer in answers[0])  # no early stop: every turn decodes 12 tokens
+        histories = [[history[e] + answer + [40 + turn, 41 + turn] for e, answer in enumerate(answer_pair)]
+                     for history, answer_pair in zip(histories, zip(*answers))]
+    assert max(len(history[0]) for history in histories) > 2 + 24  # past the window: the rings went round
+    assert len(engines[0].conversations) == 4  # every conversation back in the store, continued each turn

@@ -15,6 +15,7 @@ import pytest
 import torch
 import uvicorn
 
+from leanlm.kernels.kbit_gemm import avx2_available
 from leanlm.methods.streaming import StreamingConfig
 from leanlm.serve import ServeSettings, build_app
 from leanlm.serve.conversations import cache_bytes
@@ -30,12 +31,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_tokenizer):
+@pytest.fixture(scope="module", params=[True, False], ids=["fused", "transformers"])
+def server(smollm2_tokenizer, request):
+    """The server generating through the fused step (the default), then through transformers' batched forward."""
     model = tiny_model("llama", vocab_size=len(smollm2_tokenizer), seed=1)
     settings = ServeSettings(streaming=StreamingConfig(sinks=4, window=WINDOW), max_batch=8, max_tokens=16,
-                             cache_budget_mb=64, max_body_kb=64)
+                             cache_budget_mb=64, max_body_kb=64, fused=request.param)
     app = build_app(model, smollm2_tokenizer, MODEL, settings)
+    assert (app.state.engine.fused is not None) == (request.param and avx2_available())
     port = free_port()
     instance = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=instance.run, daemon=True)

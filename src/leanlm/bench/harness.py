@@ -297,9 +297,10 @@ def results_dir() -> Path:
     return Path(os.environ.get("LEANLM_RESULTS", Path.cwd() / "benchmarks" / "results"))
 
 
-def results_name(benchmark: str, model: str) -> str:
-    """`<benchmark>_<model>` for a registry name, or for a model directory / file its last path component."""
-    return f"{benchmark}_{Path(model).stem}"
+def results_name(benchmark: str, model: str, tag: str | None = None) -> str:
+    """`<benchmark>_<model>` for a registry name, or for a model directory / file its last path component; then
+    `_<tag>` if a tag is given (another CPU's run, kept beside the first)."""
+    return f"{benchmark}_{Path(model).stem}" + (f"_{tag}" if tag else "")
 
 
 def previous_results(name: str, settings: dict | None = None) -> dict:

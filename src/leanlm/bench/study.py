@@ -30,12 +30,16 @@ Report = Callable[[dict], str]
 Part = str | tuple[str, ...]  # a key of the file, or a path of keys to a nested part ("alpha_sweep", "O1")
 
 
-def study_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> argparse.ArgumentParser:
-    """The flags every benchmark script shares."""
+def study_arguments(parser: argparse.ArgumentParser, *, model: bool = True,
+                    tag: bool = False) -> argparse.ArgumentParser:
+    """The flags every benchmark script shares (`tag`: and --tag, for a speed study run on more than one CPU)."""
     if model:
         from leanlm.models import DEFAULT_MODEL
 
         parser.add_argument("--model", default=DEFAULT_MODEL)
+    if tag:
+        parser.add_argument("--tag", default=None, help="results in <study>_<model>_<tag>.json, beside (not over) "
+                                                        "another machine's")
     parser.add_argument("--resume", action="store_true",
                         help="keep the rows a previous run with the same settings finished; measure only the rest")
     parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",

@@ -112,7 +112,7 @@ class SinkCache(Cache):
     def __init__(self, sinks: int = 4, window: int | None = 1020, key_shift: KeyShift | None = None):
         if sinks < 0 or (window is not None and window < 1):
             raise ConfigError(f"a sink cache needs sinks >= 0 and window >= 1, got sinks={sinks}, window={window}")
-        self.sinks, self.window = sinks, window
+        self.sinks, self.window, self.key_shift = sinks, window, key_shift
         super().__init__(layers=[])
         self._make_layer = lambda: SinkCacheLayer(sinks, window, key_shift)
 
@@ -138,6 +138,14 @@ class SinkCache(Cache):
         if count:
             for layer in self.layers:
                 layer.keys, layer.values = layer.keys[..., :-count, :], layer.values[..., :-count, :]
+
+    def hold(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> "SinkCache":
+        """Hold exactly these keys and values, one (batch, heads, n, head_dim) pair per layer in cache order, keys
+        rotated at their cache positions (a cache handed over from another layout: the fused step's ring)."""
+        self.layers = []
+        for index, (layer_keys, layer_values) in enumerate(zip(keys, values)):
+            self.update(layer_keys, layer_values, index)
+        return self
 
     def settle(self) -> None:
         """Carry out the eviction pending since the last update (a layer evicts lazily, before it next grows), so

@@ -19,12 +19,17 @@ blocks are a multiple of 64. A W8A8 layer hands the step a plain int8 copy of it
 which transformers' prefill runs, stays too. Anything else gets None from `FusedDecoder.build`, with
 `fused_decoder_problem` saying why, and decodes through transformers.
 
-Caches: dense (a fixed capacity), or StreamingLLM's sink cache (`streaming`), which the step keeps as a ring that
-never moves a key (see `step` in fused_decode.inc), so a stream of any length decodes in bounded memory; a
-CushionCache prefix is read before the prompt in either. `leanlm chat` decodes through this step.
+Caches (`FusedCache`, one per sequence, so one decoder serves many): dense (a fixed capacity), or StreamingLLM's sink
+cache (`streaming`), which the step keeps as a ring that never moves a key (see `step` in fused_decode.inc), so a
+stream of any length decodes in bounded memory; a CushionCache prefix is read before the prompt in either.
+`adopt` takes transformers' cache after a prompt into the step's layout and `release` gives it back (the ring's
+keys re-rotated to their cache positions), so prompts keep going through the batched forward and generated tokens
+through the step: `leanlm chat` and `leanlm serve` decode this way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -111,11 +116,31 @@ def fused_decoder_problem(model: nn.Module, streaming: StreamingConfig | None = 
     return _linear_problem("lm_head", model.get_output_embeddings())
 
 
+@dataclass
+class FusedCache:
+    """One sequence's keys and values as the fused step keeps them, (layers, kv_heads, capacity, head_dim) float32:
+    dense (`window` 0: the token at position p in slot p, `capacity` tokens at most) or StreamingLLM's ring
+    (`sinks` slots, then a ring of `window` + 1). `position` counts the tokens read (in a ring, since it was built:
+    only differences of positions matter there)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    position: int
+    sinks: int = 0
+    window: int = 0
+    dtype: torch.dtype = torch.float32  # transformers' cache's, for the way back (`FusedDecoder.release`)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+
 class FusedDecoder:
-    """One sequence at a time: `prefill(ids)` then `step(token)` per new token (or `read(ids)`); each returns the
-    last logits. A model with a CushionCache prefix reads it first, as its eager forward does. With `streaming`,
-    the cache is StreamingLLM's (sinks + a window of recent tokens, any number of tokens in bounded memory:
-    `capacity` is then sinks + window + 1); without, a dense cache of `capacity` tokens."""
+    """`prefill(ids)` then `step(token)` per new token (or `read(ids)`); each returns the last logits. A model with
+    a CushionCache prefix reads it first, as its eager forward does. With `streaming`, the cache is StreamingLLM's
+    (sinks + a window of recent tokens, any number of tokens in bounded memory); without, a dense cache of
+    `capacity` tokens. `prefill` keeps its cache in `self.cache`; `adopt` makes others, for many sequences (a
+    server's conversations), which `step` and `read` take as `cache`."""
 
     def __init__(self, model: nn.Module, capacity: int = 4096, streaming: StreamingConfig | None = None):
         problem = fused_decoder_problem(model, streaming)
@@ -125,8 +150,6 @@ class FusedDecoder:
         self.streaming, self.prefix = streaming, cushion.length if cushion is not None else 0
         # the sink slots hold the cushion too (as `sink_cache` builds them)
         self.sinks, self.window = (streaming.sinks + self.prefix, streaming.window) if streaming else (0, 0)
-        if streaming:
-            capacity = self.sinks + self.window + 1
         self.model, self.capacity = model, capacity
         table, config = architecture_for(model), model.config
         blocks = decoder_blocks(model, table)
@@ -164,9 +187,8 @@ class FusedDecoder:
                                     self._norm(block.get_submodule(mlp_norm)), *ids, frequencies, rope_scale,
                                     window, **optional, **_bmm_quantization(model, block, table))
         self._decoder.set_head(self._add_linear(model.get_output_embeddings()))
-        shape = (len(blocks), kv_heads, capacity, head_dim)
-        self.keys, self.values = torch.zeros(shape), torch.zeros(shape)
-        self.position = 0
+        self._cache_shape = (len(blocks), kv_heads, head_dim)
+        self.cache: FusedCache | None = None  # prefill's
 
     def _norm(self, module: nn.Module) -> torch.Tensor:
         """A norm's weight as the factor it multiplies by (Gemma's RMSNorm: 1 + weight, in float32 as it computes)."""
@@ -206,36 +228,95 @@ class FusedDecoder:
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Reads `ids` from the start of the sequence through transformers' forward (a batched prefill; in chunks of
-        the window with a sink cache, as `leanlm chat` reads), then hands its cache to the fused step; the last
-        position's logits."""
+        the window with a sink cache, as `leanlm chat` reads), then hands its cache to the fused step (`self.cache`);
+        the last position's logits."""
         if not ids or (not self.streaming and self.prefix + len(ids) >= self.capacity):
             raise ConfigError(f"a prompt of {len(ids)} tokens does not fit a fused cache of {self.capacity}")
         cache = new_cache(self.model, self.streaming)
         logits = read_in_chunks(self.model, cache, ids, self.window or len(ids)).float()
+        self.cache = self.adopt(cache)
+        return logits
+
+    def adopt(self, cache, room: int | None = None) -> FusedCache:
+        """`cache` (transformers' after a prompt, as `new_cache` makes it) in the step's layout, with room for
+        `room` more tokens (None: the decoder's capacity, or for ever with a sink cache). A sink cache that these
+        tokens cannot overflow is kept dense (the same attention; no ring of sinks + window + 1 slots)."""
         if self.streaming:
             cache.settle()  # the eviction a sink cache defers to its next update
-        # Cache slot j holds the key rotated at position j: a ring slot's stream position, from here on.
         length = cache.get_seq_length()
-        for index, layer in enumerate(cache.layers):
-            self.keys[index, :, :length] = layer.keys[0].float()
-            self.values[index, :, :length] = layer.values[0].float()
-        self.position = length
+        ring = self.streaming is not None and (room is None or length + room > self.sinks + self.window + 1)
+        if ring:
+            capacity = self.sinks + self.window + 1
+        else:
+            capacity = self.capacity if room is None else length + room
+            if length >= capacity:
+                raise ConfigError(f"{length} cached tokens do not fit a fused cache of {capacity}")
+        layers, kv_heads, head_dim = self._cache_shape
+        # Unread slots are never attended to, so they need no zeros (and take no memory until written).
+        keys, values = (torch.empty(layers, kv_heads, capacity, head_dim) for _ in range(2))
+        for index, layer in enumerate(cache.layers):  # slot j: the key rotated at position j
+            keys[index, :, :length] = layer.keys[0].float()
+            values[index, :, :length] = layer.values[0].float()
+        dtype = cache.layers[0].keys.dtype if cache.layers else torch.float32
+        return FusedCache(keys, values, length, self.sinks if ring else 0, self.window if ring else 0, dtype)
+
+    def release(self, cache: FusedCache):
+        """`cache` back in transformers' layout (a fresh `new_cache`'s kind holding what `cache` holds), to read more
+        through the forward: a ring's recent tokens in stream order, their keys rotated to their cache positions
+        sinks, sinks + 1, ... as the eager sink cache keeps them."""
+        sinks, window, position = cache.sinks, cache.window, cache.position
+        slots, shift = list(range(position)), 0
+        if window and position > sinks + window:  # the ring went round: the window's tokens, oldest first
+            first = position - window
+            slots = list(range(sinks)) + [sinks + (t - sinks) % (window + 1) for t in range(first, position)]
+            shift = sinks - first
+        order = torch.tensor(slots)
+        eager = DynamicCache() if self.streaming is None else sink_cache(self.model, self.streaming)
+        keys, values = [], []
+        for layer in range(cache.keys.shape[0]):
+            layer_keys = cache.keys[layer][:, order]
+            if shift:  # in float32, before any rounding to the model's dtype
+                layer_keys[:, sinks:] = eager.key_shift(layer_keys[None, :, sinks:], shift)[0]
+            keys.append(layer_keys[None].to(cache.dtype))
+            values.append(cache.values[layer][None][:, :, order].to(cache.dtype))
+        if self.streaming is None:
+            for layer, (layer_keys, layer_values) in enumerate(zip(keys, values)):
+                eager.update(layer_keys, layer_values, layer)
+            return eager
+        return eager.hold(keys, values)
+
+    def step(self, token: int, cache: FusedCache | None = None) -> torch.Tensor:
+        """The logits (vocab,) after reading `token` at the next position of `cache` (prefill's by default)."""
+        cache = cache or self.cache
+        if cache is None:
+            raise ConfigError("nothing read yet: prefill a prompt first")
+        if not cache.window and cache.position >= cache.capacity:
+            raise ConfigError(f"the fused cache is full ({cache.capacity} tokens)")
+        logits = self._decoder.step(int(token), cache.position, cache.keys, cache.values, cache.sinks, cache.window)
+        cache.position += 1
         return logits
 
-    def step(self, token: int) -> torch.Tensor:
-        """The logits (vocab,) after reading `token` at the next position."""
-        if not self.streaming and self.position >= self.capacity:
-            raise ConfigError(f"the fused cache is full ({self.capacity} tokens)")
-        logits = self._decoder.step(int(token), self.position, self.keys, self.values, self.sinks, self.window)
-        self.position += 1
+    def step_batch(self, tokens: list[int], caches: list[FusedCache]) -> torch.Tensor:
+        """The logits (len(tokens), vocab) after reading each token at the next position of its own cache: what
+        `step` gives for each, with every weight read once for all of them (a server's requests in flight)."""
+        if len(tokens) != len(caches) or len({id(cache) for cache in caches}) != len(caches):
+            raise ConfigError("one token per cache, each cache once")
+        for cache in caches:
+            if not cache.window and cache.position >= cache.capacity:
+                raise ConfigError(f"the fused cache is full ({cache.capacity} tokens)")
+        logits = self._decoder.step_batch([int(token) for token in tokens], [cache.position for cache in caches],
+                                          [cache.keys for cache in caches], [cache.values for cache in caches],
+                                          [cache.sinks for cache in caches], [cache.window for cache in caches])
+        for cache in caches:
+            cache.position += 1
         return logits
 
-    def read(self, ids: list[int]) -> torch.Tensor:
+    def read(self, ids: list[int], cache: FusedCache | None = None) -> torch.Tensor:
         """`step` through `ids` (a chat turn after the first prompt); the last logits."""
         if not ids:
             raise ConfigError("nothing to read")
         for token in ids:
-            logits = self.step(token)
+            logits = self.step(token, cache)
         return logits
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import signal
+import threading
 from dataclasses import dataclass
 
 from leanlm.errors import ConfigError
@@ -26,6 +28,9 @@ class ServeSettings:
     cache_budget_mb: int = option(1024, "MiB of idle conversations' caches kept for their next turn (least "
                                         "recently used dropped first)")
     max_body_kb: int = option(1024, "largest request body accepted, KiB")
+    fused: bool = option(True, "generate through leanlm's fused C++ decode step where the model allows it (else, "
+                               "and with --no-fused, through transformers' forward, the requests batched)",
+                         flag="--no-fused")
 
     def __post_init__(self):
         for name in ("port", "max_batch", "max_tokens", "cache_budget_mb", "max_body_kb"):
@@ -44,15 +49,19 @@ class ServeSettings:
             return False
 
 
-def build_app(model, tokenizer, model_name: str, settings: ServeSettings = ServeSettings()):
-    """The app serving `model` (any model leanlm loads), with its engine."""
+def build_app(model, tokenizer, model_name: str, settings: ServeSettings = ServeSettings(), *,
+              engine_thread: bool = True):
+    """The app serving `model` (any model leanlm loads), with its engine (`app.state.engine`), which runs in a
+    thread of its own, or, with `engine_thread=False`, in the thread that calls its `run`."""
     from leanlm.serve.api import create_app
     from leanlm.serve.engine import Engine
 
     engine = Engine(model, tokenizer, settings.streaming, max_batch=settings.max_batch,
-                    cache_budget_bytes=settings.cache_budget_mb << 20)
-    return create_app(engine, model_name, default_max_tokens=settings.max_tokens,
-                      max_body_bytes=settings.max_body_kb << 10)
+                    cache_budget_bytes=settings.cache_budget_mb << 20, fused=settings.fused, thread=engine_thread)
+    app = create_app(engine, model_name, default_max_tokens=settings.max_tokens,
+                     max_body_bytes=settings.max_body_kb << 10)
+    app.state.engine = engine
+    return app
 
 
 def _check_address(host: str, port: int) -> None:
@@ -71,6 +80,7 @@ def serve(model_name: str, settings: ServeSettings = ServeSettings(),
     """Load `model_name` (computing in `loading.dtype`) and serve it until interrupted."""
     import uvicorn
 
+    from leanlm.decoding import fused_decoder_problem
     from leanlm.methods import load_any
 
     _check_address(settings.host, settings.port)  # before the model loads, which takes a while
@@ -78,8 +88,31 @@ def serve(model_name: str, settings: ServeSettings = ServeSettings(),
         log.warning("listening on %s: the API has no authentication and anyone who can reach this address can use "
                     "it", settings.host)
     loaded = load_any(model_name, loading.dtype, loading.head)
-    app = build_app(loaded.model, loaded.tokenizer, model_name, settings)
-    print(f"serving {model_name} ({loaded.dtype}) on http://{settings.host}:{settings.port}/v1 (OpenAI API; cache "
-          f"per conversation: {settings.streaming.sinks} sinks + {settings.streaming.window} recent tokens); Ctrl-C "
-          "stops", flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+    app = build_app(loaded.model, loaded.tokenizer, model_name, settings, engine_thread=False)
+    decoder = "transformers' forward"
+    if app.state.engine.fused is not None:
+        decoder = "leanlm's fused decode step"
+    elif settings.fused:  # wanted but not possible: say why
+        decoder += f" ({fused_decoder_problem(loaded.model, settings.streaming)})"
+    # The engine runs here, in the thread that loaded the model (see Engine), and the HTTP server beside it; so
+    # uvicorn installs no signal handlers: Ctrl-C reaches this thread as KeyboardInterrupt, and SIGTERM is made one.
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning"))
+    http = threading.Thread(target=server.run, name="leanlm-http", daemon=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+    http.start()
+    print(f"serving {model_name} ({loaded.dtype}, tokens through {decoder}) on http://{settings.host}:"
+          f"{settings.port}/v1 (OpenAI API; cache per conversation: {settings.streaming.sinks} sinks + "
+          f"{settings.streaming.window} recent tokens); Ctrl-C stops", flush=True)
+    try:
+        app.state.engine.run(until=lambda: not http.is_alive())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        http.join(timeout=10)
+    if not server.started:
+        raise ConfigError(f"the HTTP server on {settings.host}:{settings.port} did not start (its error is above)")
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt

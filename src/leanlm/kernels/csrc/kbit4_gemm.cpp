@@ -507,7 +507,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("outlier_columns") = py::none(), py::arg("outlier_values") = py::none())
       .def("set_head", &fused::Decoder::set_head)
       .def("step", &fused::Decoder::step, py::arg("token"), py::arg("position"), py::arg("keys"), py::arg("values"),
-           py::arg("sinks") = 0, py::arg("window") = 0);
+           py::arg("sinks") = 0, py::arg("window") = 0,
+           // without the GIL: a server's other threads stream text while a conversation's token is computed
+           py::call_guard<py::gil_scoped_release>())
+      .def("step_batch", &fused::Decoder::step_batch, py::arg("tokens"), py::arg("positions"), py::arg("keys"),
+           py::arg("values"), py::arg("sinks"), py::arg("windows"), py::call_guard<py::gil_scoped_release>());
   m.def("has_avx512_vnni", &cpu_has_avx512_vnni, "whether this CPU runs the AVX512-VNNI int8 kernel");
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernel");
   m.def("dequantize_rows", &dequantize_rows, "4-bit weights of out.size(0) output rows from first_row into out (AVX2)",
