@@ -36,6 +36,7 @@ from torch import nn  # noqa: E402
 
 from leanlm.bench import Study, print_report, study_arguments, time_modules, weight_bytes  # noqa: E402
 from leanlm.bench.harness import add_speedups, cpu_description, float_paths, speed_table  # noqa: E402
+from leanlm.kernels.int8_gemm import int8_gemv  # noqa: E402
 from leanlm.kernels.kbit_gemm import int8_kernel_isas, kernel_isas  # noqa: E402
 from leanlm.methods import KbitConfig, quantize_  # noqa: E402
 from leanlm.models import load_model  # noqa: E402
@@ -137,14 +138,16 @@ BANDWIDTH_SHAPE = (4096, 14336)  # Llama-3-8B's MLP down projection (out, in)
 BANDWIDTH_LAYERS = 4  # 4 x ~30 MB of codes: more than the 32 MB L3, so every call streams from memory
 
 
-def bandwidth_variants() -> dict[str, tuple[str, bool, int]]:
-    """Row name -> (kernel, double quantization, bits) of the batch-1 streaming measurement."""
+def bandwidth_variants() -> dict[str, tuple[str, str, bool, int]]:
+    """Row name -> (kind: kbit | w8a8, kernel, double quantization, bits) of the batch-1 streaming measurement."""
     variants = {}
     for isa in [*int8_kernel_isas(), *(i for i in kernel_isas() if i != "in-order")]:
         activations = "int8 activations" if isa.endswith("int8") else "float activations"
-        variants[f"nf4+dq, {activations}, {isa}"] = (isa, True, 4)
-    variants["nf4, int8 activations, auto"] = ("auto", False, 4)
-    variants["int8 codes (Q8_0's kind), auto"] = ("auto", False, 8)
+        variants[f"nf4+dq, {activations}, {isa}"] = ("kbit", isa, True, 4)
+    variants["nf4, int8 activations, auto"] = ("kbit", "auto", False, 4)
+    variants["int8 codes (Q8_0's kind), auto"] = ("kbit", "auto", False, 8)
+    for isa in int8_kernel_isas():  # what the fused decode step runs for W8A8 and LLM.int8() linears
+        variants[f"w8a8 (int8 per channel), {isa}"] = ("w8a8", isa, False, 8)
     return variants
 
 
@@ -154,40 +157,53 @@ def read_bandwidth(array: torch.Tensor) -> float:
     return array.numel() * array.element_size() / (time.perf_counter() - started)
 
 
+def _streamed_layer(weight: torch.Tensor, kind: str, isa: str, double_quant: bool, bits: int, built: dict):
+    """(a one-token call through the variant's kernel, the bytes it reads: codes and constants); one layer per
+    format, shared by the variants that differ only in the kernel."""
+    if (kind, double_quant, bits) not in built:
+        if kind == "w8a8":
+            scale = weight.abs().amax(1) / 127
+            built[(kind, double_quant, bits)] = ((weight / scale[:, None]).round().to(torch.int8), scale)
+        else:
+            dtype = "nf" if bits == 4 else "int"
+            built[(kind, double_quant, bits)] = KbitLinear.from_float(weight, None, dtype, bits, 64, double_quant)
+    layer = built[(kind, double_quant, bits)]
+    if kind == "w8a8":
+        codes, scale = layer
+        return (lambda x: int8_gemv(x, codes, scale, None, isa=isa)), codes.numel() + 4 * scale.numel()
+
+    def run(x):
+        layer.kernel_isa = isa
+        return layer(x)
+    return run, layer.bits_per_weight() * layer.in_features * layer.out_features / 8
+
+
 def bench_bandwidth(repeats: int) -> dict:
-    """Batch-1 speed of each 4- and 8-bit kernel as bytes of weight read per second, beside the machine's read
-    bandwidth (issue 27 asks >= 70% of it): BANDWIDTH_LAYERS weights of BANDWIDTH_SHAPE run in turn, so every call
-    reads its weight from memory; the read bandwidth is a two-thread torch.sum of a 256 MB float32 array, timed in
-    the same rounds (interleaved), medians over `repeats` rounds."""
+    """Batch-1 speed of each 4- and 8-bit kernel (and the one-token W8A8 kernel) as bytes of weight read per second,
+    beside the machine's read bandwidth (issue 27 asks >= 70% of it): BANDWIDTH_LAYERS weights of BANDWIDTH_SHAPE
+    run in turn, so every call reads its weight from memory; the read bandwidth is a two-thread torch.sum of a
+    256 MB float32 array, timed in the same rounds (interleaved), medians over `repeats` rounds."""
     torch.manual_seed(0)
     variants = bandwidth_variants()
-    layers: dict[str, list[KbitLinear]] = {name: [] for name in variants}
+    layers: dict[str, list[tuple]] = {name: [] for name in variants}
     for _ in range(BANDWIDTH_LAYERS):
-        weight = torch.randn(*BANDWIDTH_SHAPE) * 0.02
-        built: dict[tuple[bool, int], KbitLinear] = {}
-        for name, (isa, double_quant, bits) in variants.items():
-            if (double_quant, bits) not in built:
-                dtype = "nf" if bits == 4 else "int"
-                built[(double_quant, bits)] = KbitLinear.from_float(weight, None, dtype, bits, 64, double_quant)
-            layers[name].append(built[(double_quant, bits)])
-        del weight
+        weight, built = torch.randn(*BANDWIDTH_SHAPE) * 0.02, {}
+        for name, variant in variants.items():
+            layers[name].append(_streamed_layer(weight, *variant, built))
+        del weight, built
     x = torch.randn(1, BANDWIDTH_SHAPE[1])
     array = torch.randn(64 * 2**20)
     samples: dict[str, list[float]] = {name: [] for name in [*variants, "read bandwidth"]}
     with torch.inference_mode():
         for round_index in range(repeats + 1):  # the first round warms up
             read = read_bandwidth(array)
-            for name, (isa, _, _) in variants.items():
-                for layer in layers[name]:
-                    layer.kernel_isa = isa
+            for name in variants:
                 started = time.perf_counter()
-                for layer in layers[name]:
-                    layer(x)
+                for run, _ in layers[name]:
+                    run(x)
                 seconds = time.perf_counter() - started
-                stored = sum(layer.bits_per_weight() * layer.in_features * layer.out_features / 8
-                             for layer in layers[name])
                 if round_index:
-                    samples[name].append(stored / seconds)
+                    samples[name].append(sum(stored for _, stored in layers[name]) / seconds)
             if round_index:
                 samples["read bandwidth"].append(read)
     result = {name: {"bytes_per_second": statistics.median(values), "samples": values}

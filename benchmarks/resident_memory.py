@@ -7,8 +7,8 @@ imports are done, after loading, after generating, and the process's peak; "held
 less RSS after imports, the memory the model and its cache take. The float32 row is the model as it loads.
 
 The row "w8a8 O2, int8 copy kept" emulates the old behaviour (the plain int8 weight kept beside fbgemm's
-packed copy, the checkpoint's pages mapped) by turning the release off in its worker: the difference to the
-"w8a8 O2" row is what keeping one copy of each int8 weight saves.
+packed copy) by turning the release off in its worker: the difference to the "w8a8 O2" row is what keeping one
+copy of each int8 weight saves.
 
     python benchmarks/resident_memory.py            # about 5 minutes on 2 cores (SmoothQuant calibrates)
     python benchmarks/resident_memory.py --report
@@ -57,11 +57,9 @@ def worker(model: str, new_tokens: int, keep_int8_copy: bool) -> dict:
     from leanlm.methods import load_any
 
     if keep_int8_copy:
-        from leanlm.methods import w8a8
         from leanlm.nn import W8A8Linear
 
         W8A8Linear.release_int8_weight = lambda self: None
-        w8a8._copy_out_of_files_ = lambda model: None
     torch.set_num_threads(2)
     imports = _rss()
     loaded = load_any(model)

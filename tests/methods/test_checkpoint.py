@@ -264,3 +264,62 @@ def test_a_loaded_w8a8_checkpoint_keeps_one_copy_of_each_int8_weight_and_none_of
     again = save_quantized(loaded, loaded.model, record, out.parent / "again")  # saving unpacks them exactly
     with torch.inference_mode():
         assert torch.equal(load_quantized(again)[0].model(ids).logits, model(ids).logits)
+
+
+def _wide_table_checkpoint(directory, family, tokenizer):
+    """An NF4 checkpoint of a 2-block model whose embedding and head are its bulk: SmolLM2's 49152 tokens x 1024
+    (192 MiB in float32, per table)."""
+    import transformers as hf
+
+    from leanlm.methods import KbitConfig
+
+    config_class = {"llama": hf.LlamaConfig, "mistral": hf.MistralConfig}[family]
+    torch.manual_seed(0)
+    hf.AutoModelForCausalLM.from_config(config_class(
+        vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=family == "llama"),
+        dtype=torch.float32).save_pretrained(directory / "float")
+    tokenizer.save_pretrained(directory / "float")
+    loaded = load_model(directory / "float")
+    record = quantize_(loaded.model, KbitConfig())
+    return save_quantized(loaded, loaded.model, record, directory / "q")
+
+
+_PEAK_OF_LOAD = """
+import json, sys
+from pathlib import Path
+from leanlm.bench.harness import process_memory_bytes
+from leanlm.methods import load_any
+from leanlm.models.loading import read_tokenizer
+read_tokenizer(Path(sys.argv[1]))  # imports and a tokenizer's memory, before the baseline
+before = process_memory_bytes("self", "VmRSS")
+load_any(sys.argv[1], "bfloat16", sys.argv[2])
+print(json.dumps({"before": before, "peak": process_memory_bytes("self")}))
+"""  # VmHWM, not getrusage's ru_maxrss, which a child inherits across exec from the forking process (pytest's)
+
+
+@pytest.mark.parametrize("family, head", [("llama", "int8"), ("mistral", "float"), ("mistral", "int8")])
+def test_the_embedding_and_head_are_converted_as_they_are_read_never_whole_in_float32(family, head, tmp_path,
+                                                                                     smollm2_tokenizer):
+    """Loading with bfloat16 tables (and an 8-bit head) reads the stored float32 tables a MiB at a time: the
+    load's peak stays below half their float32 bytes (reading them whole and converting after took 2.8x them here,
+    tied), and the model is the one the convert-after-loading path gives."""
+    import subprocess
+    import sys
+
+    from leanlm.methods.checkpoint import embeddings_to_, quantize_head_
+
+    out = _wide_table_checkpoint(tmp_path, family, smollm2_tokenizer)
+    float32_tables = len(smollm2_tokenizer) * 1024 * 4 * (1 if family == "llama" else 2)
+    result = subprocess.run([sys.executable, "-c", _PEAK_OF_LOAD, str(out), head], capture_output=True, text=True,
+                            check=True)
+    memory = json.loads(result.stdout.strip().splitlines()[-1])
+    assert memory["peak"] - memory["before"] < 0.5 * float32_tables
+    streamed = load_any(out, "bfloat16", head).model
+    converted = load_quantized(out)[0].model
+    embeddings_to_(converted, torch.bfloat16)
+    if head == "int8":
+        quantize_head_(converted)
+    ids = torch.randint(0, 1000, (1, 12))
+    with torch.inference_mode():
+        assert torch.equal(streamed(ids).logits, converted(ids).logits)

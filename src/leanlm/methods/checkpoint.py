@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from accelerate import init_empty_weights
-from safetensors.torch import load_file
 from safetensors.torch import save_model as save_safetensors_from
 from torch import nn
 from transformers import AutoModelForCausalLM
 
 from leanlm.cache.prefix import attached_cushion, save_cushion
 from leanlm.errors import ConfigError, CorruptModelError, ModelNotFoundError
+from leanlm.memory import trim_freed_memory
 from leanlm.methods.quantize import after_load, method_names
 from leanlm.models.architectures import architecture_for
 from leanlm.models.loading import (LoadedModel, LoadSettings, compute_dtype, dtype_name, load_model,
@@ -152,9 +152,9 @@ def weights_files(directory: Path) -> list[Path]:
     return files
 
 
-def _check_weights_files(paths: list[Path], model: nn.Module) -> None:
+def _check_weights_files(paths: list[Path], model: nn.Module) -> dict[str, Path]:
     """The files must hold, together, exactly the tensors of `model` (a meta-device skeleton), with their shapes
-    and types; checked on the headers, before anything is read into memory."""
+    and types; checked on the headers, before anything is read into memory. Returns each name's file."""
     expected = model.state_dict()
     problems = []
     found: dict[str, Path] = {}
@@ -182,21 +182,30 @@ def _check_weights_files(paths: list[Path], model: nn.Module) -> None:
                   + [f"missing {name}" for name in missing[:2]])
         where = paths[0] if len(paths) == 1 else paths[0].parent
         raise CorruptModelError(f"{where} does not match its {QUANT_FILE}: {'; '.join(detail)}")
+    return found
 
 
-def load_quantized(directory: str | os.PathLike) -> tuple[LoadedModel, dict]:
-    """(the rebuilt model, its leanlm_quant.json record)."""
+def load_quantized(directory: str | os.PathLike, table_dtype: torch.dtype = torch.float32,
+                   head: str = "float") -> tuple[LoadedModel, dict]:
+    """(the rebuilt model, its leanlm_quant.json record). The token embedding and a float output head are held in
+    `table_dtype` (`embeddings_to_`); `head="int8"` makes the head 8-bit int blocks (`quantize_head_`). Both are
+    done as the tables are read, a MiB at a time, so their stored float32 form is never whole in
+    memory."""
     directory = Path(directory)
     record = read_record(directory)
     files = weights_files(directory)
     config = read_model_config(directory, quantized=True)
     table = architecture_for(config)
+    # The tokenizer first: a damaged one is found before the slow part, and what building it takes beyond what it
+    # keeps (Gemma-3's: 462 MiB at its peak, 321 kept) is freed before the weights arrive, not on top of them.
+    tokenizer = read_tokenizer(directory)
+    trim_freed_memory()
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     rebuilt = _rebuilt_modules(skeleton, record["modules"], directory / QUANT_FILE)
     for name, module in rebuilt.items():
         skeleton.set_submodule(name, module, strict=False)
-    _check_weights_files(files, skeleton)
+    stored = _check_weights_files(files, skeleton)
     del skeleton, rebuilt
     # No float model first: parameters start on the meta device (buffers, such as RoPE's frequencies and the
     # quantized modules' codes, are real) and take the files' tensors, so resident memory is the stored bytes.
@@ -204,22 +213,89 @@ def load_quantized(directory: str | os.PathLike) -> tuple[LoadedModel, dict]:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for name, entry in record["modules"].items():
         model.set_submodule(name, QUANTIZED_MODULES[entry["class"]](**entry["args"]), strict=False)
+    tables = {name: stored[name] for name in _table_names(model) if name in stored}
     unexpected = []
     for path in files:
         try:
-            unexpected += model.load_state_dict(load_file(str(path)), strict=False, assign=True).unexpected_keys
+            unexpected += model.load_state_dict(_read_file(path, skip=tables), strict=False,
+                                                assign=True).unexpected_keys
         except Exception as error:  # safetensors raises its own error types for damaged files
             raise CorruptModelError(f"the weights in {path} cannot be loaded: {error}") from None
-    retie_embeddings(model)
+    _load_tables(model, tables, table_dtype, head)
     left = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
     if unexpected or left:
         raise CorruptModelError(f"the weights in {directory} do not fill the model: {(unexpected or left)[:3]}")
     after_load(model, record, directory)  # what the methods derive rather than store
     model.eval()
     use_gemv_(model)  # what stays float (the lm_head at least) decodes through leanlm's GEMV
-    tokenizer = read_tokenizer(directory)
     name = str(directory)
     return LoadedModel(model, tokenizer, name, directory, table, record.get("weights_note")), record
+
+
+def _read_file(path: Path, skip: dict) -> dict[str, torch.Tensor]:
+    """The tensors of one weights file but those in `skip`, copied out of it. safetensors maps the file, and a
+    page read stays resident as long as any tensor viewing it (or the handle) lives: copies let the mapping go as
+    soon as the file is read, so no page of it outlives what the model keeps (W8A8's packing, for one, replaces
+    its int8 weights)."""
+    with safe_open(str(path), "pt") as handle:
+        return {name: handle.get_tensor(name).clone() for name in handle.keys() if name not in skip}
+
+
+_CHUNK_BYTES = 1 << 20  # float32 bytes of a table read (and quantized) at a time
+
+
+def _rows_per_chunk(row_length: int) -> int:
+    return max(1, _CHUNK_BYTES // (4 * row_length))
+
+
+def _read_rows(path: Path, name: str, dtype: torch.dtype):
+    """Tensor `name` of the weights file `path`, cast to `dtype` a MiB of float32 at a time: a handle per chunk,
+    as the pages one handle reads stay resident until it closes (Gemma-3's float32 table, 671 MiB, would be
+    resident whole beside what it is read into)."""
+    with safe_open(str(path), "pt") as handle:
+        shape = handle.get_slice(name).get_shape()
+    rows = _rows_per_chunk(shape[-1])
+    for first in range(0, shape[0], rows):
+        with safe_open(str(path), "pt") as handle:
+            yield handle.get_slice(name)[first:first + rows].to(dtype)
+
+
+def _read_table(path: Path, name: str, dtype: torch.dtype) -> nn.Parameter:
+    with safe_open(str(path), "pt") as handle:
+        shape = handle.get_slice(name).get_shape()
+    table, first = torch.empty(shape, dtype=dtype), 0
+    for chunk in _read_rows(path, name, dtype):
+        table[first:first + len(chunk)] = chunk
+        first += len(chunk)
+    return nn.Parameter(table, requires_grad=False)
+
+
+def _table_names(model: nn.Module) -> list[str]:
+    """The state-dict names of the token embedding's and the output head's weights."""
+    names = {module: name for name, module in model.named_modules()}
+    modules = [model.get_input_embeddings(), model.get_output_embeddings()]
+    return [f"{names[module]}.weight" for module in modules if module is not None]
+
+
+def _load_tables(model: nn.Module, stored: dict[str, Path], dtype: torch.dtype, head: str) -> None:
+    """The token embedding and output head from the files (`stored`: name -> file; a tied pair is stored once,
+    under either name) in `dtype`, the head as 8-bit int blocks with head="int8"."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = outputs is not None and bool(getattr(model.config, "tie_word_embeddings", False))
+    names = dict(zip(("inputs", "outputs"), _table_names(model)))
+
+    def source(which: str) -> tuple[Path, str]:
+        name = names[which] if names[which] in stored or not tied else next(iter(stored))
+        return stored[name], name
+
+    if not (head == "int8" and tied):
+        inputs.weight = _read_table(*source("inputs"), dtype)
+    if outputs is not None and head != "int8":
+        outputs.weight = inputs.weight if tied else _read_table(*source("outputs"), dtype)
+    if dtype != torch.float32 and not (head == "int8" and tied):
+        embeddings_to_(model, dtype)  # the tables are in `dtype` already: what it adds is the cast back
+    if head == "int8":
+        quantize_head_(model, rows=_read_rows(*source("outputs"), dtype), tied=tied)
 
 
 def retie_embeddings(model: nn.Module) -> None:
@@ -243,13 +319,22 @@ def embeddings_to_(model: nn.Module, dtype: torch.dtype) -> None:
     bfloat16 weights with float32 inputs."""
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
     tied = outputs is not None and outputs.weight is inputs.weight
-    compute = inputs.weight.dtype
+    compute = _compute_dtype(model)
     inputs.weight = nn.Parameter(inputs.weight.detach().to(dtype), requires_grad=False)
     inputs.register_forward_hook(lambda module, args, output: output.to(compute))
     if tied:
         outputs.weight = inputs.weight
     elif isinstance(outputs, nn.Linear) and outputs.weight.is_floating_point():
         outputs.weight = nn.Parameter(outputs.weight.detach().to(dtype), requires_grad=False)
+
+
+def _compute_dtype(model: nn.Module) -> torch.dtype:
+    """What the model's layers compute in: the type of its float parameters besides the embedding and head
+    (which `embeddings_to_` may hold in another)."""
+    tables = {id(module.weight) for module in (model.get_input_embeddings(), model.get_output_embeddings())
+              if module is not None and isinstance(getattr(module, "weight", None), torch.Tensor)}
+    return next((p.dtype for p in model.parameters() if p.is_floating_point() and not p.is_meta
+                 and id(p) not in tables), torch.float32)
 
 
 def load_any(source: str | os.PathLike, dtype: str = "float32", head: str = "float") -> LoadedModel:
@@ -260,42 +345,51 @@ def load_any(source: str | os.PathLike, dtype: str = "float32", head: str = "flo
     LoadSettings(dtype, head)  # checked before the slow load
     if is_quantized_checkpoint(source):
         storage = compute_dtype(dtype)
-        loaded = load_quantized(source)[0]
+        loaded = load_quantized(source, storage, head)[0]
         if storage != torch.float32:
-            embeddings_to_(loaded.model, storage)
             loaded.dtype = f"float32, embedding and output head in {dtype_name(storage)}"
     else:
         loaded = load_model(source, dtype=dtype)
+        if head == "int8":
+            quantize_head_(loaded.model)
     if head == "int8":
-        quantize_head_(loaded.model)
         loaded.dtype += ", output head in 8-bit int blocks"
+    trim_freed_memory()  # what loading freed (a table converted, fbgemm's packing) leaves resident otherwise
     return loaded
 
 
-def quantize_head_(model: nn.Module) -> None:
+def quantize_head_(model: nn.Module, rows=None, tied: bool | None = None) -> None:
     """The output head as 8-bit int blocks of 64 (a KbitLinear whose codes the int8 kernel reads as stored: 8.5
     bits a weight, as llama.cpp's Q8_0). At batch-1 decode a small model's head is its largest read (SmolLM2's
     49152 x 576: 54 MiB in bfloat16, 29 MiB so). A tied embedding then reads its rows from the head's codes
-    (`KbitEmbedding`); the config says untied, so nothing ties them back to a float weight."""
-    head = model.get_output_embeddings()
-    if head.in_features % 64:
-        raise ConfigError(f"an 8-bit head needs a hidden size that is a multiple of 64, not {head.in_features}")
-    weight = head.weight.detach()
-    quantized = KbitLinear(head.in_features, head.out_features, head.bias is not None, "int", 8, 64)
-    # A few thousand rows at a time: the whole head in float32 beside its codes would be the load's peak memory
-    # (671 MiB for Gemma-3's 262144 x 640).
-    parts = [KbitLinear.from_float(weight[first:first + 4096], None, "int", 8, 64)
-             for first in range(0, head.out_features, 4096)]
-    quantized.packed = torch.cat([part.packed for part in parts])
-    quantized.absmax = torch.cat([part.absmax for part in parts])
-    if head.bias is not None:
-        quantized.bias = head.bias.detach().float().clone()
-    embedding = model.get_input_embeddings()
-    if embedding.weight.data_ptr() == weight.data_ptr():
-        # Tied: the embedding reads the head's codes, so the table is held once (in 8 bits). A scaled embedding
+    (`KbitEmbedding`); the config says untied, so nothing ties them back to a float weight. `rows`: the head's
+    weight a chunk of rows at a time (the loader's, read from the file), else the model's; `tied`: whether the
+    embedding shares it (else: whether it does now)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    in_features, out_features = head.weight.shape[1], head.weight.shape[0]
+    if in_features % 64:
+        raise ConfigError(f"an 8-bit head needs a hidden size that is a multiple of 64, not {in_features}")
+    if tied is None:
+        tied = embedding.weight.data_ptr() == head.weight.data_ptr()
+    if rows is None:
+        # A MiB at a time: the whole head in float32 beside its codes would be the load's peak memory (671 MiB
+        # for Gemma-3's 262144 x 640), and quantizing takes several times a chunk's bytes while it runs.
+        weight, step = head.weight.detach(), _rows_per_chunk(in_features)
+        rows = (weight[first:first + step] for first in range(0, out_features, step))
+    bias = getattr(head, "bias", None)
+    quantized = KbitLinear(in_features, out_features, bias is not None, "int", 8, 64)
+    codes = blocks = 0
+    for chunk in rows:
+        part = KbitLinear.from_float(chunk, None, "int", 8, 64)
+        quantized.packed[codes:codes + part.packed.numel()] = part.packed
+        quantized.absmax[blocks:blocks + part.absmax.numel()] = part.absmax
+        codes, blocks = codes + part.packed.numel(), blocks + part.absmax.numel()
+    if bias is not None:
+        quantized.bias = bias.detach().float().clone()
+    if tied:
+        # The embedding reads the head's codes, so the table is held once (in 8 bits). A scaled embedding
         # (Gemma) multiplies as transformers does, in the float32 of the de-quantized rows.
-        compute = next((p.dtype for p in model.parameters() if p.is_floating_point() and p is not embedding.weight),
-                       torch.float32)
+        compute = _compute_dtype(model)
         scale = getattr(embedding, "embed_scale", None)
         model.set_input_embeddings(KbitEmbedding(quantized, compute, None if scale is None else float(scale)))
     model.set_output_embeddings(quantized)

@@ -225,30 +225,11 @@ def _restore_int8_runtime(model: nn.Module, record: dict, directory) -> None:
 
 def pack_int8_weights_(model: nn.Module) -> None:
     """Pack every fbgemm W8A8 weight now, one layer (or shared group) at a time, each releasing its plain int8
-    tensor as it goes, so a loaded model holds one copy of each int8 weight from the start.
-
-    A loaded checkpoint's tensors are views of its files, mapped in memory; a page that packing has read stays
-    resident as long as any tensor of that file lives. So what remains (scales, norms, embedding and head: small
-    beside the int8 weights) is copied out of the files, and the files' mappings, with the read pages, go."""
-    packable = [m for m in model.modules() if isinstance(m, W8A8Linear) and m.backend == "fbgemm"]
-    for module in packable:
-        module.pack_()
-    if packable:
-        _copy_out_of_files_(model)
-
-
-def _copy_out_of_files_(model: nn.Module) -> None:
-    copies: dict[int, torch.Tensor] = {}  # tied tensors stay tied: one copy each
+    tensor as it goes, so a loaded model holds one copy of each int8 weight from the start (the loader's tensors
+    are copies, not views of the mapped files, so a packed weight's pages go with it)."""
     for module in model.modules():
-        for tensors in (module._parameters, module._buffers):
-            for name, tensor in tensors.items():
-                if tensor is None or tensor.is_meta:
-                    continue
-                if id(tensor) not in copies:
-                    data = tensor.detach().clone()
-                    copies[id(tensor)] = (nn.Parameter(data, tensor.requires_grad)
-                                          if isinstance(tensor, nn.Parameter) else data)
-                tensors[name] = copies[id(tensor)]
+        if isinstance(module, W8A8Linear) and module.backend == "fbgemm":
+            module.pack_()
 
 
 def share_input_gemms_(model: nn.Module, share: bool = True) -> int:

@@ -140,7 +140,9 @@ class KbitLinear(nn.Module):
                          if self.double_quant else BlockConstants(self.absmax.float().contiguous()))
             table = code_table(self.codebook.values) if self.bits == 4 else None  # 8-bit codes need no table
             if self._runs_int8_codes():  # written before `Codebook.nearest` stopped emitting the unused code
-                self.packed.masked_fill_(self.packed == 255, INT8_CODE_BIAS)  # 255 (= 0.0, as is 127)
+                # 255 (= 0.0, as is 127); 16 MiB at a time, as the mask is a byte per code (Gemma-3's head: 160 MiB)
+                for part in self.packed.split(1 << 24):
+                    part.masked_fill_(part == 255, INT8_CODE_BIAS)
             self._kernel_inputs = (constants, table)
         return self._kernel_inputs
 
