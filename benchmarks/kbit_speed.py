@@ -36,6 +36,7 @@ from torch import nn  # noqa: E402
 
 from leanlm.bench import Study, print_report, study_arguments, time_modules, weight_bytes  # noqa: E402
 from leanlm.bench.harness import add_speedups, cpu_description, float_paths, speed_table  # noqa: E402
+from leanlm.formats.int8 import quantize_weight  # noqa: E402
 from leanlm.kernels.int8_gemm import int8_gemv  # noqa: E402
 from leanlm.kernels.kbit_gemm import int8_kernel_isas, kernel_isas  # noqa: E402
 from leanlm.methods import KbitConfig, quantize_  # noqa: E402
@@ -162,8 +163,7 @@ def _streamed_layer(weight: torch.Tensor, kind: str, isa: str, double_quant: boo
     format, shared by the variants that differ only in the kernel."""
     if (kind, double_quant, bits) not in built:
         if kind == "w8a8":
-            scale = weight.abs().amax(1) / 127
-            built[(kind, double_quant, bits)] = ((weight / scale[:, None]).round().to(torch.int8), scale)
+            built[(kind, double_quant, bits)] = quantize_weight(weight, "per_channel")
         else:
             dtype = "nf" if bits == 4 else "int"
             built[(kind, double_quant, bits)] = KbitLinear.from_float(weight, None, dtype, bits, 64, double_quant)

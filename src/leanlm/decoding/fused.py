@@ -135,6 +135,12 @@ class FusedCache:
         return self.keys.shape[2]
 
 
+def _check_room(cache: FusedCache) -> None:
+    """A dense cache must have a free slot for the next token (a ring always has)."""
+    if not cache.window and cache.position >= cache.capacity:
+        raise ConfigError(f"the fused cache is full ({cache.capacity} tokens)")
+
+
 class FusedDecoder:
     """`prefill(ids)` then `step(token)` per new token (or `read(ids)`); each returns the last logits. A model with
     a CushionCache prefix reads it first, as its eager forward does. With `streaming`, the cache is StreamingLLM's
@@ -290,8 +296,7 @@ class FusedDecoder:
         cache = cache or self.cache
         if cache is None:
             raise ConfigError("nothing read yet: prefill a prompt first")
-        if not cache.window and cache.position >= cache.capacity:
-            raise ConfigError(f"the fused cache is full ({cache.capacity} tokens)")
+        _check_room(cache)
         logits = self._decoder.step(int(token), cache.position, cache.keys, cache.values, cache.sinks, cache.window)
         cache.position += 1
         return logits
@@ -302,8 +307,7 @@ class FusedDecoder:
         if len(tokens) != len(caches) or len({id(cache) for cache in caches}) != len(caches):
             raise ConfigError("one token per cache, each cache once")
         for cache in caches:
-            if not cache.window and cache.position >= cache.capacity:
-                raise ConfigError(f"the fused cache is full ({cache.capacity} tokens)")
+            _check_room(cache)
         logits = self._decoder.step_batch([int(token) for token in tokens], [cache.position for cache in caches],
                                           [cache.keys for cache in caches], [cache.values for cache in caches],
                                           [cache.sinks for cache in caches], [cache.window for cache in caches])
