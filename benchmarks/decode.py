@@ -188,7 +188,11 @@ def systems(model: str, work: Path) -> dict[str, tuple[str, str]]:
               "int8 blocks fused, int8 head": (int8, "auto", "fused", "int8"),
               "SmoothQuant O3 fused, int8 head": (work / "sq-o3", "auto", "fused", "int8"),
               "LLM.int8() fused, int8 head": (work / "llm-int8", "auto", "fused", "int8"),
-              "GPTQ fused, int8 head": (work / "gptq", "auto", "fused", "int8")}
+              "GPTQ fused, int8 head": (work / "gptq", "auto", "fused", "int8"),
+              # 3 bits through the 3-bit kernel (codes in the planes layout), k-bit and SpQR's default recipe
+              "NF3+DQ": (work / "nf3", "float32", "eager", "float"),
+              "NF3+DQ fused, int8 head": (work / "nf3", "auto", "fused", "int8"),
+              "SpQR 3-bit fused, int8 head": (work / "spqr", "auto", "fused", "int8")}
     rows = {f"leanlm {name}": ("leanlm", "|".join(map(str, spec))) for name, spec in leanlm.items()}
     if importlib.util.find_spec("llama_cpp") is not None:
         for name in ("F32", "Q8_0", "Q4_0"):
@@ -208,7 +212,9 @@ def prepare(model: str, work: Path, rows: dict[str, tuple[str, str]]) -> None:
                "int8": ["--method", "kbit", "--dtype", "int", "--bits", "8"],  # blocks of 64: Q8_0's kind
                "sq-o3": ["--method", "smoothquant", "--level", "O3", "--no-bmm", "--calib-samples", "64"],
                "llm-int8": ["--method", "llm-int8"],
-               "gptq": ["--method", "gptq", "--calib-samples", "64"]}  # groups of 128, act-order
+               "gptq": ["--method", "gptq", "--calib-samples", "64"],  # groups of 128, act-order
+               "nf3": ["--method", "kbit", "--bits", "3", "--double-quant"],
+               "spqr": ["--method", "spqr", "--calib-samples", "64"]}  # 3-bit base, beta1 = beta2 = 16
     for name, recipe in recipes.items():
         if not (work / name).exists() and any(spec.startswith(f"{work / name}|") for spec in specs):
             subprocess.run([sys.executable, "-m", "leanlm.cli.main", "quantize", model, *recipe, "--out",

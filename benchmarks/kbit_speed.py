@@ -8,8 +8,8 @@ constants either way (double quantization is decoded once, when the layer first 
 code on the same inputs twice.
 Then, in a child process, the same linear as a CPU without AVX512-BF16 runs it (the brief's AVX2 machine):
 bitsandbytes with that feature hidden from it (it then de-quantizes and calls FP32 `linear`) beside leanlm's
-AVX2 kernel. And each 4- and 8-bit kernel's batch-1 streaming speed beside the machine's read bandwidth (the
-`bandwidth` part). Writes benchmarks/results/kbit_speed.json + .png.
+AVX2 kernel. And each 3-, 4- and 8-bit kernel's batch-1 streaming speed beside the machine's read bandwidth (the
+`bandwidth` part), with the whole-weight de-quantization 3-bit layers ran before they had a kernel. Writes benchmarks/results/kbit_speed.json + .png.
 
     python benchmarks/kbit_speed.py
     python benchmarks/kbit_speed.py --without-avx512bf16   # the child's part alone, printed as JSON
@@ -139,16 +139,22 @@ BANDWIDTH_SHAPE = (4096, 14336)  # Llama-3-8B's MLP down projection (out, in)
 BANDWIDTH_LAYERS = 4  # 4 x ~30 MB of codes: more than the 32 MB L3, so every call streams from memory
 
 
-def bandwidth_variants() -> dict[str, tuple[str, str, bool, int]]:
-    """Row name -> (kind: kbit | w8a8, kernel, double quantization, bits) of the batch-1 streaming measurement."""
+def bandwidth_variants() -> dict[str, tuple[str, str, bool, int, int]]:
+    """Row name -> (kind: kbit | w8a8, kernel, double quantization, bits, block) of the batch-1 streaming
+    measurement; kernel "reference" de-quantizes the whole weight at every call (what 3-bit layers did before the
+    3-bit kernel)."""
     variants = {}
     for isa in [*int8_kernel_isas(), *(i for i in kernel_isas() if i != "in-order")]:
         activations = "int8 activations" if isa.endswith("int8") else "float activations"
-        variants[f"nf4+dq, {activations}, {isa}"] = ("kbit", isa, True, 4)
-    variants["nf4, int8 activations, auto"] = ("kbit", "auto", False, 4)
-    variants["int8 codes (Q8_0's kind), auto"] = ("kbit", "auto", False, 8)
+        variants[f"nf4+dq, {activations}, {isa}"] = ("kbit", isa, True, 4, 64)
+    variants["nf4, int8 activations, auto"] = ("kbit", "auto", False, 4, 64)
+    variants["int8 codes (Q8_0's kind), auto"] = ("kbit", "auto", False, 8, 64)
+    for isa in int8_kernel_isas():
+        variants[f"nf3+dq, int8 activations, {isa}"] = ("kbit", isa, True, 3, 64)
+    variants["3-bit in blocks of 16 (SpQR's beta1), auto"] = ("kbit", "auto", False, 3, 16)
+    variants["nf3+dq, de-quantized at every call"] = ("kbit", "reference", True, 3, 64)
     for isa in int8_kernel_isas():  # what the fused decode step runs for W8A8 and LLM.int8() linears
-        variants[f"w8a8 (int8 per channel), {isa}"] = ("w8a8", isa, False, 8)
+        variants[f"w8a8 (int8 per channel), {isa}"] = ("w8a8", isa, False, 8, 0)
     return variants
 
 
@@ -158,28 +164,30 @@ def read_bandwidth(array: torch.Tensor) -> float:
     return array.numel() * array.element_size() / (time.perf_counter() - started)
 
 
-def _streamed_layer(weight: torch.Tensor, kind: str, isa: str, double_quant: bool, bits: int, built: dict):
+def _streamed_layer(weight: torch.Tensor, kind: str, isa: str, double_quant: bool, bits: int, block: int,
+                    built: dict):
     """(a one-token call through the variant's kernel, the bytes it reads: codes and constants); one layer per
     format, shared by the variants that differ only in the kernel."""
-    if (kind, double_quant, bits) not in built:
+    key = (kind, double_quant, bits, block)
+    if key not in built:
         if kind == "w8a8":
-            built[(kind, double_quant, bits)] = quantize_weight(weight, "per_channel")
+            built[key] = quantize_weight(weight, "per_channel")
         else:
-            dtype = "nf" if bits == 4 else "int"
-            built[(kind, double_quant, bits)] = KbitLinear.from_float(weight, None, dtype, bits, 64, double_quant)
-    layer = built[(kind, double_quant, bits)]
+            dtype = "int" if bits == 8 or block == 16 else "nf"
+            built[key] = KbitLinear.from_float(weight, None, dtype, bits, block, double_quant)
+    layer = built[key]
     if kind == "w8a8":
         codes, scale = layer
         return (lambda x: int8_gemv(x, codes, scale, None, isa=isa)), codes.numel() + 4 * scale.numel()
 
     def run(x):
-        layer.kernel_isa = isa
+        layer.backend, layer.kernel_isa = ("reference", "auto") if isa == "reference" else ("avx2", isa)
         return layer(x)
     return run, layer.bits_per_weight() * layer.in_features * layer.out_features / 8
 
 
 def bench_bandwidth(repeats: int) -> dict:
-    """Batch-1 speed of each 4- and 8-bit kernel (and the one-token W8A8 kernel) as bytes of weight read per second,
+    """Batch-1 speed of each 3-, 4- and 8-bit kernel (and the one-token W8A8 kernel) as bytes of weight read per second,
     beside the machine's read bandwidth (issue 27 asks >= 70% of it): BANDWIDTH_LAYERS weights of BANDWIDTH_SHAPE
     run in turn, so every call reads its weight from memory; the read bandwidth is a two-thread torch.sum of a
     256 MB float32 array, timed in the same rounds (interleaved), medians over `repeats` rounds."""
@@ -208,9 +216,12 @@ def bench_bandwidth(repeats: int) -> dict:
                 samples["read bandwidth"].append(read)
     result = {name: {"bytes_per_second": statistics.median(values), "samples": values}
               for name, values in samples.items()}
+    weights = BANDWIDTH_LAYERS * BANDWIDTH_SHAPE[0] * BANDWIDTH_SHAPE[1]
     for name in variants:
+        stored = sum(stored for _, stored in layers[name])
         result[name]["share_of_read_bandwidth"] = (result[name]["bytes_per_second"]
                                                    / result["read bandwidth"]["bytes_per_second"])
+        result[name]["weights_per_second"] = result[name]["bytes_per_second"] * weights / stored
     result["cpu"] = cpu_description()
     return result
 
@@ -264,12 +275,13 @@ def report(payload: dict) -> str:
     if "bandwidth" in payload:
         entries = payload["bandwidth"]
         read = entries["read bandwidth"]["bytes_per_second"]
-        rows = [[name, f"{entry['bytes_per_second'] / 1e9:.1f}", f"{100 * entry['share_of_read_bandwidth']:.0f}%"]
+        rows = [[name, f"{entry['bytes_per_second'] / 1e9:.2f}", f"{100 * entry['share_of_read_bandwidth']:.0f}%",
+                 f"{entry['weights_per_second'] / 1e9:.2f}" if "weights_per_second" in entry else ""]
                 for name, entry in entries.items() if name not in ("cpu", "read bandwidth")]
         out += ["", f"batch-1 streaming on {entries['cpu']}: {BANDWIDTH_LAYERS} weights of {BANDWIDTH_SHAPE[0]} x "
                 f"{BANDWIDTH_SHAPE[1]} in turn, GB of stored weight read per second; the machine reads "
                 f"{read / 1e9:.1f} GB/s (two-thread sum of 256 MB, same rounds):",
-                format_table(["kernel", "GB/s", "of read bandwidth"], rows, markdown=True)]
+                format_table(["kernel", "GB/s", "of read bandwidth", "G weights/s"], rows, markdown=True)]
     if "decode" in payload:
         decode = payload["decode"]
         out += ["", "batch-1 greedy decode, tokens/s:", format_table(

@@ -131,10 +131,12 @@ def test_stored_form_reproduces_the_solver_and_counts_every_bit(settings):
     for m in (1, 7, 40):  # the kernel's register path (M <= 16) and its tile path
         x = torch.randn(m, 256)
         reference = module(x)
-        for backend in ("dense_sparse", "kernel") if module.bits == 4 and avx2_available() else ("dense_sparse",):
+        # 3 bits: the int8 kernel at decode sizes (SpQR's blocks of 16 too), the de-quantized weight above them
+        for backend in ("dense_sparse", "kernel") if module.bits in (3, 4) and avx2_available() else ("dense_sparse",):
             module.backend = backend
             _assert_kernel_close(module(x), reference, int8_activations=backend == "kernel" and m <= SMALL_M)
         module.backend = "reference"
+    assert module.code_layout == ("planes" if module.bits == 3 else "stream")
     state_bits = sum(t.numel() * t.element_size() * 8 for name, t in module.state_dict().items())
     assert module.bits_per_weight() == pytest.approx(state_bits / weight.numel())
 

@@ -54,6 +54,25 @@ def test_packing_round_trips_at_exactly_k_bits(bits):
     assert torch.equal(unpack(packed, bits, 1001), codes)
 
 
+@pytest.mark.parametrize("count", [64, 1001, 4096])
+def test_the_3_bit_planes_layout_round_trips_in_24_bytes_per_64_codes(count):
+    codes = torch.randint(0, 8, (count,), dtype=torch.uint8)
+    packed = pack(codes, 3, "planes")
+    assert packed.numel() == packed_bytes(count, 3, "planes") == -(-count // 64) * 24
+    assert torch.equal(unpack(packed, 3, count, "planes"), codes)
+
+
+def test_the_3_bit_planes_layout_puts_low_pairs_then_high_bits():
+    """Code i's low pair is in byte i % 16 at bits 2 * (i // 16); its high bit is bit i of the 8 bytes after."""
+    codes = torch.zeros(64, dtype=torch.uint8)
+    codes[17], codes[63] = 5, 7  # 0b101: pair 1 in byte 1, bits 2-3; high bit 17. 0b111: byte 15, bits 6-7; bit 63
+    expected = torch.zeros(24, dtype=torch.uint8)
+    expected[1], expected[15], expected[16 + 2], expected[16 + 7] = 1 << 2, 3 << 6, 1 << 1, 1 << 7
+    assert torch.equal(pack(codes, 3, "planes"), expected)
+    with pytest.raises(ConfigError, match="planes layout holds 3-bit"):
+        pack(codes, 4, "planes")
+
+
 def test_blockwise_error_shrinks_with_the_block_size():
     torch.manual_seed(0)
     weight = torch.randn(128, 512) * torch.logspace(-1, 1, 512)  # columns of very different scales

@@ -232,6 +232,62 @@ def test_8_bit_int_codes_run_the_int8_kernel_as_stored(rows, double_quant):
 
 
 @needs_avx2
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize("block, in_features, double_quant", [(64, 576, False), (128, 512, True), (16, 192, False),
+                                                              (32, 576, False), (256, 512, True)])
+def test_3_bit_codes_run_the_int8_kernel_as_its_reference_computes(rows, block, in_features, double_quant):
+    """3-bit codes in the planes layout (blocks of 16 and 32 too: each 16 codes of a chunk scaled on their own): each
+    int8 kernel computes the oracle's integers; only the float sums of scaled parts may round apart."""
+    torch.manual_seed(5)
+    quantized = quantize_blockwise(torch.randn(80, in_features), codebook("nf", 3), block, double_quant)
+    constants = (BlockConstants(quantized.absmax, quantized.absmax_scale, DYNAMIC8.values,
+                                quantized.absmax_offset.item()) if double_quant else BlockConstants(quantized.absmax))
+    packed, table, bias = pack(quantized.codes, 3, "planes"), code_table(codebook("nf", 3).values), torch.randn(80)
+    x = torch.randn(rows, in_features) * torch.rand(in_features) * 4
+    expected = reference_int8_activations(x, packed, constants, table, 80, block, bits=3) + bias
+    for isa in int8_kernel_isas():
+        torch.testing.assert_close(kbit_linear(x, packed, constants, table, 80, block, bias, "avx2", isa, bits=3),
+                                   expected, rtol=1e-5, atol=1e-4, msg=lambda m: f"{isa}: {m}")
+    exact = x @ quantized.dequantize().T + bias
+    assert 20 * torch.log10(exact.norm() / (expected - exact).norm()) > 30  # int8 activations and book: SQNR
+
+
+@needs_avx2
+@pytest.mark.parametrize("dtype, block", [("nf", 64), ("int", 32), ("fp", 16)])
+def test_a_3_bit_layer_decodes_through_the_kernel_and_prefills_by_rows(dtype, block):
+    """A 3-bit KbitLinear keeps its codes in the planes layout (3 bits per weight, as the bit stream) and never
+    de-quantizes its whole weight at decode sizes; a longer input multiplies by rows of the de-quantized weight."""
+    torch.manual_seed(6)
+    layer = KbitLinear.from_float(torch.randn(96, 576), torch.randn(96), dtype, 3, block)
+    assert layer.code_layout == "planes" and layer.packed.numel() == 96 * 576 * 3 // 8
+    x = torch.randn(2, 576)
+    constants, table = layer._kernel_state()
+    expected = reference_int8_activations(x, layer.packed, constants, table, 96, block, bits=3) + layer.bias
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
+    assert layer.backend == "avx2"
+    prefill = torch.randn(40, 576)
+    torch.testing.assert_close(layer(prefill), prefill @ layer.dequantized_weight().T + layer.bias)
+    with pytest.raises(ConfigError, match="3-bit codes run the int8 kernel only"):
+        kbit_linear(prefill, layer.packed, constants, table, 96, block, layer.bias, "avx2", bits=3)
+
+
+def test_3_bit_layers_of_checkpoints_from_before_the_planes_layout_still_read_their_bit_stream():
+    """A checkpoint record without `code_layout` builds a bit-stream layer (the only 3-bit layout then), which
+    takes the reference path and computes what the planes layer computes."""
+    torch.manual_seed(7)
+    layer = KbitLinear.from_float(torch.randn(32, 128), None, "nf", 3, 64)
+    arguments = {key: value for key, value in layer.constructor_args().items() if key != "code_layout"}
+    old = KbitLinear(**arguments)
+    state = layer.state_dict()
+    state["packed"] = pack(layer.quantized().codes, 3)
+    old.load_state_dict(state)
+    assert old.code_layout == "stream"
+    x = torch.randn(20, 128)
+    torch.testing.assert_close(old(x), x @ layer.dequantized_weight().T)
+    assert old.backend == "reference"
+
+
+@needs_avx2
 def test_8_bit_codes_written_with_the_unused_code_still_decode():
     """Checkpoints written before `Codebook.nearest` stopped emitting code 255 (the int book's second zero) may
     hold it; the layer maps it to 127, the same value, before the kernel reads the bytes."""

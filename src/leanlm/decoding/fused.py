@@ -50,22 +50,22 @@ _FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _ACTIVATIONS = {"swiglu": (0, "silu"), "geglu": (1, "gelu_pytorch_tanh")}
 # Rotary kinds whose frequencies transformers computes once (rotary_emb's buffers), not per sequence length
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-_KBIT_KINDS = {4: 2, 8: 3}
+_KBIT_KINDS = {3: 5, 4: 2, 8: 3}  # code width -> the C++ step's LinearKind
 
 
 def _linear_problem(name: str, module: nn.Module) -> str | None:
     if isinstance(module, KbitLinear):
         runs = (module.bits == 4 and supports_int8_activations(module.block_size, module.in_features)
-                and module.proxy_columns is None) or module._runs_int8_codes()
+                and module.proxy_columns is None) or module._runs_int8_kernel_only()
         if not runs or module.backend == "reference":
             return (f"{name}: {module.extra_repr()} (the fused step runs 4-bit codes and 8-bit int codes in blocks of "
-                    "a multiple of 64, without proxy columns)")
+                    "a multiple of 64 and 3-bit codes in blocks of 16, 32 or a multiple of 64, without proxy columns)")
         return None
     if isinstance(module, SpQRLinear):
         if module._resolve_backend() != "kernel" or not supports_int8_activations(module.kernel_block,
-                                                                                   module.in_features):
-            return (f"{name}: {module.extra_repr()} (the fused step runs 4-bit GPTQ / SpQR codes in kernel blocks of "
-                    f"a multiple of 64; these are {module.kernel_block} columns)")
+                                                                                   module.in_features, module.bits):
+            return (f"{name}: {module.extra_repr()} (the fused step runs 3- and 4-bit GPTQ / SpQR codes in kernel "
+                    f"blocks of a multiple of 64, or 3-bit ones of 16 or 32; these are {module.kernel_block} columns)")
         return None
     if isinstance(module, W8A8Linear):
         if module.asymmetric:
@@ -213,8 +213,8 @@ class FusedDecoder:
                                                  module.outlier_threshold or 0.0)
         if isinstance(module, SpQRLinear):
             scale, offset = module.kernel_constants()
-            values, inverse = int8_kernel_table(IDENTITY_TABLE, 4)
-            linear = self._decoder.add_linear(_KBIT_KINDS[4], module.codes, module.in_features, module.out_features,
+            values, inverse = int8_kernel_table(IDENTITY_TABLE, module.bits)
+            linear = self._decoder.add_linear(_KBIT_KINDS[module.bits], module.codes, module.in_features, module.out_features,
                                               bias, scale, values, inverse, module.kernel_block)
             outliers = {}
             if module.outlier_count:

@@ -102,7 +102,7 @@ def gguf_blocks(module: nn.Module) -> tuple[np.ndarray, gguf.GGMLQuantizationTyp
     if problems:
         raise ConfigError(f"this {kind} has no exact GGUF block type: {'; '.join(problems)}")
     rows, columns = module.out_features, module.in_features
-    codes = unpack(module.codes, module.bits, rows * columns).reshape(rows, columns // BLOCK, BLOCK)
+    codes = unpack(module.codes, module.bits, rows * columns, module.code_layout).reshape(rows, columns // BLOCK, BLOCK)
     scales = module.scale.numpy().astype(np.float16).view(np.uint8).reshape(rows, columns // BLOCK, 2)
     if module.bits == 4:  # 16 bytes: weight j in the low nibble of byte j, weight j + 16 in its high nibble
         values = (codes[..., :BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)).numpy()

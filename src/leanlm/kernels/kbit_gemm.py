@@ -1,7 +1,7 @@
 """The weight-only k-bit linear: y = x @ W^T + b with W = codebook[codes] * absmax[block].
 
-`reference` is plain PyTorch (de-quantize the whole weight, then matmul): the test oracle, and the path for any
-k other than 4 or blocks that straddle rows. `avx2` is leanlm's C++ kernel (`csrc/kbit4_gemm.cpp`), compiled on
+`reference` is plain PyTorch (de-quantize the whole weight, then matmul): the test oracle, and the path for
+layouts the kernels do not read. `avx2` is leanlm's C++ kernel (`csrc/kbit4_gemm.cpp`), compiled on
 first use with the system's C++ compiler into leanlm's cache: for small M (decode) it decodes 4-bit codes in
 registers and never writes a float weight (memory-bound: 4.5 bits moved per weight instead of 32), with an
 AVX-512 variant chosen at run time where the CPU has it (`KernelIsa`); for large M it decodes tiles of output
@@ -97,9 +97,11 @@ def int8_kernel_isas() -> list[str]:
     return (["avx512-vnni-int8"] if extension.has_avx512_vnni() else []) + ["avx2-int8"]
 
 
-def supports_int8_activations(block_size: int, in_features: int) -> bool:
-    """The int8 kernel's layout: one block constant per chunk of 64 activations."""
-    return block_size % INT8_CHUNK == 0 and in_features % block_size == 0
+def supports_int8_activations(block_size: int, in_features: int, bits: int = 4) -> bool:
+    """The int8 kernel's layout: one block constant per chunk of 64 activations; 3-bit codes (in the planes layout,
+    rows of a multiple of 64) may also have blocks of 16 or 32, each 16 codes of a chunk being scaled on their own."""
+    small = bits == 3 and block_size in (16, 32)
+    return (block_size % INT8_CHUNK == 0 or small) and in_features % block_size == 0 and in_features % INT8_CHUNK == 0
 
 
 # 8-bit codes of the symmetric int code book (`codebooks.codebook("int", 8)`: value (code - 127) / 127) are the
@@ -148,7 +150,7 @@ def int8_table(table: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 def int8_kernel_table(table: torch.Tensor | None, bits: int) -> tuple[torch.Tensor, float]:
-    """What the int8 kernel reads for a layer's code book: 4 bits, `int8_table`; 8-bit int codes, no table (the
+    """What the int8 kernel reads for a layer's code book: 3 or 4 bits, `int8_table`; 8-bit int codes, no table (the
     codes are the int8 values plus 127) and the factor 1 / 127."""
     return (_NO_TABLE, 1.0 / INT8_CODE_BIAS) if bits == 8 else int8_table(table)
 
@@ -165,20 +167,23 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def reference_int8_activations(x: torch.Tensor, packed: torch.Tensor, constants: "BlockConstants",
                                table: torch.Tensor | None, out_features: int, block_size: int,
                                bits: int = 4) -> torch.Tensor:
-    """The int8 kernel's oracle in plain PyTorch: x quantized per chunk, the 4-bit code book rounded to int8 (8-bit
-    codes are int8 values already), each chunk's dot product exact (int64), then scaled by the block constant and
-    the chunk's scale (in float64)."""
+    """The int8 kernel's oracle in plain PyTorch: x quantized per chunk, the 3- or 4-bit code book rounded to int8
+    (8-bit codes are int8 values already), the dot product of each chunk (or of each block, where blocks are
+    smaller) exact (int64), then scaled by the block constant and the chunk's scale (in float64)."""
     codes, x_scale = quantize_activations(x)
     if bits == 8:
         weight_codes, inverse = packed.long() - INT8_CODE_BIAS, 1.0 / INT8_CODE_BIAS
     else:
         values, inverse = int8_table(table)
-        weight_codes = values[unpack(packed, 4, out_features * x.shape[1]).long()]
-    weight_codes = weight_codes.reshape(out_features, -1, INT8_CHUNK)
-    dots = torch.einsum("mck,nck->mnc", codes.long(), weight_codes.long())  # (M, N, chunks), exact
+        layout = "planes" if bits == 3 else "stream"
+        weight_codes = values[unpack(packed, bits, out_features * x.shape[1], layout).long()]
+    part = min(block_size, INT8_CHUNK)  # columns of one exact dot product: one weight and one x scale
+    weight_codes = weight_codes.reshape(out_features, -1, part)
+    dots = torch.einsum("mck,nck->mnc", codes.reshape(x.shape[0], -1, part).long(), weight_codes.long())  # exact
     weight_scale = constants.dense().double().reshape(out_features, -1).repeat_interleave(
-        block_size // INT8_CHUNK, dim=1) * inverse
-    return (dots.double() * weight_scale[None] * x_scale.double()[:, None, :]).sum(dim=2).float()
+        block_size // part, dim=1) * inverse
+    x_scale = x_scale.double().repeat_interleave(INT8_CHUNK // part, dim=1)
+    return (dots.double() * weight_scale[None] * x_scale[:, None, :]).sum(dim=2).float()
 
 
 @dataclass(frozen=True)
@@ -219,7 +224,7 @@ def kbit_linear(
     backend: KbitBackend,
     isa: KernelIsa = "auto",
     int8_activations: bool = True,  # whether "auto" may quantize x at decode sizes (not under autograd: see nn)
-    bits: int = 4,  # 8: codes of the int code book, one byte each (the int8 kernel only)
+    bits: int = 4,  # 8: codes of the int code book, one byte each; 3: the planes layout (both: the int8 kernel only)
 ) -> torch.Tensor:
     in_features = x.shape[1]
     constants = absmax if isinstance(absmax, BlockConstants) else BlockConstants(absmax)
@@ -236,9 +241,10 @@ def kbit_linear(
         raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
     x = x.contiguous()
     int8 = isa in INT8_ISA_CODES or (isa == "auto" and int8_activations and x.shape[0] <= SMALL_M
-                                        and supports_int8_activations(block_size, in_features))
-    if bits == 8 and not int8:
-        raise ConfigError("8-bit codes run the int8 kernel only (isa auto at decode sizes, or an int8 kernel named)")
+                                        and supports_int8_activations(block_size, in_features, bits))
+    if bits != 4 and not int8:
+        raise ConfigError(f"{bits}-bit codes run the int8 kernel only (isa auto at decode sizes, or an int8 kernel "
+                          "named)")
     if int8:
         values, inverse = int8_kernel_table(table, bits)
         out = extension.kbit_gemv_int8(x, packed, constants.absmax, values, inverse, out_features, block_size, bits,

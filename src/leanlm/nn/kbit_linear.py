@@ -2,9 +2,12 @@
 block-wise absmax constants (optionally double-quantized), activations float32 (at decode sizes, up to SMALL_M
 rows without gradients, quantized per chunk of 64 to int8 for the int8 kernel, as llama.cpp does).
 
-Storage is really k bits per weight (`packed` holds the bit stream); `bits_per_weight` is the exact account.
-The forward pass runs leanlm's AVX2 kernel where the layout allows (4-bit codes, blocks tiling each row), else
-the plain-PyTorch reference (de-quantize, then matmul), which is also the kernel's test oracle.
+Storage is really k bits per weight (`packed` holds the bit stream, or for 3 bits the planes layout the 3-bit
+kernel reads: `leanlm.formats.packing`); `bits_per_weight` is the exact account. The forward pass runs leanlm's
+kernels where the layout allows (4-bit codes in blocks tiling each row; 8-bit int codes and 3-bit codes in
+blocks the int8 kernel reads, which serve decode sizes, a longer input multiplying by rows of the weight
+de-quantized a few thousand at a time), else the plain-PyTorch reference (de-quantize, then matmul), which is also
+the kernels' test oracle.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from torch import nn
 
 from leanlm.formats.blockwise import SECOND_LEVEL_BLOCK, BlockwiseQuantized, quantize_blockwise
 from leanlm.formats.codebooks import DYNAMIC8, Codebook, codebook
-from leanlm.formats.packing import pack, packed_bytes, unpack
+from leanlm.formats.packing import CodeLayout, pack, packed_bytes, unpack
 from leanlm.kernels.kbit_gemm import (
     INT8_CODE_BIAS,
     SMALL_M,
@@ -31,6 +34,11 @@ from leanlm.kernels.kbit_gemm import (
 )
 
 
+def preferred_layout(bits: int) -> CodeLayout:
+    """How new weights hold their codes: 3-bit ones as the 3-bit kernel reads them, the others as one bit stream."""
+    return "planes" if bits == 3 else "stream"
+
+
 class KbitLinear(nn.Module):
     def __init__(
         self,
@@ -44,6 +52,7 @@ class KbitLinear(nn.Module):
         exponent_bits: int | None = None,  # float types only
         backend: KbitBackend | None = None,  # None: the fast kernel where it applies, chosen at the first forward
         proxy_dims: int = 0,  # input dimensions kept in 16-bit (proxy quantization, thesis section 3.3)
+        code_layout: CodeLayout = "stream",  # how `packed` holds the codes; checkpoints from before "planes" lack it
     ):
         super().__init__()
         self.backend = backend
@@ -51,11 +60,12 @@ class KbitLinear(nn.Module):
         self._kernel_inputs = None  # (float absmax, code table): derived from the buffers, rebuilt after a load
         self.in_features, self.out_features = in_features, out_features
         self.dtype, self.bits, self.double_quant, self.exponent_bits = dtype, bits, double_quant, exponent_bits
+        self.code_layout = code_layout
         self.block_size = block_size or in_features
         self.per_row = block_size is None
         count = in_features * out_features
         blocks = -(-count // self.block_size)
-        self.register_buffer("packed", torch.zeros(packed_bytes(count, bits), dtype=torch.uint8))
+        self.register_buffer("packed", torch.zeros(packed_bytes(count, bits, code_layout), dtype=torch.uint8))
         if double_quant:
             self.register_buffer("absmax", torch.zeros(blocks, dtype=torch.uint8))
             self.register_buffer("absmax_scale", torch.zeros(-(-blocks // SECOND_LEVEL_BLOCK)))
@@ -80,7 +90,7 @@ class KbitLinear(nn.Module):
         out_features, in_features = weight.shape
         proxy_dims = 0 if proxy_columns is None else proxy_columns.numel()
         module = cls(in_features, out_features, bias is not None, dtype, bits, block_size, double_quant, exponent_bits,
-                     proxy_dims=proxy_dims)
+                     proxy_dims=proxy_dims, code_layout=preferred_layout(bits))
         weight = weight.detach().float()
         if proxy_dims:
             columns = proxy_columns.long().sort().values
@@ -88,7 +98,7 @@ class KbitLinear(nn.Module):
             module.proxy_weight = weight[:, columns].half()
             weight = weight.index_fill(1, columns, 0.0)
         quantized = quantize_blockwise(weight, module.codebook, block_size, double_quant)
-        module.packed = pack(quantized.codes, bits)
+        module.packed = pack(quantized.codes, bits, module.code_layout)
         module.absmax = quantized.absmax
         if double_quant:
             module.absmax_scale, module.absmax_offset = quantized.absmax_scale, quantized.absmax_offset
@@ -100,12 +110,13 @@ class KbitLinear(nn.Module):
         return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
                 "dtype": self.dtype, "bits": self.bits, "block_size": None if self.per_row else self.block_size,
                 "double_quant": self.double_quant, "exponent_bits": self.exponent_bits,
-                "proxy_dims": 0 if self.proxy_columns is None else self.proxy_columns.numel()}
+                "proxy_dims": 0 if self.proxy_columns is None else self.proxy_columns.numel(),
+                "code_layout": self.code_layout}
 
     def quantized(self) -> BlockwiseQuantized:
         count = self.in_features * self.out_features
         return BlockwiseQuantized(
-            unpack(self.packed, self.bits, count), self.absmax, (self.out_features, self.in_features),
+            unpack(self.packed, self.bits, count, self.code_layout), self.absmax, (self.out_features, self.in_features),
             self.block_size, self.codebook,
             self.absmax_scale if self.double_quant else None, self.absmax_offset if self.double_quant else None,
         )
@@ -138,23 +149,26 @@ class KbitLinear(nn.Module):
             constants = (BlockConstants(self.absmax, self.absmax_scale, DYNAMIC8.values, self.absmax_offset.item(),
                                         SECOND_LEVEL_BLOCK)
                          if self.double_quant else BlockConstants(self.absmax.float().contiguous()))
-            table = code_table(self.codebook.values) if self.bits == 4 else None  # 8-bit codes need no table
-            if self._runs_int8_codes():  # written before `Codebook.nearest` stopped emitting the unused code
+            table = code_table(self.codebook.values) if self.bits in (3, 4) else None  # 8-bit codes need no table
+            if self.bits == 8 and self._runs_int8_kernel_only():  # written before `Codebook.nearest` stopped emitting the unused code
                 # 255 (= 0.0, as is 127); 16 MiB at a time, as the mask is a byte per code (Gemma-3's head: 160 MiB)
                 for part in self.packed.split(1 << 24):
                     part.masked_fill_(part == 255, INT8_CODE_BIAS)
             self._kernel_inputs = (constants, table)
         return self._kernel_inputs
 
-    def _runs_int8_codes(self) -> bool:
-        """8-bit codes of the symmetric int book (llama.cpp's Q8_0 in all but the block): the int8 kernel reads them
-        as stored, at decode sizes."""
-        return (self.bits == 8 and is_int8_code_book(self.codebook.values)
-                and supports_int8_activations(self.block_size, self.in_features) and self.proxy_columns is None)
+    def _runs_int8_kernel_only(self) -> bool:
+        """Codes only the int8 kernel reads, at decode sizes (longer inputs: `_prefill_by_rows`): 8-bit codes of
+        the symmetric int book (llama.cpp's Q8_0 in all but the block), read as stored, and 3-bit codes in the
+        planes layout."""
+        readable = (self.bits == 8 and is_int8_code_book(self.codebook.values)
+                    or self.bits == 3 and self.code_layout == "planes")
+        return (readable and supports_int8_activations(self.block_size, self.in_features, self.bits)
+                and self.proxy_columns is None)
 
     def _resolve_backend(self) -> KbitBackend:
         if self.backend is None:
-            fits = supports_fast_path(self.bits, self.block_size, self.in_features) or self._runs_int8_codes()
+            fits = supports_fast_path(self.bits, self.block_size, self.in_features) or self._runs_int8_kernel_only()
             self.backend = default_backend() if fits else "reference"
         return self.backend
 
@@ -169,8 +183,8 @@ class KbitLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self._resolve_backend() == "reference":
             return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
-        if self.bits == 8 and not (int8_activations and rows.shape[0] <= SMALL_M):
-            return self._eight_bit_prefill(rows).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        if self.bits != 4 and not (int8_activations and rows.shape[0] <= SMALL_M):
+            return self._prefill_by_rows(rows).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         absmax, table = self._kernel_state()
         rows = rows.float()
         out = kbit_linear(rows, self.packed, absmax, table, self.out_features, self.block_size, self.bias, self.backend,
@@ -179,22 +193,26 @@ class KbitLinear(nn.Module):
             out.addmm_(rows[:, self.proxy_columns.long()], self.proxy_weight.float().T)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def _eight_bit_prefill(self, rows: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
-        """8-bit codes have only the decode-size kernel: a prefill multiplies by the de-quantized weight, a few
-        thousand output rows at a time (an 8-bit head de-quantized whole would be the peak memory: 671 MiB for
+    def _prefill_by_rows(self, rows: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
+        """3- and 8-bit codes have only the decode-size kernel: a prefill multiplies by the de-quantized weight, a
+        few thousand output rows at a time (an 8-bit head de-quantized whole would be the peak memory: 671 MiB for
         Gemma-3's 262144 x 640)."""
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         x = rows.float()
         for first in range(0, self.out_features, rows_at_once):
             last = min(first + rows_at_once, self.out_features)
-            out[:, first:last] = x @ self.eight_bit_rows(slice(first, last)).T
+            out[:, first:last] = x @ self.weight_rows(slice(first, last)).T
         return out.add_(self.bias) if self.bias is not None else out
 
-    def eight_bit_rows(self, index: slice | torch.Tensor) -> torch.Tensor:
-        """Output rows `index` of an 8-bit layer's weight, de-quantized (float32, (rows, in_features)): its codes
-        are one byte each, so rows are read without unpacking the whole weight."""
+    def weight_rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        """Output rows `index` of a layer the int8 kernel reads, de-quantized (float32, (rows, in_features)): a
+        row's codes are whole bytes (8 bits: one byte each; 3-bit planes: 24 bytes per 64), so rows are read
+        without unpacking the whole weight."""
         constants = self._kernel_state()[0].dense().reshape(self.out_features, -1)[index]
-        codes = self.packed.reshape(self.out_features, -1, self.block_size)[index]
+        codes = self.packed.reshape(self.out_features, -1)[index]
+        if self.bits != 8:
+            codes = unpack(codes.reshape(-1), self.bits, codes.shape[0] * self.in_features, self.code_layout)
+        codes = codes.reshape(constants.shape[0], -1, self.block_size)
         return (self.codebook.values[codes.long()] * constants[:, :, None]).reshape(-1, self.in_features)
 
     def extra_repr(self) -> str:
@@ -239,7 +257,7 @@ class KbitEmbedding(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The de-quantized float32 rows of `ids` (any shape), before the scale."""
-        return self.head.eight_bit_rows(ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
+        return self.head.weight_rows(ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = self.rows(ids)

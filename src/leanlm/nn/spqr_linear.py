@@ -12,11 +12,13 @@ The permutation (int16 per input column) maps the solver's column order back. `b
 stored tensor. Three forward paths:
 - `reference` de-quantizes the whole weight (outliers included) and runs one matmul: the test oracle;
 - `dense_sparse` runs the de-quantized dense part, then adds the outliers' products;
-- `kernel` (4-bit codes) reuses the k-bit AVX2 kernel: a group's weights are scale * q + offset
-  (offset = -scale * zero), so y = kbit(x, codes, scale, table 0..15) + (per-block sums of x) @ offset^T, then
-  the outliers. The kernel's blocks must tile each row, and a row need not be a whole number of groups
-  (SmolLM2's 576 columns in groups of 128 end on a group of 64), so it runs blocks of gcd(group, columns)
-  columns, each with its group's scale and offset. The default wherever those blocks are a multiple of 16.
+- `kernel` (4-bit codes, and 3-bit codes in the planes layout) reuses the k-bit kernels: a group's weights are
+  scale * q + offset (offset = -scale * zero), so y = kbit(x, codes, scale, table 0..2^b - 1) + (per-block sums
+  of x) @ offset^T, then the outliers. The kernel's blocks must tile each row, and a row need not be a whole
+  number of groups (SmolLM2's 576 columns in groups of 128 end on a group of 64), so it runs blocks of
+  gcd(group, columns) columns, each with its group's scale and offset. The default wherever those blocks are a
+  multiple of 16 (4 bits) or the int8 kernel reads them (3 bits: 16, 32 or a multiple of 64; decode sizes only,
+  a longer input multiplies by the de-quantized weight).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from torch import nn
 
 from leanlm.errors import ConfigError
 from leanlm.formats.gptq import SolvedWeight, SolverSettings
-from leanlm.formats.packing import pack, packed_bytes, unpack
-from leanlm.kernels.kbit_gemm import avx2_available, kbit_linear, supports_fast_path
+from leanlm.formats.packing import CodeLayout, pack, packed_bytes, unpack
+from leanlm.kernels.kbit_gemm import (SMALL_M, avx2_available, kbit_linear, supports_fast_path,
+                                      supports_int8_activations)
+from leanlm.nn.kbit_linear import preferred_layout
 
 SpQRBackend = Literal["reference", "dense_sparse", "kernel"]
 IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 4-bit codes are the integers themselves
@@ -39,17 +43,20 @@ IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 4-bit codes are the in
 
 class SpQRLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group_size: int | None,
-                 statistic_bits: int | None, statistic_group_size: int, outliers: int, permuted: bool):
+                 statistic_bits: int | None, statistic_group_size: int, outliers: int, permuted: bool,
+                 code_layout: CodeLayout = "stream"):  # how `codes` holds them; older checkpoints lack it
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.statistic_bits, self.statistic_group_size = bits, statistic_bits, statistic_group_size
+        self.code_layout = code_layout
         self.group_size = group_size or in_features
         self.per_row = group_size is None
         self.backend: SpQRBackend | None = None  # None: the kernel where it applies, chosen at the first forward
         self._kernel_inputs = None  # (float32 scales flat, offsets (rows, groups)), rebuilt after a load
         self._sparse = None  # the outliers as a CSR matrix, rebuilt after a load
         groups = -(-in_features // self.group_size)
-        self.register_buffer("codes", torch.zeros(packed_bytes(out_features * in_features, bits), dtype=torch.uint8))
+        self.register_buffer("codes", torch.zeros(packed_bytes(out_features * in_features, bits, code_layout),
+                                                  dtype=torch.uint8))
         if statistic_bits is None:
             self.register_buffer("scale", torch.zeros(out_features, groups, dtype=torch.float16))
             self.register_buffer("zero", torch.zeros(out_features, groups, dtype=torch.float16))
@@ -72,8 +79,9 @@ class SpQRLinear(nn.Module):
     def from_solved(cls, solved: SolvedWeight, settings: SolverSettings, bias: torch.Tensor | None) -> "SpQRLinear":
         rows, columns = solved.codes.shape
         module = cls(columns, rows, bias is not None, settings.bits, settings.group_size, settings.statistic_bits,
-                     settings.statistic_group_size, int(solved.outlier_mask.sum()), solved.permutation is not None)
-        module.codes = pack(solved.codes, settings.bits)
+                     settings.statistic_group_size, int(solved.outlier_mask.sum()), solved.permutation is not None,
+                     preferred_layout(settings.bits))
+        module.codes = pack(solved.codes, settings.bits, module.code_layout)
         if settings.statistic_bits is None:
             module.scale = torch.stack([s.values for s in solved.scales], dim=1).half()
             module.zero = torch.stack([z.values for z in solved.zeros], dim=1).half()
@@ -97,7 +105,8 @@ class SpQRLinear(nn.Module):
         return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
                 "bits": self.bits, "group_size": None if self.per_row else self.group_size,
                 "statistic_bits": self.statistic_bits, "statistic_group_size": self.statistic_group_size,
-                "outliers": self.outlier_values.numel(), "permuted": self.permutation is not None}
+                "outliers": self.outlier_values.numel(), "permuted": self.permutation is not None,
+                "code_layout": self.code_layout}
 
     def _statistic(self, name: str) -> torch.Tensor:
         """(rows, groups) float32 scales or zeros, de-quantized from whatever is stored."""
@@ -113,7 +122,7 @@ class SpQRLinear(nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """The de-quantized codes (rows, columns), in the solver's column order, outliers not included."""
-        codes = unpack(self.codes, self.bits, self.out_features * self.in_features)
+        codes = unpack(self.codes, self.bits, self.out_features * self.in_features, self.code_layout)
         codes = codes.reshape(self.out_features, self.in_features).float()
         column_group = torch.arange(self.in_features) // self.group_size
         return self._statistic("scale")[:, column_group] * (codes - self._statistic("zero")[:, column_group])
@@ -163,13 +172,15 @@ class SpQRLinear(nn.Module):
 
     def _resolve_backend(self) -> SpQRBackend:
         if self.backend is None:
-            fits = self.bits == 4 and supports_fast_path(4, self.kernel_block, self.in_features)
+            fits = (self.bits == 4 and supports_fast_path(4, self.kernel_block, self.in_features)
+                    or self.bits == 3 and self.code_layout == "planes"
+                    and supports_int8_activations(self.kernel_block, self.in_features, 3))
             self.backend = "kernel" if fits and avx2_available() else "dense_sparse"
         return self.backend
 
     def kernel_constants(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the 4-bit kernel path reads beside the codes (built once): one scale per kernel block, flat
-        (rows * blocks,), and each block's offset -scale * zero (rows, blocks); the code book is 0..15."""
+        """What the kernel path reads beside the codes (built once): one scale per kernel block, flat
+        (rows * blocks,), and each block's offset -scale * zero (rows, blocks); the code book is 0..2^b - 1."""
         if self._kernel_inputs is None:  # each kernel block takes its group's scale and offset
             block = self.kernel_block
             group_of_block = torch.arange(self.in_features // block) * block // self.group_size
@@ -179,11 +190,12 @@ class SpQRLinear(nn.Module):
         return self._kernel_inputs
 
     def _dense_product(self, rows: torch.Tensor) -> torch.Tensor:
-        if self._resolve_backend() == "dense_sparse":
+        if self._resolve_backend() == "dense_sparse" or self.bits == 3 and rows.shape[0] > SMALL_M:
             return nn.functional.linear(rows, self.dense_weight(), self.bias)
         block = self.kernel_block
         scale, offset = self.kernel_constants()
-        out = kbit_linear(rows, self.codes, scale, IDENTITY_TABLE, self.out_features, block, self.bias, "avx2")
+        out = kbit_linear(rows, self.codes, scale, IDENTITY_TABLE, self.out_features, block, self.bias, "avx2",
+                          bits=self.bits)
         block_sums = rows.reshape(rows.shape[0], -1, block).sum(dim=2)
         return out.addmm_(block_sums, offset.T)
 

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -337,9 +338,9 @@ torch::Tensor kbit4_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor ab
   return out;
 }
 
-// The int8-activation kernel (kbit4_int8.inc) for 4- or 8-bit codes: isa 1 = AVX512-VNNI, 2 = AVX2, 0 = the
-// best this CPU runs. `table` is the 4-bit code book as 16 int8 values (ignored for 8 bits, whose codes are the
-// int8 values plus 127), `table_inverse` the factor back to the book's own scale.
+// The int8-activation kernel (kbit4_int8.inc) for 3-, 4- or 8-bit codes: isa 1 = AVX512-VNNI, 2 = AVX2, 0 = the
+// best this CPU runs. `table` is the 3- or 4-bit code book as 16 int8 values (ignored for 8 bits, whose codes are
+// the int8 values plus 127), `table_inverse` the factor back to the book's own scale.
 torch::Tensor kbit_gemv_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor absmax, torch::Tensor table,
                              double table_inverse, int64_t out_features, int64_t block, int64_t bits, int64_t isa,
                              c10::optional<torch::Tensor> dq_scales, c10::optional<torch::Tensor> dq_values,
@@ -348,9 +349,10 @@ torch::Tensor kbit_gemv_int8(torch::Tensor x, torch::Tensor packed, torch::Tenso
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed: contiguous uint8");
   TORCH_CHECK(table.scalar_type() == torch::kInt8 && table.numel() == 16 && table.is_contiguous(),
               "table: 16 int8 values");
-  TORCH_CHECK(bits == 4 || bits == 8, "the int8 kernel reads 4- or 8-bit codes, got ", bits);
+  TORCH_CHECK(bits == 3 || bits == 4 || bits == 8, "the int8 kernel reads 3-, 4- or 8-bit codes, got ", bits);
   const int64_t rows = x.size(0), K = x.size(1);
-  TORCH_CHECK(block % kChunk == 0 && K % block == 0, "the int8 kernel needs blocks of a multiple of 64 tiling rows");
+  TORCH_CHECK(int8_kernel_layout(bits, block, K), "the int8 kernel needs blocks of a multiple of 64 tiling rows "
+              "(3-bit codes: or of 16 or 32, rows a multiple of 64)");
   TORCH_CHECK(packed.numel() == out_features * K * bits / 8, "packed has the wrong size");
   TORCH_CHECK(absmax.numel() == out_features * K / block, "absmax has the wrong size");
   const BlockConstants constants = constants_of(absmax, dq_scales, dq_values, dq_offset, dq_group, K / block);
