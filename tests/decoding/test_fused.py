@@ -155,7 +155,8 @@ def test_smollm2_decodes_the_eager_tokens_fused(default_checkpoint_dir):
 @pytest.mark.slow
 @needs_kernels
 def test_smollm2_in_3_bits_decodes_fused_as_its_eager_path(default_checkpoint_dir):
-    """NF3 + DQ through the 3-bit kernel, in both paths at M = 1: the same bound as the 4-bit test above."""
+    """NF3 + DQ through the 3-bit kernel, in both paths at M = 1: the same bounds as the 4-bit test above. NF3's
+    SmolLM2 (perplexity ~67) is less sure of its tokens: 28 of the 64 steps were decisive in a measured run."""
     from leanlm.models import load_model
 
     model = load_model(default_checkpoint_dir).model
@@ -164,10 +165,10 @@ def test_smollm2_in_3_bits_decodes_fused_as_its_eager_path(default_checkpoint_di
     for layer in layers:  # resolves each layer's backend: the kernel, not the de-quantizing reference
         layer(torch.zeros(1, layer.in_features))
     assert {layer.backend for layer in layers} == {"avx2"}
-    _assert_fused_within_float_rounding(model, list(range(100, 132)), "nf3")
+    _assert_fused_within_float_rounding(model, list(range(100, 132)), "nf3", least_decisive=16)
 
 
-def _assert_fused_within_float_rounding(model, prompt, label):
+def _assert_fused_within_float_rounding(model, prompt, label, least_decisive=32):
     """The fused logits lie within twice what a 1e-7 relative perturbation moves the eager logits, and the greedy
     token is the eager one wherever the eager top two are further apart than that."""
     tokens = greedy_tokens(model, prompt, 64, fused=False)
@@ -179,7 +180,7 @@ def _assert_fused_within_float_rounding(model, prompt, label):
     assert (fused - eager).abs().max() <= 2 * sensitivity, label
     top2 = eager.topk(2).values
     decisive = top2[:, 0] - top2[:, 1] > 2 * sensitivity
-    assert decisive.sum() > 32 and torch.equal(fused.argmax(1)[decisive], eager.argmax(1)[decisive]), label
+    assert decisive.sum() > least_decisive and torch.equal(fused.argmax(1)[decisive], eager.argmax(1)[decisive]), label
 
 
 @pytest.mark.slow
