@@ -214,8 +214,8 @@ class FusedDecoder:
         if isinstance(module, SpQRLinear):
             scale, offset = module.kernel_constants()
             values, inverse = int8_kernel_table(IDENTITY_TABLE, module.bits)
-            linear = self._decoder.add_linear(_KBIT_KINDS[module.bits], module.codes, module.in_features, module.out_features,
-                                              bias, scale, values, inverse, module.kernel_block)
+            linear = self._decoder.add_linear(_KBIT_KINDS[module.bits], module.codes, module.in_features,
+                                              module.out_features, bias, scale, values, inverse, module.kernel_block)
             outliers = {}
             if module.outlier_count:
                 outliers = {"outlier_row_offsets": module.outlier_row_offsets,

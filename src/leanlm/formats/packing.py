@@ -24,6 +24,11 @@ CodeLayout = Literal["stream", "planes"]
 PLANE_CHUNK = 64  # codes per chunk of the planes layout (24 bytes)
 
 
+def preferred_layout(bits: int) -> CodeLayout:
+    """How new codes are written: 3-bit ones as the 3-bit kernel reads them, the others as one bit stream."""
+    return "planes" if bits == 3 else "stream"
+
+
 def _check_layout(bits: int, layout: CodeLayout) -> None:
     if layout not in ("stream", "planes"):
         raise ConfigError(f"unknown code layout {layout!r}; choose stream or planes")

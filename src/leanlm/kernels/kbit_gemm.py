@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 
 from leanlm.errors import ConfigError
-from leanlm.formats.packing import unpack
+from leanlm.formats.packing import preferred_layout, unpack
 
 KbitBackend = Literal["reference", "avx2"]
 # The small-M kernel: "auto" = the fastest this CPU runs (int8 activations where the layout allows); the others
@@ -175,8 +175,7 @@ def reference_int8_activations(x: torch.Tensor, packed: torch.Tensor, constants:
         weight_codes, inverse = packed.long() - INT8_CODE_BIAS, 1.0 / INT8_CODE_BIAS
     else:
         values, inverse = int8_table(table)
-        layout = "planes" if bits == 3 else "stream"
-        weight_codes = values[unpack(packed, bits, out_features * x.shape[1], layout).long()]
+        weight_codes = values[unpack(packed, bits, out_features * x.shape[1], preferred_layout(bits)).long()]
     part = min(block_size, INT8_CHUNK)  # columns of one exact dot product: one weight and one x scale
     weight_codes = weight_codes.reshape(out_features, -1, part)
     dots = torch.einsum("mck,nck->mnc", codes.reshape(x.shape[0], -1, part).long(), weight_codes.long())  # exact

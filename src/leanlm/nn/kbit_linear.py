@@ -17,7 +17,7 @@ from torch import nn
 
 from leanlm.formats.blockwise import SECOND_LEVEL_BLOCK, BlockwiseQuantized, quantize_blockwise
 from leanlm.formats.codebooks import DYNAMIC8, Codebook, codebook
-from leanlm.formats.packing import CodeLayout, pack, packed_bytes, unpack
+from leanlm.formats.packing import CodeLayout, pack, packed_bytes, preferred_layout, unpack
 from leanlm.kernels.kbit_gemm import (
     INT8_CODE_BIAS,
     SMALL_M,
@@ -32,11 +32,6 @@ from leanlm.kernels.kbit_gemm import (
     supports_fast_path,
     supports_int8_activations,
 )
-
-
-def preferred_layout(bits: int) -> CodeLayout:
-    """How new weights hold their codes: 3-bit ones as the 3-bit kernel reads them, the others as one bit stream."""
-    return "planes" if bits == 3 else "stream"
 
 
 class KbitLinear(nn.Module):
@@ -150,8 +145,9 @@ class KbitLinear(nn.Module):
                                         SECOND_LEVEL_BLOCK)
                          if self.double_quant else BlockConstants(self.absmax.float().contiguous()))
             table = code_table(self.codebook.values) if self.bits in (3, 4) else None  # 8-bit codes need no table
-            if self.bits == 8 and self._runs_int8_kernel_only():  # written before `Codebook.nearest` stopped emitting the unused code
-                # 255 (= 0.0, as is 127); 16 MiB at a time, as the mask is a byte per code (Gemma-3's head: 160 MiB)
+            if self.bits == 8 and self._runs_int8_kernel_only():
+                # Written before `Codebook.nearest` stopped emitting the unused code 255 (= 0.0, as is 127); 16 MiB
+                # at a time, as the mask is a byte per code (Gemma-3's head: 160 MiB)
                 for part in self.packed.split(1 << 24):
                     part.masked_fill_(part == 255, INT8_CODE_BIAS)
             self._kernel_inputs = (constants, table)

@@ -32,10 +32,9 @@ from torch import nn
 
 from leanlm.errors import ConfigError
 from leanlm.formats.gptq import SolvedWeight, SolverSettings
-from leanlm.formats.packing import CodeLayout, pack, packed_bytes, unpack
+from leanlm.formats.packing import CodeLayout, pack, packed_bytes, preferred_layout, unpack
 from leanlm.kernels.kbit_gemm import (SMALL_M, avx2_available, kbit_linear, supports_fast_path,
                                       supports_int8_activations)
-from leanlm.nn.kbit_linear import preferred_layout
 
 SpQRBackend = Literal["reference", "dense_sparse", "kernel"]
 IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 4-bit codes are the integers themselves
