@@ -15,7 +15,7 @@ ISAS = gemv_isas()
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, out_features, in_features", [
-    (1, 1, 16), (1, 130, 576), (3, 7, 100), (8, 64, 17), (2, 5, 1536), (1, 4099, 64)])
+    (1, 1, 16), (1, 130, 576), (3, 7, 100), (8, 64, 17), (2, 5, 1536), (1, 4099, 64), (5, 9, 47), (1, 6, 640)])
 def test_every_variant_matches_the_reference(isa, dtype, rows, out_features, in_features):
     generator = torch.Generator().manual_seed(rows * out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)

@@ -29,6 +29,7 @@ from leanlm.kernels.kbit_gemm import (
     dequantize_weight,
     is_int8_code_book,
     kbit_linear,
+    prefill_dtype,
     supports_fast_path,
     supports_int8_activations,
 )
@@ -178,26 +179,29 @@ class KbitLinear(nn.Module):
     def _forward_frozen(self, x: torch.Tensor, int8_activations: bool = True) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self._resolve_backend() == "reference":
-            return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), bias)
+        compute_dtype = prefill_dtype(x.dtype)
         if self.bits != 4 and not (int8_activations and rows.shape[0] <= SMALL_M):
-            return self._prefill_by_rows(rows).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        absmax, table = self._kernel_state()
-        rows = rows.float()
-        out = kbit_linear(rows, self.packed, absmax, table, self.out_features, self.block_size, self.bias, self.backend,
-                          self.kernel_isa, int8_activations, self.bits)
+            out = self._prefill_by_rows(rows, compute_dtype)
+        else:
+            absmax, table = self._kernel_state()
+            out = kbit_linear(rows.float(), self.packed, absmax, table, self.out_features, self.block_size, self.bias,
+                              self.backend, self.kernel_isa, int8_activations, self.bits, compute_dtype)
         if self.proxy_columns is not None:
-            out.addmm_(rows[:, self.proxy_columns.long()], self.proxy_weight.float().T)
+            out.addmm_(rows[:, self.proxy_columns.long()].to(out.dtype), self.proxy_weight.to(out.dtype).T)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def _prefill_by_rows(self, rows: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
+    def _prefill_by_rows(self, rows: torch.Tensor, compute_dtype: torch.dtype = torch.float32,
+                         rows_at_once: int = 4096) -> torch.Tensor:
         """3- and 8-bit codes have only the decode-size kernel: a prefill multiplies by the de-quantized weight, a
         few thousand output rows at a time (an 8-bit head de-quantized whole would be the peak memory: 671 MiB for
-        Gemma-3's 262144 x 640)."""
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        x = rows.float()
+        Gemma-3's 262144 x 640), in `compute_dtype` (see `prefill_dtype`)."""
+        out = torch.empty(rows.shape[0], self.out_features, dtype=compute_dtype)
+        x = rows.to(compute_dtype)
         for first in range(0, self.out_features, rows_at_once):
             last = min(first + rows_at_once, self.out_features)
-            out[:, first:last] = x @ self.weight_rows(slice(first, last)).T
+            out[:, first:last] = x @ self.weight_rows(slice(first, last)).to(compute_dtype).T
         return out.add_(self.bias) if self.bias is not None else out
 
     def weight_rows(self, index: slice | torch.Tensor) -> torch.Tensor:
