@@ -7,6 +7,7 @@ same llama.cpp kernels, and decode speed is measured on a quiet machine by its o
     pip install llama-cpp-python==0.3.36     # optional extra `llama`: compiles llama.cpp, 15-35 min on 2 cores
     python benchmarks/gguf_llama_cpp.py                    # first 8 windows of 512 tokens
     python benchmarks/gguf_llama_cpp.py --windows 0        # the full test set (about 10 min a row in each engine)
+    python benchmarks/gguf_llama_cpp.py --windows 0 --no-q8-inputs --only F32 imatrix "scale search"
     python benchmarks/gguf_llama_cpp.py --report
 
 Rows: the float model as F32; llama.cpp's own Q8_0 and Q4_0 of that F32 file (`llama_model_quantize`), and its
@@ -142,6 +143,9 @@ def main() -> None:
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-q8-inputs", action="store_true",
+                        help="skip the 'leanlm, Q8_0 inputs' column (a second leanlm evaluation of every quantized "
+                             "row: a full-test-set run is about 16 min shorter without it)")
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-gguf",
                         help="where the GGUF files and checkpoints are written (not kept in results)")
     args = parser.parse_args()
@@ -151,6 +155,8 @@ def main() -> None:
 
     settings = {"windows": args.windows, "seq_len": args.seq_len, "calibration_samples": args.calib_samples,
                 "calibration_seq_len": args.calib_seq_len, "threads": args.threads}
+    if args.no_q8_inputs:  # recorded only when set, so that the runs before the flag keep their settings
+        settings["q8_inputs"] = False
     study = Study(name, settings, args, plot=plot_rows)
     study.payload["llama_cpp_version"] = llama_cpp_version()
     loaded = study.load_model(args.model)
@@ -167,7 +173,7 @@ def main() -> None:
         """leanlm's perplexity of the model, and (quantized rows) of the same model with llama.cpp's Q8_0 rounding
         of every block linear's input and of the embedding: what llama.cpp's arithmetic adds to the weights'."""
         result = {"perplexity": windows_perplexity(model, windows).perplexity}
-        if quantized:
+        if quantized and not args.no_q8_inputs:
             emulated = with_q8_0_activations(model)
             result["with_q8_0_activations"] = windows_perplexity(emulated, windows).perplexity
             del emulated

@@ -52,6 +52,20 @@ def test_every_kernel_matches_the_reference(rows, dtype, block, in_features):
         torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-4, msg=lambda m: f"{isa}: {m}")
 
 
+def test_the_constants_of_some_rows_are_those_rows_of_all_the_constants():
+    """`BlockConstants.rows` decodes only the rows asked for (an 8-bit head's embedding reads a few per token):
+    the same floats as `dense()` there, double-quantized (groups of 256 straddling rows) or not."""
+    torch.manual_seed(3)
+    quantized = quantize_blockwise(torch.randn(300, 192), codebook("nf", 4), 64, double_quant=True)
+    stored = BlockConstants(quantized.absmax, quantized.absmax_scale, DYNAMIC8.values, quantized.absmax_offset.item())
+    plain = BlockConstants(quantized.block_constants())
+    for constants in (stored, plain):
+        every = constants.dense().reshape(300, 3)
+        assert torch.equal(constants.rows(slice(85, 171), 3), every[85:171])
+        ids = torch.tensor([299, 0, 86, 86, 170])
+        assert torch.equal(constants.rows(ids, 3), every[ids])
+
+
 @needs_avx2
 @pytest.mark.parametrize("rows", [1, 5, 8, 40])
 @pytest.mark.parametrize("in_features", [512, 576, 96])  # the lane kernels (and AVX-512's tail), the in-order one

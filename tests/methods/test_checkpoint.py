@@ -55,6 +55,27 @@ def test_a_bfloat16_checkpoint_holds_its_embedding_and_head_in_bfloat16_and_comp
             assert (got - expected).abs().max() < 0.02 * expected.abs().max()
 
 
+def test_a_bfloat16_load_of_a_kbit_checkpoint_runs_its_prefill_gemms_in_bfloat16_where_the_cpu_does(
+        tiny_llama_dir, tmp_path):
+    """With bfloat16 tables the k-bit layers' prefill GEMMs take bfloat16 too, on a CPU that multiplies it in
+    hardware (their inputs rounded to it, as a bfloat16 model's are); decode sizes and float32 loads are as before."""
+    from leanlm.kernels.kbit_gemm import prefill_dtype
+    from leanlm.methods import KbitConfig
+    from leanlm.nn import KbitLinear
+
+    loaded = load_model(tiny_llama_dir)
+    out = save_quantized(loaded, loaded.model, quantize_(loaded.model, KbitConfig()), tmp_path / "q")
+    reference, fast = load_any(out).model, load_any(out, "bfloat16").model
+    layers = [module for module in fast.modules() if isinstance(module, KbitLinear)]
+    assert layers and all(module.gemm_dtype == prefill_dtype(torch.bfloat16) for module in layers)
+    assert all(module.gemm_dtype is None for module in reference.modules() if isinstance(module, KbitLinear))
+    with torch.inference_mode():
+        for length in (4, 40):
+            ids = torch.randint(0, 1000, (1, length))
+            expected, got = reference(ids).logits, fast(ids).logits
+            assert (got - expected).abs().max() < 0.02 * expected.abs().max()
+
+
 def test_checkpoint_is_safetensors_and_json_only(quantized_dir):
     out, _ = quantized_dir
     suffixes = {p.suffix for p in out.iterdir()}

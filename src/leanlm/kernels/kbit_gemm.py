@@ -206,6 +206,17 @@ class BlockConstants:
         return (self.code_values[self.absmax.long()]
                 * self.scales.repeat_interleave(self.group)[: self.absmax.numel()]) + self.offset
 
+    def rows(self, index: slice | torch.Tensor, per_row: int) -> torch.Tensor:
+        """The float32 constants of the weight rows `index` (a slice, or row ids), (rows, per_row): `dense()`'s
+        values at those rows, decoded without decoding the others (an 8-bit head's embedding reads a few rows of
+        262144 per token)."""
+        if isinstance(index, slice):
+            index = torch.arange(*index.indices(self.absmax.numel() // per_row))
+        blocks = index.long()[:, None] * per_row + torch.arange(per_row)
+        if self.scales is None:
+            return self.absmax[blocks]
+        return self.code_values[self.absmax[blocks].long()] * self.scales[blocks // self.group] + self.offset
+
     def kernel_arguments(self) -> dict:
         if self.scales is None:
             return {}

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from leanlm.cache.prefix import attached_cushion, save_cushion
 from leanlm.errors import ConfigError, CorruptModelError, ModelNotFoundError
+from leanlm.kernels.kbit_gemm import prefill_dtype
 from leanlm.memory import trim_freed_memory
 from leanlm.methods.quantize import after_load, method_names
 from leanlm.models.architectures import architecture_for
@@ -340,14 +341,21 @@ def _compute_dtype(model: nn.Module) -> torch.dtype:
 def load_any(source: str | os.PathLike, dtype: str = "float32", head: str = "float") -> LoadedModel:
     """A float model (registry name, HF directory, .gguf) computing in `dtype` (see `compute_dtype`), or a leanlm
     quantized checkpoint, whose quantized layers compute as their kernels do (float32 activations); there
-    `dtype` is that of its embedding and output head (`embeddings_to_`). `head="int8"`: the output head in 8-bit
+    `dtype` is that of its embedding and output head (`embeddings_to_`) and of its k-bit layers' GEMMs above
+    decode sizes (`KbitLinear.gemm_dtype`). `head="int8"`: the output head in 8-bit
     int blocks (`quantize_head_`)."""
     LoadSettings(dtype, head)  # checked before the slow load
     if is_quantized_checkpoint(source):
         storage = compute_dtype(dtype)
         loaded = load_quantized(source, storage, head)[0]
         if storage != torch.float32:
-            loaded.dtype = f"float32, embedding and output head in {dtype_name(storage)}"
+            # What a model computing in bfloat16 would do, where the time is: the k-bit layers' prefill GEMMs
+            # (oneDNN's bfloat16 GEMM, about 1.9x float32's at M = 512 on AVX512-BF16); decode is the int8 kernels'.
+            for module in loaded.model.modules():
+                if isinstance(module, KbitLinear):
+                    module.gemm_dtype = prefill_dtype(storage)
+            loaded.dtype = (f"float32, embedding and output head in {dtype_name(storage)}, k-bit prefill GEMMs in "
+                            f"{dtype_name(storage)}")
     else:
         loaded = load_model(source, dtype=dtype)
         if head == "int8":

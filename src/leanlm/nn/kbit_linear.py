@@ -53,6 +53,10 @@ class KbitLinear(nn.Module):
         super().__init__()
         self.backend = backend
         self.kernel_isa: KernelIsa = "auto"  # which small-M kernel (benchmarks name one; "auto" = the best here)
+        # The large-M GEMM's dtype at inference, when set (a checkpoint loaded with --dtype auto on a CPU with
+        # bfloat16 products: its inputs are then rounded to it, as a model computing in it rounds them); None: the
+        # inputs' own (`prefill_dtype`).
+        self.gemm_dtype: torch.dtype | None = None
         self._kernel_inputs = None  # (float absmax, code table): derived from the buffers, rebuilt after a load
         self.in_features, self.out_features = in_features, out_features
         self.dtype, self.bits, self.double_quant, self.exponent_bits = dtype, bits, double_quant, exponent_bits
@@ -181,7 +185,9 @@ class KbitLinear(nn.Module):
         if self._resolve_backend() == "reference":
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), bias)
-        compute_dtype = prefill_dtype(x.dtype)
+        # Under autograd (int8_activations False) the forward stays the function the backward differentiates.
+        chosen = self.gemm_dtype if int8_activations else None
+        compute_dtype = chosen if chosen is not None else prefill_dtype(x.dtype)
         if self.bits != 4 and not (int8_activations and rows.shape[0] <= SMALL_M):
             out = self._prefill_by_rows(rows, compute_dtype)
         else:
@@ -208,7 +214,7 @@ class KbitLinear(nn.Module):
         """Output rows `index` of a layer the int8 kernel reads, de-quantized (float32, (rows, in_features)): a
         row's codes are whole bytes (8 bits: one byte each; 3-bit planes: 24 bytes per 64), so rows are read
         without unpacking the whole weight."""
-        constants = self._kernel_state()[0].dense().reshape(self.out_features, -1)[index]
+        constants = self._kernel_state()[0].rows(index, self.in_features // self.block_size)
         codes = self.packed.reshape(self.out_features, -1)[index]
         if self.bits != 8:
             codes = unpack(codes.reshape(-1), self.bits, codes.shape[0] * self.in_features, self.code_layout)
