@@ -351,11 +351,12 @@ def load_any(source: str | os.PathLike, dtype: str = "float32", head: str = "flo
         if storage != torch.float32:
             # What a model computing in bfloat16 would do, where the time is: the k-bit layers' prefill GEMMs
             # (oneDNN's bfloat16 GEMM, about 1.9x float32's at M = 512 on AVX512-BF16); decode is the int8 kernels'.
+            gemm = prefill_dtype(storage)  # float32 where the CPU would only emulate bfloat16 products
             for module in loaded.model.modules():
                 if isinstance(module, KbitLinear):
-                    module.gemm_dtype = prefill_dtype(storage)
+                    module.gemm_dtype = gemm
             loaded.dtype = (f"float32, embedding and output head in {dtype_name(storage)}, k-bit prefill GEMMs in "
-                            f"{dtype_name(storage)}")
+                            f"{dtype_name(gemm)}")
     else:
         loaded = load_model(source, dtype=dtype)
         if head == "int8":
