@@ -203,8 +203,7 @@ class BlockConstants:
         """Every constant in float32 (the reference: the values the kernel computes, rounded the same way)."""
         if self.scales is None:
             return self.absmax
-        return (self.code_values[self.absmax.long()]
-                * self.scales.repeat_interleave(self.group)[: self.absmax.numel()]) + self.offset
+        return self._decoded(torch.arange(self.absmax.numel()))
 
     def rows(self, index: slice | torch.Tensor, per_row: int) -> torch.Tensor:
         """The float32 constants of the weight rows `index` (a slice, or row ids), (rows, per_row): `dense()`'s
@@ -213,8 +212,10 @@ class BlockConstants:
         if isinstance(index, slice):
             index = torch.arange(*index.indices(self.absmax.numel() // per_row))
         blocks = index.long()[:, None] * per_row + torch.arange(per_row)
-        if self.scales is None:
-            return self.absmax[blocks]
+        return self.absmax[blocks] if self.scales is None else self._decoded(blocks)
+
+    def _decoded(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The double-quantized constants of block numbers `blocks` (any shape), in float32."""
         return self.code_values[self.absmax[blocks].long()] * self.scales[blocks // self.group] + self.offset
 
     def kernel_arguments(self) -> dict:
