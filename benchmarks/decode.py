@@ -197,12 +197,23 @@ def systems(model: str, work: Path) -> dict[str, tuple[str, str]]:
     if importlib.util.find_spec("llama_cpp") is not None:
         for name in ("F32", "Q8_0", "Q4_0"):
             rows[f"llama.cpp {name}"] = ("llama.cpp", str(work / f"{name.lower()}.gguf"))
+        # The same block types without a float file (a model too large for one: an 8B is 30 GB in float32 and
+        # loads whole to be written): leanlm's RTN on the symmetric grid in groups of 32, written as its exact
+        # blocks, the other matrices as Q8_0.
+        for name in ("Q8_0", "Q4_0"):
+            rows[f"llama.cpp {name}, leanlm RTN blocks"] = ("llama.cpp", str(work / f"rtn-{name.lower()}.gguf"))
     return rows
 
 
 def chosen_systems(model: str, work: Path, names: list[str] | None) -> dict[str, tuple[str, str]]:
-    """The rows of `systems` whose name contains one of `names` (all when None)."""
-    return {name: row for name, row in systems(model, work).items() if not names or any(text in name for text in names)}
+    """The rows of `systems` whose name contains one of `names` (all when None); the "leanlm RTN blocks" rows only
+    when a text names them ("RTN"), so that the runs of the tables before them keep their rows."""
+    def chosen(name: str) -> bool:
+        if "RTN blocks" in name:
+            return any("RTN" in text and text in name for text in names or [])
+        return not names or any(text in name for text in names)
+
+    return {name: row for name, row in systems(model, work).items() if chosen(name)}
 
 
 def prepare(model: str, work: Path, rows: dict[str, tuple[str, str]]) -> None:
@@ -219,11 +230,20 @@ def prepare(model: str, work: Path, rows: dict[str, tuple[str, str]]) -> None:
         if not (work / name).exists() and any(spec.startswith(f"{work / name}|") for spec in specs):
             subprocess.run([sys.executable, "-m", "leanlm.cli.main", "quantize", model, *recipe, "--out",
                             str(work / name)], check=True)
-    if not any(kind == "llama.cpp" for kind, _ in rows.values()):
-        return
     from leanlm.bench.llama_cpp import quantize_gguf
     from leanlm.export import export_gguf
 
+    files = {Path(spec).name for kind, spec in rows.values() if kind == "llama.cpp"}
+    for bits, kind in ((8, "q8_0"), (4, "q4_0")):
+        if f"rtn-{kind}.gguf" in files and not (work / f"rtn-{kind}.gguf").exists():
+            checkpoint = work / f"rtn-{bits}bit-g32"
+            if not checkpoint.exists():
+                subprocess.run([sys.executable, "-m", "leanlm.cli.main", "quantize", model, "--method", "rtn",
+                                "--bits", str(bits), "--grid", "symmetric", "--group-size", "32", "--out",
+                                str(checkpoint)], check=True)
+            export_gguf(checkpoint, work / f"rtn-{kind}.gguf", "q8_0")
+    if not files & {"f32.gguf", "q8_0.gguf", "q4_0.gguf"}:
+        return
     if not (work / "f32.gguf").exists():
         export_gguf(model, work / "f32.gguf", "f32")
     for kind in ("q8_0", "q4_0"):
@@ -347,7 +367,7 @@ def main() -> None:
                          "prefill_tokens": args.prefill_tokens, "rounds": args.rounds,
                          "quality_tokens": args.quality_tokens, "systems": args.systems}, args, plot=plot)
     study.payload["model"] = args.model
-    work = args.workdir / args.model
+    work = args.workdir / Path(args.model).name  # a model directory's own name, not its whole path
     work.mkdir(parents=True, exist_ok=True)
     prepare(args.model, work, chosen_systems(args.model, work, args.systems))
     if study.pending("run"):

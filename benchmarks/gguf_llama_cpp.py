@@ -162,7 +162,7 @@ def main() -> None:
     loaded = study.load_model(args.model)
     windows = perplexity_windows(loaded.tokenizer, datasets.wikitext2_test_text(), seq_len=args.seq_len)
     windows = windows[: args.windows or None]
-    work = args.workdir / args.model
+    work = args.workdir / Path(args.model).name  # a model directory's own name, not its whole path
     work.mkdir(parents=True, exist_ok=True)
     calibration = Calibration(loaded.tokenizer, samples=args.calib_samples, seq_len=args.calib_seq_len)
     float_file = work / "f32.gguf"

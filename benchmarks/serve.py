@@ -297,7 +297,7 @@ def main() -> None:
     study = Study(name, {"tokens": args.tokens, "window": args.window, "turns": args.turns, "rounds": args.rounds},
                   args, plot=plot)
     study.payload.update(model=args.model, cpu=cpu_description())
-    work = args.workdir / args.model
+    work = args.workdir / Path(args.model).name  # a model directory's own name, not its whole path
     work.mkdir(parents=True, exist_ok=True)
     prepare(args, work)
     commands = systems(args, work)

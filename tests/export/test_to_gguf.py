@@ -14,7 +14,7 @@ from leanlm.errors import ConfigError
 from leanlm.export import export_gguf
 from leanlm.export.to_gguf import _gguf_order, gguf_blocks, source_gguf
 from leanlm.formats.gptq import SolverSettings, solve
-from leanlm.methods.checkpoint import load_quantized
+from leanlm.methods.checkpoint import load_any, load_quantized
 from leanlm.nn import KbitLinear, SpQRLinear
 
 
@@ -115,7 +115,38 @@ def test_a_symmetric_rtn_checkpoint_exports_as_q4_0_blocks_equal_to_its_weights(
     assert exported["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F32  # --type f32 by default
 
 
-def test_export_refuses_a_model_without_its_gguf(tiny_llama_dir, tmp_path, capsys):
-    assert main(["export", str(tiny_llama_dir), "--format", "gguf", "--out", str(tmp_path / "m.gguf")]) == 2
-    assert "needs the GGUF the model came from" in capsys.readouterr().err
-    assert not (tmp_path / "m.gguf").exists()
+def test_a_transformers_model_gets_its_metadata_from_its_config_and_tokenizer(tiny_llama_dir, tmp_path, capsys):
+    """A model that never was a GGUF (a transformers directory with SmolLM2's tokenizer) is written with the
+    tokenizer llama.cpp's converter writes for it (the same tokens, types and merges as SmolLM2's own GGUF), its
+    hyper-parameters, and its weights value for value."""
+    out = tmp_path / "m.gguf"
+    assert main(["export", str(tiny_llama_dir), "--format", "gguf", "--out", str(out)]) == 0
+    exported = gguf.GGUFReader(out)
+    fields = {key: field.contents() for key, field in exported.fields.items()}
+    smollm2 = gguf.GGUFReader(source_gguf("smollm2-135m")).fields
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.chat_template"):
+        assert fields[key] == smollm2[key].contents(), key
+    assert fields["tokenizer.ggml.pre"] == "gpt-2"  # SmolLM2's tokenizer.json: plain byte-level, GPT-2's pattern
+    model = load_any(str(tiny_llama_dir)).model
+    config = model.config
+    assert (fields["llama.block_count"], fields["llama.embedding_length"], fields["llama.feed_forward_length"],
+            fields["llama.attention.head_count"], fields["llama.attention.head_count_kv"],
+            fields["llama.rope.dimension_count"]) == (2, 64, 128, 4, 2, 16)
+    assert fields["llama.context_length"] == config.max_position_embeddings
+    tensors = {tensor.name: dequantize(tensor.data, tensor.tensor_type) for tensor in exported.tensors}
+    assert "output.weight" not in tensors  # tied: llama.cpp reads token_embd
+    assert np.array_equal(tensors["token_embd.weight"], model.model.embed_tokens.weight.detach().numpy())
+    q = model.model.layers[1].self_attn.q_proj.weight.detach().numpy()
+    assert np.array_equal(tensors["blk.1.attn_q.weight"], _gguf_order(q, config.num_attention_heads))
+    assert "written from the config and tokenizer" in capsys.readouterr().out
+
+
+def test_metadata_without_a_source_gguf_is_refused_where_the_config_does_not_carry_it(tmp_path, capsys):
+    from tiny import tiny_model
+
+    source = tmp_path / "gemma"
+    tiny_model("gemma3_text").save_pretrained(source)
+    assert main(["export", str(source), "--format", "gguf", "--out", str(tmp_path / "m.gguf")]) == 2
+    assert "metadata only from the GGUF the model came from" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*partial*"))

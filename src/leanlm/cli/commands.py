@@ -362,7 +362,7 @@ def command_export(args) -> None:
         result = export_gguf(args.model, args.out, args.type)
         blocks = f", quantized matrices as {' / '.join(result['block_types'])}" if result["block_types"] else ""
         print(f"wrote {result['path']} ({result['file_type']}, {result['tensors']} tensors, "
-              f"{result['bytes'] / 2**20:.1f} MiB{blocks})")
+              f"{result['bytes'] / 2**20:.1f} MiB{blocks}; metadata {result['metadata']})")
     else:
         result = export_compressed_tensors(args.model, args.out)
         print(f"wrote {result['path']} ({result['format']}, {result['modules']} quantized linears, "

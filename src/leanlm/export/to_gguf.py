@@ -11,12 +11,16 @@ What a family's GGUF layout needs is in its architecture table (`gguf_architectu
 `norm_weight_offset`): Llama / SmolLM (q and k rows put back in the interleaved order llama.cpp's rotary
 embedding reads, the order transformers undoes when it loads a GGUF) and Gemma 3 (norm weights stored as
 1 + weight, as its RMSNorm multiplies by them). The metadata (tokenizer, chat template, hyper-parameters) is
-carried over from the GGUF the model came from, so the file needs nothing beside it. Tensor names follow the
-`gguf` package's name map.
+carried over from the GGUF the model came from, so the file needs nothing beside it; a model that did not come
+from a GGUF (a transformers directory, or a checkpoint quantized from one) has it written from its config and its
+byte-level BPE tokenizer (`metadata_from_transformers`: Llama-layout families). Tensor names follow the `gguf`
+package's name map. Tensors are written one at a time after the header (`GGUFWriter.add_tensor_info`, then
+`write_tensor_data`), so an 8B export holds one matrix's blocks at a time beside the model, not the whole file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -44,9 +48,9 @@ BLOCK = 32  # weights per Q4_0 / Q8_0 block
 _BLOCK_TYPES = {4: gguf.GGMLQuantizationType.Q4_0, 8: gguf.GGMLQuantizationType.Q8_0}  # code bits -> block type
 
 
-def source_gguf(source: str | os.PathLike) -> Path:
+def source_gguf(source: str | os.PathLike) -> Path | None:
     """The GGUF file `source` came from: the registry model's file, `source` itself, or (for a leanlm checkpoint)
-    the GGUF of the model it was quantized from."""
+    the GGUF of the model it was quantized from; None for a model that came from a transformers directory."""
     from leanlm.methods.checkpoint import read_record
     from leanlm.models.loading import cache_root
     from leanlm.models.registry import REGISTRY, gguf_path_of
@@ -59,8 +63,96 @@ def source_gguf(source: str | os.PathLike) -> Path:
         return path
     if path.is_dir() and (path / QUANT_FILE).is_file():
         return source_gguf(read_record(path).get("source_model", ""))
-    raise ConfigError(f"{name}: GGUF export needs the GGUF the model came from (a registry model or a .gguf file) "
-                      "for its tokenizer and metadata")
+    return None
+
+
+# The GGUF architectures whose hyper-parameters `metadata_from_transformers` writes from a transformers config:
+# llama.cpp reads both with the same keys (Gemma 3 needs sliding-window and soft-capping keys besides).
+_FROM_CONFIG = ("llama", "qwen2")
+
+
+def _bpe_vocabulary(tokenizer, vocab_size: int) -> tuple[str, list[str], list[int], list[str]]:
+    """(pre-tokenizer name, tokens, token types, merges) of a byte-level BPE tokenizer (GPT-2's kind, which
+    SmolLM, Llama 3 and Qwen 2 use), read from its tokenizer.json; the token list is padded to the model's
+    vocabulary size as llama.cpp's converter pads it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    spec = json.loads(backend.to_str()) if backend is not None else {}
+    model = spec.get("model", {})
+    byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
+    if model.get("type") != "BPE" or model.get("byte_fallback") or not byte_level:
+        raise ConfigError("GGUF export writes a tokenizer only for byte-level BPE (GPT-2's kind); this model's is "
+                          f"{model.get('type', type(tokenizer).__name__)}: export from the GGUF it came from")
+    ids = dict(model["vocab"])
+    kinds = {}
+    for added in spec.get("added_tokens", []):
+        ids[added["content"]] = added["id"]
+        kinds[added["id"]] = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
+    tokens: list[str | None] = [None] * max(vocab_size, max(ids.values()) + 1)
+    for text, index in ids.items():
+        tokens[index] = text
+    types = [int(kinds.get(index, gguf.TokenType.NORMAL if text is not None else gguf.TokenType.UNUSED))
+             for index, text in enumerate(tokens)]
+    tokens = [text if text is not None else f"[PAD{index}]" for index, text in enumerate(tokens)]
+    merges = [" ".join(merge) if isinstance(merge, list) else merge for merge in model.get("merges", [])]
+    # A plain ByteLevel pre-tokenizer splits text with GPT-2's pattern, which llama.cpp calls "gpt-2"; any other
+    # (a Split with its own pattern) is one llama.cpp knows only by a hash of its output: its default pattern.
+    pre = spec.get("pre_tokenizer") or {}
+    plain = pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+    return ("gpt-2" if plain else "default"), tokens, types, merges
+
+
+def _config_metadata_problem(config, table) -> str | None:
+    """Why `metadata_from_transformers` cannot describe this model to llama.cpp, or None."""
+    if table.gguf_architecture not in _FROM_CONFIG:
+        return (f"GGUF export writes {table.gguf_architecture or table.family} metadata only from the GGUF the model "
+                f"came from (from a transformers config it knows {', '.join(_FROM_CONFIG)})")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        return (f"rope type {rope['rope_type']!r}: llama.cpp reads its frequencies from a rope_freqs tensor this "
+                "export does not write")
+    return None
+
+
+def metadata_from_transformers(writer: gguf.GGUFWriter, config, tokenizer, table, name: str) -> str:
+    """Write the hyper-parameters, tokenizer and chat template llama.cpp needs, from a transformers config and
+    tokenizer (what llama.cpp's convert_hf_to_gguf.py writes for these families). Returns the pre-tokenizer name
+    written."""
+    problem = _config_metadata_problem(config, table)
+    if problem:
+        raise ConfigError(problem)
+    rope = getattr(config, "rope_parameters", None) or {}
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    writer.add_name(name)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config.hidden_size // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    pre, tokens, types, merges = _bpe_vocabulary(tokenizer, config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for setter, token_id in ((writer.add_bos_token_id, tokenizer.bos_token_id),
+                             (writer.add_eos_token_id, tokenizer.eos_token_id),
+                             (writer.add_unk_token_id, tokenizer.unk_token_id),
+                             (writer.add_pad_token_id, tokenizer.pad_token_id)):
+        if token_id is not None:
+            setter(token_id)
+    writer.add_add_bos_token(bool(getattr(tokenizer, "add_bos_token", False)))
+    if isinstance(tokenizer.chat_template, str):
+        writer.add_chat_template(tokenizer.chat_template)
+    return pre
 
 
 def gguf_tensor_names(model: nn.Module) -> gguf.TensorNameMap:
@@ -78,9 +170,8 @@ def _gguf_order(weights: np.ndarray, heads: int) -> np.ndarray:
     return weights.reshape(heads, 2, head_dim // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def gguf_blocks(module: nn.Module) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
-    """A quantized module's weight as GGUF blocks (rows, bytes per row) holding exactly its values, or a
-    ConfigError naming why no block type does."""
+def gguf_block_type(module: nn.Module) -> gguf.GGMLQuantizationType:
+    """The GGUF block type that holds a quantized module's weight exactly, or a ConfigError naming why none does."""
     kind = type(module).__name__
     if not isinstance(module, SpQRLinear):
         raise ConfigError(f"{kind} has no GGUF block type (NF4 / FP4 / dynamic codebooks are not uniform grids; "
@@ -101,6 +192,14 @@ def gguf_blocks(module: nn.Module) -> tuple[np.ndarray, gguf.GGMLQuantizationTyp
         problems.append(f"the min-max grid's fractional zeros (Q4_0 / Q8_0 put zero at {half}: --grid symmetric)")
     if problems:
         raise ConfigError(f"this {kind} has no exact GGUF block type: {'; '.join(problems)}")
+    return _BLOCK_TYPES[module.bits]
+
+
+def gguf_blocks(module: nn.Module) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """A quantized module's weight as GGUF blocks (rows, bytes per row) holding exactly its values, or a
+    ConfigError naming why no block type does."""
+    block_type = gguf_block_type(module)
+    half = 2 ** (module.bits - 1)
     rows, columns = module.out_features, module.in_features
     codes = unpack(module.codes, module.bits, rows * columns, module.code_layout).reshape(rows, columns // BLOCK, BLOCK)
     scales = module.scale.numpy().astype(np.float16).view(np.uint8).reshape(rows, columns // BLOCK, 2)
@@ -109,53 +208,54 @@ def gguf_blocks(module: nn.Module) -> tuple[np.ndarray, gguf.GGMLQuantizationTyp
     else:  # 32 signed bytes: code - 128
         values = (codes.to(torch.int16) - half).to(torch.int8).numpy().view(np.uint8)
     blocks = np.concatenate([scales, values], axis=-1).reshape(rows, -1)
-    return np.ascontiguousarray(blocks), _BLOCK_TYPES[module.bits]
+    return np.ascontiguousarray(blocks), block_type
 
 
 def export_gguf(source: str | os.PathLike, out: str | os.PathLike, file_type: str = "f32") -> dict:
     """Write `source` (a float model or a leanlm checkpoint) to `out` as one GGUF: quantized modules as their
-    exact GGUF blocks, other matrices as `file_type` (see FILE_TYPES), with the metadata of the GGUF it came from.
-    Returns {"path", "file_type", "tensors", "block_types", "bytes"}."""
+    exact GGUF blocks, other matrices as `file_type` (see FILE_TYPES), with the metadata of the GGUF it came from
+    (or, without one, written from its config and tokenizer). Returns {"path", "file_type", "tensors",
+    "block_types", "bytes", "metadata"}."""
     from leanlm.cache.prefix import attached_cushion
     from leanlm.methods.checkpoint import load_any
+    from leanlm.models.architectures import architecture_for
+    from leanlm.models.loading import read_model_config, read_tokenizer
     from leanlm.storage import writable_directory
 
     if file_type not in FILE_TYPES:
         raise ConfigError(f"file type {file_type!r}: choose from {', '.join(FILE_TYPES)}")
-    original = gguf.GGUFReader(source_gguf(source))
-    architecture = original.fields["general.architecture"].contents()
+    origin = source_gguf(source)
+    original = gguf.GGUFReader(origin) if origin is not None else None
     out = Path(out)
     writable_directory(out.parent)
+    if original is None and Path(source).is_dir():  # what the metadata needs, checked before the weights load
+        config = read_model_config(Path(source), quantized=True)
+        problem = _config_metadata_problem(config, architecture_for(config))
+        if problem:
+            raise ConfigError(problem)
+        _bpe_vocabulary(read_tokenizer(Path(source)), config.vocab_size)
     loaded = load_any(source)
     if attached_cushion(loaded.model) is not None:
         raise ConfigError("this checkpoint carries a CushionCache prefix; a GGUF file has no place for a prefix "
                           "KV cache, and without it the int8 activations it protects break")
     config = loaded.model.config
     table = loaded.table
-    if table.gguf_architecture != architecture:
+    architecture = original.fields["general.architecture"].contents() if original else table.gguf_architecture
+    if table.gguf_architecture != architecture or architecture is None:
         raise ConfigError(f"GGUF export knows the layout of {table.family} as {table.gguf_architecture!r}, not the "
                           f"source file's {architecture!r}" if table.gguf_architecture else
                           f"GGUF export does not know the {table.family} layout")
     names = gguf_tensor_names(loaded.model)
     tensor_type, llama_file_type = FILE_TYPES[file_type]
-    quantized = {name: gguf_blocks(module) for name, module in loaded.model.named_modules()
+    modules = dict(loaded.model.named_modules())
+    quantized = {name: gguf_block_type(module) for name, module in modules.items()
                  if type(module).__name__ in QUANTIZED_MODULES}  # every refusal before anything is written
-    block_types = sorted({kind.name for _, kind in quantized.values()})
+    block_types = sorted({kind.name for kind in quantized.values()})
     if len(block_types) == 1:  # the file type llama.cpp reports: the blocks' own where they are all one kind
         llama_file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{block_types[0]}")
 
-    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    writer = gguf.GGUFWriter(partial, architecture)
-    for key, field in original.fields.items():
-        if key.startswith("GGUF.") or key in _NOT_CARRIED:
-            continue
-        value = field.contents()
-        kind = field.types[0]
-        writer.add_key_value(key, value, kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    writer.add_file_type(llama_file_type)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-
-    count = 0
+    # The plan, every tensor's GGUF name, type and shape, also before anything is written.
+    plan = []
     tied = getattr(config, "tie_word_embeddings", False)
     for name, tensor in _tensors(loaded.model, quantized):
         if tied and name == "lm_head.weight":
@@ -164,40 +264,70 @@ def export_gguf(source: str | os.PathLike, out: str | os.PathLike, file_type: st
         target = names.get_name(base)
         if target is None:
             raise ConfigError(f"{name}: no GGUF name for this tensor in the {architecture} layout")
-        if isinstance(tensor, tuple):  # exact blocks of a quantized module
-            data, kind = tensor
+        if tensor is None:  # a quantized module's weight
+            module = modules[base]
+            kind, shape = quantized[base], (module.out_features, module.in_features)
         else:
-            data = tensor.detach().to(torch.float32).numpy()
             # Norms and other vectors stay F32, as llama.cpp's own converter keeps them.
-            kind = tensor_type if data.ndim == 2 else gguf.GGMLQuantizationType.F32
-            if kind != gguf.GGMLQuantizationType.F32:
-                data = gguf.quants.quantize(data, kind)
-        if table.norm_weight_offset and "norm" in target:  # the file holds what the norm multiplies by
-            data = data + np.float32(table.norm_weight_offset)
-        if table.gguf_interleaved_qk and target.endswith("attn_q"):  # whole rows move, blocks with them
-            data = _gguf_order(data, config.num_attention_heads)
-        elif table.gguf_interleaved_qk and target.endswith("attn_k"):
-            data = _gguf_order(data, config.num_key_value_heads)
-        writer.add_tensor(f"{target}.{suffix}", np.ascontiguousarray(data),
-                          raw_dtype=None if kind == gguf.GGMLQuantizationType.F32 else kind)
-        count += 1
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            kind, shape = (tensor_type if tensor.ndim == 2 else gguf.GGMLQuantizationType.F32), tuple(tensor.shape)
+        plan.append((name, f"{target}.{suffix}", target, kind, shape))
+
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    writer = gguf.GGUFWriter(partial, architecture)
+    if original is not None:
+        metadata = f"carried over from {origin.name}"
+        for key, field in original.fields.items():
+            if key.startswith("GGUF.") or key in _NOT_CARRIED:
+                continue
+            kind = field.types[0]
+            writer.add_key_value(key, field.contents(), kind,
+                                 sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    else:
+        pre = metadata_from_transformers(writer, config, loaded.tokenizer, table, Path(str(source)).name)
+        metadata = f"written from the config and tokenizer (pre-tokenizer {pre!r})"
+    writer.add_file_type(llama_file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for _, gguf_name, _, kind, shape in plan:  # described by their bytes, so that every type takes one path
+        byte_shape = gguf.quant_shape_to_byte_shape(shape, kind)
+        writer.add_tensor_info(gguf_name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), kind)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        state = loaded.model.state_dict()
+        for name, _, target, kind, _ in plan:  # one tensor in memory at a time
+            base = name.rpartition(".")[0]
+            if base in quantized and name.endswith(".weight"):
+                data, _ = gguf_blocks(modules[base])
+            else:
+                data = state[name].detach().to(torch.float32).numpy()
+                if kind != gguf.GGMLQuantizationType.F32:
+                    data = gguf.quants.quantize(data, kind)
+            if table.norm_weight_offset and "norm" in target:  # the file holds what the norm multiplies by
+                data = data + np.float32(table.norm_weight_offset)
+            if table.gguf_interleaved_qk and target.endswith("attn_q"):  # whole rows move, blocks with them
+                data = _gguf_order(data, config.num_attention_heads)
+            elif table.gguf_interleaved_qk and target.endswith("attn_k"):
+                data = _gguf_order(data, config.num_key_value_heads)
+            writer.write_tensor_data(np.ascontiguousarray(data))
+        writer.close()
+    except BaseException:
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, out)  # the file appears only when complete
-    return {"path": str(out), "file_type": file_type, "tensors": count, "block_types": block_types,
-            "bytes": out.stat().st_size}
+    return {"path": str(out), "file_type": file_type, "tensors": len(plan), "block_types": block_types,
+            "bytes": out.stat().st_size, "metadata": metadata}
 
 
 def _tensors(model: nn.Module, quantized: dict):
-    """(name, tensor) for every float tensor of `model` and (name.weight, (blocks, type)) for every quantized
-    module's weight (its bias, if any, as a float tensor), in the model's own order."""
+    """(name, tensor) for every float tensor of `model` and (name.weight, None) for every quantized module's
+    weight (its bias, if any, as a float tensor), in the model's own order."""
     for name, tensor in model.state_dict().items():
         module, _, suffix = name.rpartition(".")
         if module not in quantized:
             yield name, tensor
         elif suffix == "codes":  # once per module
-            yield f"{module}.weight", quantized[module]
+            yield f"{module}.weight", None
         elif suffix == "bias":
             yield name, tensor

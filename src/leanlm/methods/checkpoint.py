@@ -28,7 +28,7 @@ from leanlm.methods.quantize import after_load, method_names
 from leanlm.models.architectures import architecture_for
 from leanlm.models.loading import (LoadedModel, LoadSettings, compute_dtype, dtype_name, load_model,
                                    read_model_config, read_tokenizer)
-from leanlm.nn import QUANTIZED_MODULES, KbitLinear, use_gemv_
+from leanlm.nn import QUANTIZED_MODULES, KbitLinear, SpQRLinear, use_gemv_
 from leanlm.nn.kbit_linear import KbitEmbedding
 from leanlm.storage import QUANT_FILE, QUANTIZED_MARKER, staged_directory
 
@@ -353,10 +353,10 @@ def load_any(source: str | os.PathLike, dtype: str = "float32", head: str = "flo
             # (oneDNN's bfloat16 GEMM, about 1.9x float32's at M = 512 on AVX512-BF16); decode is the int8 kernels'.
             gemm = prefill_dtype(storage)  # float32 where the CPU would only emulate bfloat16 products
             for module in loaded.model.modules():
-                if isinstance(module, KbitLinear):
+                if isinstance(module, (KbitLinear, SpQRLinear)):
                     module.gemm_dtype = gemm
-            loaded.dtype = (f"float32, embedding and output head in {dtype_name(storage)}, k-bit prefill GEMMs in "
-                            f"{dtype_name(gemm)}")
+            loaded.dtype = (f"float32, embedding and output head in {dtype_name(storage)}, k-bit / GPTQ prefill GEMMs "
+                            f"in {dtype_name(gemm)}")
     else:
         loaded = load_model(source, dtype=dtype)
         if head == "int8":

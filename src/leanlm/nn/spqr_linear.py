@@ -53,6 +53,7 @@ class SpQRLinear(nn.Module):
         self.backend: SpQRBackend | None = None  # None: the kernel where it applies, chosen at the first forward
         self._kernel_inputs = None  # (float32 scales flat, offsets (rows, groups)), rebuilt after a load
         self._sparse = None  # the outliers as a CSR matrix, rebuilt after a load
+        self.gemm_dtype: torch.dtype | None = None  # the large-M GEMM's dtype, as KbitLinear.gemm_dtype
         groups = -(-in_features // self.group_size)
         self.register_buffer("codes", torch.zeros(packed_bytes(out_features * in_features, bits, code_layout),
                                                   dtype=torch.uint8))
@@ -189,8 +190,13 @@ class SpQRLinear(nn.Module):
         return self._kernel_inputs
 
     def _dense_product(self, rows: torch.Tensor) -> torch.Tensor:
-        if self._resolve_backend() == "dense_sparse" or self.bits == 3 and rows.shape[0] > SMALL_M:
-            return nn.functional.linear(rows, self.dense_weight(), self.bias)
+        large = rows.shape[0] > SMALL_M
+        gemm = self.gemm_dtype if large and self.gemm_dtype is not None else torch.float32
+        if self._resolve_backend() == "dense_sparse" or large and (self.bits == 3 or gemm != torch.float32):
+            # In bfloat16 the de-quantized weight (offsets included, so the operands are centred as a float
+            # model's are) and the input are rounded to it for oneDNN's bfloat16 GEMM, as KbitLinear's tiles are.
+            out = nn.functional.linear(rows.to(gemm), self.dense_weight().to(gemm)).float()
+            return out.add_(self.bias) if self.bias is not None else out
         block = self.kernel_block
         scale, offset = self.kernel_constants()
         out = kbit_linear(rows, self.codes, scale, IDENTITY_TABLE, self.out_features, block, self.bias, "avx2",
