@@ -113,13 +113,24 @@ def _config_metadata_problem(config, table) -> str | None:
     return None
 
 
-def metadata_from_transformers(writer: gguf.GGUFWriter, config, tokenizer, table, name: str) -> str:
-    """Write the hyper-parameters, tokenizer and chat template llama.cpp needs, from a transformers config and
-    tokenizer (what llama.cpp's convert_hf_to_gguf.py writes for these families). Returns the pre-tokenizer name
-    written."""
-    problem = _config_metadata_problem(config, table)
+def transformers_vocabulary(directory: Path):
+    """(config, tokenizer, vocabulary) of a transformers model directory for `metadata_from_transformers`, or a
+    ConfigError naming why llama.cpp could not be given its metadata: read before any weight is."""
+    from leanlm.models.architectures import architecture_for
+    from leanlm.models.loading import read_model_config, read_tokenizer
+
+    config = read_model_config(directory, quantized=True)
+    problem = _config_metadata_problem(config, architecture_for(config))
     if problem:
         raise ConfigError(problem)
+    tokenizer = read_tokenizer(directory)
+    return config, tokenizer, _bpe_vocabulary(tokenizer, config.vocab_size)
+
+
+def metadata_from_transformers(writer: gguf.GGUFWriter, config, tokenizer, vocabulary, name: str) -> str:
+    """Write the hyper-parameters, tokenizer and chat template llama.cpp needs, from a transformers config,
+    tokenizer and its `_bpe_vocabulary` (what llama.cpp's convert_hf_to_gguf.py writes for these families).
+    Returns the pre-tokenizer name written."""
     rope = getattr(config, "rope_parameters", None) or {}
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -137,7 +148,7 @@ def metadata_from_transformers(writer: gguf.GGUFWriter, config, tokenizer, table
     if head_dim != config.hidden_size // heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    pre, tokens, types, merges = _bpe_vocabulary(tokenizer, config.vocab_size)
+    pre, tokens, types, merges = vocabulary
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -218,8 +229,6 @@ def export_gguf(source: str | os.PathLike, out: str | os.PathLike, file_type: st
     "block_types", "bytes", "metadata"}."""
     from leanlm.cache.prefix import attached_cushion
     from leanlm.methods.checkpoint import load_any
-    from leanlm.models.architectures import architecture_for
-    from leanlm.models.loading import read_model_config, read_tokenizer
     from leanlm.storage import writable_directory
 
     if file_type not in FILE_TYPES:
@@ -228,12 +237,8 @@ def export_gguf(source: str | os.PathLike, out: str | os.PathLike, file_type: st
     original = gguf.GGUFReader(origin) if origin is not None else None
     out = Path(out)
     writable_directory(out.parent)
-    if original is None and Path(source).is_dir():  # what the metadata needs, checked before the weights load
-        config = read_model_config(Path(source), quantized=True)
-        problem = _config_metadata_problem(config, architecture_for(config))
-        if problem:
-            raise ConfigError(problem)
-        _bpe_vocabulary(read_tokenizer(Path(source)), config.vocab_size)
+    if original is None:  # a model directory: what its metadata needs is read and checked before the weights
+        _, tokenizer, vocabulary = transformers_vocabulary(Path(source))
     loaded = load_any(source)
     if attached_cushion(loaded.model) is not None:
         raise ConfigError("this checkpoint carries a CushionCache prefix; a GGUF file has no place for a prefix "
@@ -283,7 +288,7 @@ def export_gguf(source: str | os.PathLike, out: str | os.PathLike, file_type: st
             writer.add_key_value(key, field.contents(), kind,
                                  sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
     else:
-        pre = metadata_from_transformers(writer, config, loaded.tokenizer, table, Path(str(source)).name)
+        pre = metadata_from_transformers(writer, config, tokenizer, vocabulary, Path(str(source)).name)
         metadata = f"written from the config and tokenizer (pre-tokenizer {pre!r})"
     writer.add_file_type(llama_file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
