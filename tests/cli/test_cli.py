@@ -6,6 +6,7 @@ from leanlm.bench import weight_bytes
 from leanlm.cli.main import main
 from leanlm.methods import load_quantized
 from leanlm.models import load_model
+from processes import leanlm_process
 
 SMALL_CALIBRATION = ["--calib-samples", "4", "--calib-seq-len", "32"]
 
@@ -206,7 +207,6 @@ def test_finetune_killed_and_resumed_gives_the_same_adapters(tiny_llama_dir, tmp
     import os
     import signal
     import subprocess
-    import sys
     import time
 
     import torch
@@ -217,9 +217,8 @@ def test_finetune_killed_and_resumed_gives_the_same_adapters(tiny_llama_dir, tmp
     data = tmp_path / "train.txt"
     data.write_text("\n".join(plain_text("lambada-dev").splitlines()[:150]) + "\n")
     killed_out, whole_out = tmp_path / "killed", tmp_path / "whole"
-    process = subprocess.Popen([sys.executable, "-m", "leanlm.cli.main", *_finetune_argv(tiny_llama_dir, data, killed_out)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    process = leanlm_process(*_finetune_argv(tiny_llama_dir, data, killed_out), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     state = killed_out / "checkpoint" / "trainer_state.json"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None:
@@ -406,7 +405,6 @@ def test_ctrl_c_in_finetune_names_the_saved_step_and_resume(tiny_llama_dir, tmp_
     """A real SIGINT to a running `leanlm finetune`: exit 130, one line naming the checkpoint's step and --resume."""
     import signal
     import subprocess
-    import sys
     import time
 
     from leanlm.data import plain_text
@@ -414,11 +412,8 @@ def test_ctrl_c_in_finetune_names_the_saved_step_and_resume(tiny_llama_dir, tmp_
     data = tmp_path / "train.txt"
     data.write_text("\n".join(plain_text("lambada-dev").splitlines()[:150]) + "\n")
     out = tmp_path / "adapter"
-    # A shell starts background jobs with SIGINT ignored, and a child keeps that: restore the default, so that the
-    # test does not depend on how the suite was started.
-    process = subprocess.Popen([sys.executable, "-m", "leanlm.cli.main", *_finetune_argv(tiny_llama_dir, data, out)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = leanlm_process(*_finetune_argv(tiny_llama_dir, data, out), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
     state = out / "checkpoint" / "trainer_state.json"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None and not state.is_file():
