@@ -185,6 +185,8 @@ def systems(model: str, work: Path) -> dict[str, tuple[str, str]]:
               "NF4+DQ fused": (nf4, "float32", "fused", "float"),
               "NF4+DQ fused, BF16 head": (nf4, "auto", "fused", "float"),
               "NF4+DQ fused, int8 head": (nf4, "auto", "fused", "int8"),
+              # float32 block constants (4.5 bits a weight, Q4_0's size): no double-quantized constant to decode
+              "NF4 fused, int8 head": (work / "nf4-plain", "auto", "fused", "int8"),
               "int8 blocks fused, int8 head": (int8, "auto", "fused", "int8"),
               "SmoothQuant O3 fused, int8 head": (work / "sq-o3", "auto", "fused", "int8"),
               "LLM.int8() fused, int8 head": (work / "llm-int8", "auto", "fused", "int8"),
@@ -220,6 +222,7 @@ def prepare(model: str, work: Path, rows: dict[str, tuple[str, str]]) -> None:
     """The checkpoints and GGUF files `rows` load (made once, kept in the work directory)."""
     specs = [spec for _, spec in rows.values()]
     recipes = {"nf4": ["--method", "kbit", "--double-quant"],
+               "nf4-plain": ["--method", "kbit"],
                "int8": ["--method", "kbit", "--dtype", "int", "--bits", "8"],  # blocks of 64: Q8_0's kind
                "sq-o3": ["--method", "smoothquant", "--level", "O3", "--no-bmm", "--calib-samples", "64"],
                "llm-int8": ["--method", "llm-int8"],

@@ -3,6 +3,8 @@ from, de-quantized, with its metadata; Q8_0 is llama.cpp's own rounding of those
 symmetric grid in groups of 32 is written as its own Q4_0 / Q8_0 blocks, value for value; every other stored form
 is refused with the reason, before anything is written."""
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -149,4 +151,37 @@ def test_metadata_without_a_source_gguf_is_refused_where_the_config_does_not_car
     tiny_model("gemma3_text").save_pretrained(source)
     assert main(["export", str(source), "--format", "gguf", "--out", str(tmp_path / "m.gguf")]) == 2
     assert "metadata only from the GGUF the model came from" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*partial*"))
+
+
+def _with_rope_scaling(directory):
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 64}
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def _with_word_level_tokenizer(directory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    for old in directory.glob("*token*"):
+        old.unlink()
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(directory)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (_with_rope_scaling, "rope type 'llama3': llama.cpp reads its frequencies from a rope_freqs tensor"),
+    (_with_word_level_tokenizer, "a tokenizer only for byte-level BPE (GPT-2's kind); this model's is WordLevel"),
+])
+def test_what_the_metadata_cannot_describe_is_refused_before_the_weights_load(tiny_llama_dir, tmp_path, capsys,
+                                                                              monkeypatch, change, reason):
+    """Rope scaling (a rope_freqs tensor this export does not write) and tokenizers other than byte-level BPE
+    are refused in one line naming them, before a weight is read, and nothing is left behind."""
+    change(tiny_llama_dir)
+    monkeypatch.setattr("leanlm.methods.checkpoint.load_any", lambda *a, **k: pytest.fail("the weights were loaded"))
+    assert main(["export", str(tiny_llama_dir), "--format", "gguf", "--out", str(tmp_path / "m.gguf")]) == 2
+    assert reason in capsys.readouterr().err
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*partial*"))

@@ -129,6 +129,28 @@ def test_kbit_linear_module_takes_the_fast_path_and_agrees(double_quant):
 
 
 @needs_avx2
+@pytest.mark.parametrize("in_features", [576, 1024])  # 9 chunks a row (8 and a tail), 16 (two whole eights)
+@pytest.mark.parametrize("group", [256, 12, 5])  # double quantization's groups: across 8-chunk windows, or smaller
+@pytest.mark.parametrize("rows", [1, 4, 5])
+def test_int8_kernels_decode_double_quantized_constants_eight_at_a_time_exactly(in_features, group, rows):
+    """The int8 kernels decode a row's double-quantized constants 8 chunks at a time (a gather, and a blend where a
+    group ends inside the 8): bit for bit the output of the same constants given as float32, for every group size,
+    at a row's tail, and against the oracle."""
+    torch.manual_seed(4)
+    out_features, blocks = 40, 40 * in_features // 64
+    codes = torch.randint(0, 256, (blocks,), dtype=torch.uint8)
+    stored = BlockConstants(codes, torch.rand((blocks + group - 1) // group) + 0.5, DYNAMIC8.values, 0.01, group)
+    dense = BlockConstants(stored.dense())
+    packed = torch.randint(0, 256, (out_features * in_features // 2,), dtype=torch.uint8)
+    table, x = code_table(codebook("nf", 4).values), torch.randn(rows, in_features)
+    expected = reference_int8_activations(x, packed, stored, table, out_features, 64)
+    for isa in int8_kernel_isas():
+        fast = kbit_linear(x, packed, stored, table, out_features, 64, None, "avx2", isa)
+        assert torch.equal(fast, kbit_linear(x, packed, dense, table, out_features, 64, None, "avx2", isa)), isa
+        torch.testing.assert_close(fast, expected, rtol=1e-5, atol=1e-4, msg=lambda m: f"{isa}: {m}")
+
+
+@needs_avx2
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 40])
 @pytest.mark.parametrize("dtype, block, in_features, double_quant", [("nf", 64, 512, False), ("fp", 192, 576, False),
                                                                      ("nf", 64, 576, True), ("int", 256, 512, True)])
