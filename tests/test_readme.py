@@ -20,7 +20,7 @@ REPORTED = {
     "compute_dtype": ["compute_dtype_smollm2-135m"],
     "decode": ["decode_smollm2-135m", "decode_gemma3-270m", "decode_smollm2-135m_xeon-amx",
                "decode_gemma3-270m_xeon-amx", "decode_smollm2-135m_3bit", "decode_llama3-8b-shape",
-               "decode_smollm2-135m_gptq-prefill"],
+               "decode_smollm2-135m_gptq-prefill", "decode_smollm2-135m_prefetch"],
     "gguf_llama_cpp": ["gguf_llama_cpp_smollm2-135m", "gguf_llama_cpp_gemma3-270m",
                        "gguf_llama_cpp_smollm2-135m_windows0"],
     "gptq_spqr": ["gptq_spqr_smollm2-135m", "gptq_spqr_gemma3-270m"],
