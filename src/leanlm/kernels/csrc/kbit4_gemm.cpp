@@ -57,17 +57,18 @@ struct BlockConstants {
     int64_t i = n * per_row, g = i / group, group_end = (g + 1) * group;
     for (int64_t b = 0; b < per_row; ++b, ++i) {
       if (i == group_end) ++g, group_end += group;
-      // Rounded after the product and after the sum, as the reference computes it: the file is built with
-      // -ffp-contract=off, so no fused multiply-add is formed here (explicit _fmadd_ intrinsics still are).
-      scratch[b] = code_values[codes[i]] * scales[g] + offset;
+      scratch[b] = decoded(i, g);
     }
     return scratch;
   }
 
+  // Double-quantized block i of group g. Rounded after the product and after the sum, as the reference computes
+  // it: the file is built with -ffp-contract=off, so no fused multiply-add is formed here (explicit _fmadd_
+  // intrinsics still are). Every scalar decode goes through here; `eight` is its vector twin.
+  float decoded(int64_t i, int64_t g) const { return code_values[codes[i]] * scales[g] + offset; }
+
   // Block b's constant (any block, in isolation: a division for the group).
-  float value(int64_t b) const {
-    return direct != nullptr ? direct[b] : code_values[codes[b]] * scales[b / group] + offset;
-  }
+  float value(int64_t b) const { return direct != nullptr ? direct[b] : decoded(b, b / group); }
 
   // The constants of the 8 consecutive blocks from b, rounded as `row` rounds them: a load, or (double
   // quantization) a gather from the 256-entry table and a blend across a group boundary (see EightChunkScales).
@@ -103,7 +104,7 @@ struct RowConstants {
   float next() {
     if (c.direct != nullptr) return c.direct[i++];
     if (i == group_end) ++g, group_end += c.group;
-    return c.code_values[c.codes[i++]] * c.scales[g] + c.offset;
+    return c.decoded(i++, g);
   }
 };
 
