@@ -43,7 +43,8 @@ from leanlm.report import format_table, save_figure  # noqa: E402
 
 class LeanlmSystem:
     """`load_any(source, dtype, head)`, decoded through transformers' eager forward (what `leanlm serve --no-fused` runs) or
-    leanlm's fused C++ step (`decoder`: eager | fused)."""
+    leanlm's fused C++ step (`decoder`: eager | fused | fused-compact, the last keeping double-quantized block
+    constants 8-bit in the step)."""
 
     def __init__(self, source: str, dtype: str, decoder: str, head: str, context: int):
         import torch
@@ -54,7 +55,8 @@ class LeanlmSystem:
         torch.set_num_threads(2)
         self.torch = torch
         self.model = load_any(source, dtype, head).model
-        self.fused = FusedDecoder(self.model, capacity=context) if decoder == "fused" else None
+        self.fused = (FusedDecoder(self.model, capacity=context, compact_constants=decoder == "fused-compact")
+                      if decoder.startswith("fused") else None)
 
     def decode(self, prompt: list[int], new_tokens: int) -> float:
         """Seconds for `new_tokens` greedy steps after the prompt."""
@@ -185,6 +187,8 @@ def systems(model: str, work: Path) -> dict[str, tuple[str, str]]:
               "NF4+DQ fused": (nf4, "float32", "fused", "float"),
               "NF4+DQ fused, BF16 head": (nf4, "auto", "fused", "float"),
               "NF4+DQ fused, int8 head": (nf4, "auto", "fused", "int8"),
+              # the step's constants as stored (decoded per row: 0.5 bits a weight less resident, more work)
+              "NF4+DQ fused, int8 head, 8-bit constants": (nf4, "auto", "fused-compact", "int8"),
               # float32 block constants (4.5 bits a weight, Q4_0's size): no double-quantized constant to decode
               "NF4 fused, int8 head": (work / "nf4-plain", "auto", "fused", "int8"),
               "int8 blocks fused, int8 head": (int8, "auto", "fused", "int8"),

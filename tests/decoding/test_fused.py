@@ -97,6 +97,20 @@ def test_fused_step_gives_the_eager_logits_and_tokens(family, weights):
 
 
 @needs_kernels
+@pytest.mark.parametrize("weights", ["nf4-dq+int8-head", "nf3-dq"])
+def test_double_quantized_constants_decoded_once_give_the_same_logits_bit_for_bit(weights):
+    """The step decodes double-quantized constants to float32 once (the default, for speed) or per row as stored
+    (`compact_constants`); both are the kernel's own decode, so every logit is identical."""
+    model = _model("llama", weights)
+    prompt, tokens = [3, 17, 99, 5, 250, 42, 7], [11, 200, 5, 64, 9]
+    logits = []
+    for compact in (False, True):
+        decoder = FusedDecoder(model, capacity=32, compact_constants=compact)
+        logits.append(torch.stack([decoder.prefill(prompt)] + [decoder.step(token) for token in tokens]))
+    assert torch.equal(logits[0], logits[1])
+
+
+@needs_kernels
 def test_families_and_layers_it_does_not_run_are_named():
     assert "gpt2" in fused_decoder_problem(tiny_model("gpt2"))
     zero_points = tiny_model("llama")

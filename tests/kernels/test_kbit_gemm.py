@@ -22,6 +22,7 @@ from leanlm.kernels.kbit_gemm import (
     reference_int8_activations,
     supports_fast_path,
 )
+from leanlm.kernels.cpu import has_native_bf16
 from leanlm.nn import KbitLinear
 
 needs_avx2 = pytest.mark.skipif(not avx2_available(), reason="the AVX2 k-bit kernel cannot be built or run here")
@@ -50,6 +51,44 @@ def test_every_kernel_matches_the_reference(rows, dtype, block, in_features):
     for isa in kernel_isas():
         fast = kbit_linear(x, packed, quantized.absmax, table, 96, block, bias, "avx2", isa)
         torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-4, msg=lambda m: f"{isa}: {m}")
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_block_offsets_shift_every_weight_of_their_block(rows, compute_dtype):
+    """An asymmetric grid's weight is scale * code + offset per block (GPTQ / SpQR): at decode sizes the offsets
+    meet the block sums of x, at prefill sizes they go into each decoded tile before it is rounded to bfloat16."""
+    if compute_dtype == torch.bfloat16 and not has_native_bf16():
+        pytest.skip("no bfloat16 products on this CPU")
+    quantized, packed, table, bias = operands(96, 512, "int", 64)
+    offsets = torch.randn(96, 512 // 64)
+    weight = quantized.dequantize() + offsets.repeat_interleave(64, dim=1)
+    x = torch.randn(rows, 512)
+    reference = kbit_linear(x, packed, quantized.absmax, table, 96, 64, bias, "reference", block_offsets=offsets)
+    torch.testing.assert_close(reference, x @ weight.T + bias, rtol=1e-5, atol=1e-4)
+    fast = kbit_linear(x, packed, quantized.absmax, table, 96, 64, bias, "avx2", int8_activations=False,
+                       compute_dtype=compute_dtype, block_offsets=offsets).float()
+    if compute_dtype == torch.bfloat16 and rows > 16:  # the centred weight rounded, not s * q rounded then shifted
+        expected = (x.bfloat16() @ weight.bfloat16().T).float() + bias
+        torch.testing.assert_close(fast, expected, rtol=2e-2, atol=5e-2)
+    else:
+        torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-4)
+
+
+@needs_avx2
+def test_constants_decoded_once_by_the_kernel_equal_their_oracle_bit_for_bit():
+    """`decoded_once` (the fused step's float32 copy of double-quantized constants) is `dense()` exactly: groups of
+    256 and 5, a count that ends inside a group."""
+    torch.manual_seed(8)
+    quantized = quantize_blockwise(torch.randn(301, 192), codebook("nf", 4), 64, double_quant=True)
+    for group in (256, 5):  # other groups than 256 take their own scales, any values
+        scales = quantized.absmax_scale if group == 256 else torch.rand(-(-quantized.absmax.numel() // group)) + 0.5
+        stored = BlockConstants(quantized.absmax, scales, DYNAMIC8.values, quantized.absmax_offset.item(), group)
+        once = stored.decoded_once()
+        assert once.scales is None and torch.equal(once.absmax, stored.dense())
+    plain = BlockConstants(quantized.block_constants())
+    assert plain.decoded_once() is plain
 
 
 def test_the_constants_of_some_rows_are_those_rows_of_all_the_constants():
@@ -263,8 +302,11 @@ def test_8_bit_int_codes_run_the_int8_kernel_as_stored(rows, double_quant):
     assert 20 * torch.log10(exact.norm() / (layer(x) - exact).norm()) > 40
     prefill = torch.randn(40, 576)
     torch.testing.assert_close(layer(prefill), prefill @ layer.dequantized_weight().T + layer.bias)
-    with pytest.raises(ConfigError, match="8-bit codes run the int8 kernel only"):
-        kbit_linear(prefill, layer.packed, constants, None, 96, 64, layer.bias, "avx2", bits=8)
+    _, table = layer._kernel_state()  # the 256-entry book the prefill tiles decode through
+    for x in (prefill, x):  # float activations at a decode size (under autograd) take the tiles too
+        torch.testing.assert_close(kbit_linear(x, layer.packed, constants, table, 96, 64, layer.bias, "avx2",
+                                               int8_activations=False, bits=8), x @ layer.dequantized_weight().T + layer.bias,
+                                   rtol=1e-5, atol=1e-4)
 
 
 @needs_avx2
@@ -290,9 +332,9 @@ def test_3_bit_codes_run_the_int8_kernel_as_its_reference_computes(rows, block, 
 
 @needs_avx2
 @pytest.mark.parametrize("dtype, block", [("nf", 64), ("int", 32), ("fp", 16)])
-def test_a_3_bit_layer_decodes_through_the_kernel_and_prefills_by_rows(dtype, block):
+def test_a_3_bit_layer_decodes_through_the_kernel_and_prefills_through_decoded_tiles(dtype, block):
     """A 3-bit KbitLinear keeps its codes in the planes layout (3 bits per weight, as the bit stream) and never
-    de-quantizes its whole weight at decode sizes; a longer input multiplies by rows of the de-quantized weight."""
+    de-quantizes its whole weight at decode sizes; a longer input multiplies by tiles of rows the kernel decodes."""
     torch.manual_seed(6)
     layer = KbitLinear.from_float(torch.randn(96, 576), torch.randn(96), dtype, 3, block)
     assert layer.code_layout == "planes" and layer.packed.numel() == 96 * 576 * 3 // 8
@@ -303,8 +345,10 @@ def test_a_3_bit_layer_decodes_through_the_kernel_and_prefills_by_rows(dtype, bl
     assert layer.backend == "avx2"
     prefill = torch.randn(40, 576)
     torch.testing.assert_close(layer(prefill), prefill @ layer.dequantized_weight().T + layer.bias)
-    with pytest.raises(ConfigError, match="3-bit codes run the int8 kernel only"):
-        kbit_linear(prefill, layer.packed, constants, table, 96, block, layer.bias, "avx2", bits=3)
+    tall = torch.randn(1100, 576)
+    wide = KbitLinear.from_float(torch.randn(1100, 576), None, dtype, 3, block)  # 3 tiles of output rows (512 each)
+    torch.testing.assert_close(wide(prefill), prefill @ wide.dequantized_weight().T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(layer(tall), tall @ layer.dequantized_weight().T + layer.bias, rtol=1e-5, atol=1e-4)
 
 
 def test_3_bit_layers_of_checkpoints_from_before_the_planes_layout_still_read_their_bit_stream():

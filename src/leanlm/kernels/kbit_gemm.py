@@ -218,6 +218,13 @@ class BlockConstants:
         """The double-quantized constants of block numbers `blocks` (any shape), in float32."""
         return self.code_values[self.absmax[blocks].long()] * self.scales[blocks // self.group] + self.offset
 
+    def decoded_once(self) -> "BlockConstants":
+        """These constants in float32, decoded by the C++ kernel (`dense()` is its oracle, bit for bit): kernels
+        then read them without decoding one per block, for 0.5 bits a weight (blocks of 64) more memory."""
+        if self.scales is None:
+            return self
+        return BlockConstants(compiled_kernels().decode_block_constants(self.absmax, **self.kernel_arguments()))
+
     def kernel_arguments(self) -> dict:
         if self.scales is None:
             return {}
@@ -236,22 +243,26 @@ def kbit_linear(
     x: torch.Tensor,  # (M, K) float32
     packed: torch.Tensor,  # uint8, two codes per byte, first code in the high nibble
     absmax: torch.Tensor | BlockConstants,  # (N * K / block,) float32, or double-quantized
-    table: torch.Tensor,  # (16,) float32
+    table: torch.Tensor,  # the code book as float32: (16,) for 3 or 4 bits (`code_table`), (256,) for 8
     out_features: int,
     block_size: int,
     bias: torch.Tensor | None,
     backend: KbitBackend,
     isa: KernelIsa = "auto",
     int8_activations: bool = True,  # whether "auto" may quantize x at decode sizes (not under autograd: see nn)
-    bits: int = 4,  # 8: codes of the int code book, one byte each; 3: the planes layout (both: the int8 kernel only)
+    bits: int = 4,  # 8: codes of the int code book, one byte each; 3: the planes layout (both: no float GEMV)
     compute_dtype: torch.dtype = torch.float32,  # the large-M path's GEMM: float32, or bfloat16 (see below)
+    # (N, K / block) float32 added to every weight of its block: an asymmetric grid's -scale * zero (GPTQ / SpQR)
+    block_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     in_features = x.shape[1]
     constants = absmax if isinstance(absmax, BlockConstants) else BlockConstants(absmax)
     if backend == "reference":
         codes = unpack(packed, 4, out_features * in_features).long()
-        weight = (table[codes].reshape(-1, block_size) * constants.dense()[:, None]).reshape(out_features, in_features)
-        return torch.nn.functional.linear(x, weight, bias)
+        weight = table[codes].reshape(-1, block_size) * constants.dense()[:, None]
+        if block_offsets is not None:
+            weight += block_offsets.reshape(-1, 1)
+        return torch.nn.functional.linear(x, weight.reshape(out_features, in_features), bias)
     if backend != "avx2":
         raise ValueError(f"unknown k-bit backend {backend!r}; choose reference or avx2")
     if isa not in _ISA_CODES and isa not in INT8_ISA_CODES:
@@ -262,21 +273,22 @@ def kbit_linear(
     x = x.contiguous()
     int8 = isa in INT8_ISA_CODES or (isa == "auto" and int8_activations and x.shape[0] <= SMALL_M
                                         and supports_int8_activations(block_size, in_features, bits))
-    if bits != 4 and not int8:
-        raise ConfigError(f"{bits}-bit codes run the int8 kernel only (isa auto at decode sizes, or an int8 kernel "
-                          "named)")
+    # 3- and 8-bit codes have no float-activation GEMV: outside the int8 kernel they take the tiles at any M
+    small = int8 or bits == 4 and x.shape[0] <= SMALL_M
     if int8:
         values, inverse = int8_kernel_table(table, bits)
         out = extension.kbit_gemv_int8(x, packed, constants.absmax, values, inverse, out_features, block_size, bits,
                                        INT8_ISA_CODES.get(isa, 0), **constants.kernel_arguments())
-    elif x.shape[0] <= SMALL_M:
+    elif small:
         out = extension.kbit4_gemv(x, packed, constants.absmax, table, out_features, block_size, _ISA_CODES[isa],
                                    **constants.kernel_arguments())
     else:
-        # Computed as out^T = W x^T, so that each tile's result is a contiguous block of rows. In bfloat16 (a model
+        # Computed as out^T = W x^T, so that each tile's result is a contiguous block of rows; the table is the
+        # code book in float32 (3 bits: 8 entries padded to 16; 8 bits: 256). In bfloat16 (a model
         # computing in bfloat16, on a CPU with bfloat16 products) each decoded tile is rounded to bfloat16 for
         # oneDNN's bfloat16 GEMM, 2.6x float32's SGEMM at M = 512 on an AMD EPYC with AVX512-BF16: the weights
-        # bitsandbytes computes with at compute_dtype=bfloat16.
+        # bitsandbytes computes with at compute_dtype=bfloat16. Block offsets go into the tile before it is rounded,
+        # so the operand is centred as a float model's weight is (s * (q - z), not s * q rounded and then shifted).
         x = x.to(compute_dtype)
         out_t = torch.empty(out_features, x.shape[0], dtype=compute_dtype)
         scratch = torch.empty(min(TILE_ROWS, out_features), in_features, dtype=torch.float32)
@@ -284,10 +296,15 @@ def kbit_linear(
         for first in range(0, out_features, TILE_ROWS):
             tile = scratch[: min(TILE_ROWS, out_features - first)]
             extension.dequantize_rows(packed, constants.absmax, table, block_size, first, tile,
-                                      **constants.kernel_arguments())
+                                      **constants.kernel_arguments(), bits=bits)
+            if block_offsets is not None:
+                blocks = tile.view(tile.shape[0], -1, block_size)
+                blocks += block_offsets[first : first + tile.shape[0], :, None]
             operand = tile if rounded is scratch else rounded[: tile.shape[0]].copy_(tile)
             torch.mm(operand, x.T, out=out_t[first : first + tile.shape[0]])
         out = out_t.T.contiguous()
+    if small and block_offsets is not None:  # sum over a block of (offset * x) = offset * (the block's sum of x)
+        out.addmm_(x.reshape(x.shape[0], -1, block_size).sum(dim=2), block_offsets.T)
     return out.add_(bias) if bias is not None else out
 
 

@@ -5,8 +5,8 @@ rows without gradients, quantized per chunk of 64 to int8 for the int8 kernel, a
 Storage is really k bits per weight (`packed` holds the bit stream, or for 3 bits the planes layout the 3-bit
 kernel reads: `leanlm.formats.packing`); `bits_per_weight` is the exact account. The forward pass runs leanlm's
 kernels where the layout allows (4-bit codes in blocks tiling each row; 8-bit int codes and 3-bit codes in
-blocks the int8 kernel reads, which serve decode sizes, a longer input multiplying by rows of the weight
-de-quantized a few thousand at a time), else the plain-PyTorch reference (de-quantize, then matmul), which is also
+blocks the int8 kernel reads, which serves their decode sizes; a longer input multiplies by tiles of rows the
+kernel de-quantizes, 512 at a time), else the plain-PyTorch reference (de-quantize, then matmul), which is also
 the kernels' test oracle.
 """
 
@@ -20,7 +20,6 @@ from leanlm.formats.codebooks import DYNAMIC8, Codebook, codebook
 from leanlm.formats.packing import CodeLayout, pack, packed_bytes, preferred_layout, unpack
 from leanlm.kernels.kbit_gemm import (
     INT8_CODE_BIAS,
-    SMALL_M,
     BlockConstants,
     KbitBackend,
     KernelIsa,
@@ -144,12 +143,12 @@ class KbitLinear(nn.Module):
 
     def _kernel_state(self) -> tuple[BlockConstants, torch.Tensor | None]:
         """(the block constants as stored - double-quantized ones stay 8-bit, the kernel decodes them row by row -,
-        16-entry code table), derived once from the buffers."""
+        the code book as float32: 16 entries for 3 or 4 bits, 256 for 8), derived once from the buffers."""
         if self._kernel_inputs is None:
             constants = (BlockConstants(self.absmax, self.absmax_scale, DYNAMIC8.values, self.absmax_offset.item(),
                                         SECOND_LEVEL_BLOCK)
                          if self.double_quant else BlockConstants(self.absmax.float().contiguous()))
-            table = code_table(self.codebook.values) if self.bits in (3, 4) else None  # 8-bit codes need no table
+            table = code_table(self.codebook.values) if self.bits in (3, 4) else self.codebook.values.float()
             if self.bits == 8 and self._runs_int8_kernel_only():
                 # Written before `Codebook.nearest` stopped emitting the unused code 255 (= 0.0, as is 127); 16 MiB
                 # at a time, as the mask is a byte per code (Gemma-3's head: 160 MiB)
@@ -159,7 +158,7 @@ class KbitLinear(nn.Module):
         return self._kernel_inputs
 
     def _runs_int8_kernel_only(self) -> bool:
-        """Codes only the int8 kernel reads, at decode sizes (longer inputs: `_prefill_by_rows`): 8-bit codes of
+        """Codes without a float-activation GEMV: the int8 kernel at decode sizes, tiles beyond: 8-bit codes of
         the symmetric int book (llama.cpp's Q8_0 in all but the block), read as stored, and 3-bit codes in the
         planes layout."""
         readable = (self.bits == 8 and is_int8_code_book(self.codebook.values)
@@ -188,27 +187,12 @@ class KbitLinear(nn.Module):
         # Under autograd (int8_activations False) the forward stays the function the backward differentiates.
         chosen = self.gemm_dtype if int8_activations else None
         compute_dtype = chosen if chosen is not None else prefill_dtype(x.dtype)
-        if self.bits != 4 and not (int8_activations and rows.shape[0] <= SMALL_M):
-            out = self._prefill_by_rows(rows, compute_dtype)
-        else:
-            absmax, table = self._kernel_state()
-            out = kbit_linear(rows.float(), self.packed, absmax, table, self.out_features, self.block_size, self.bias,
-                              self.backend, self.kernel_isa, int8_activations, self.bits, compute_dtype)
+        absmax, table = self._kernel_state()
+        out = kbit_linear(rows.float(), self.packed, absmax, table, self.out_features, self.block_size, self.bias,
+                          self.backend, self.kernel_isa, int8_activations, self.bits, compute_dtype)
         if self.proxy_columns is not None:
             out.addmm_(rows[:, self.proxy_columns.long()].to(out.dtype), self.proxy_weight.to(out.dtype).T)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-
-    def _prefill_by_rows(self, rows: torch.Tensor, compute_dtype: torch.dtype = torch.float32,
-                         rows_at_once: int = 4096) -> torch.Tensor:
-        """3- and 8-bit codes have only the decode-size kernel: a prefill multiplies by the de-quantized weight, a
-        few thousand output rows at a time (an 8-bit head de-quantized whole would be the peak memory: 671 MiB for
-        Gemma-3's 262144 x 640), in `compute_dtype` (see `prefill_dtype`)."""
-        out = torch.empty(rows.shape[0], self.out_features, dtype=compute_dtype)
-        x = rows.to(compute_dtype)
-        for first in range(0, self.out_features, rows_at_once):
-            last = min(first + rows_at_once, self.out_features)
-            out[:, first:last] = x @ self.weight_rows(slice(first, last)).to(compute_dtype).T
-        return out.add_(self.bias) if self.bias is not None else out
 
     def weight_rows(self, index: slice | torch.Tensor) -> torch.Tensor:
         """Output rows `index` of a layer the int8 kernel reads, de-quantized (float32, (rows, in_features)): a

@@ -37,7 +37,7 @@ from leanlm.kernels.kbit_gemm import (SMALL_M, avx2_available, kbit_linear, supp
                                       supports_int8_activations)
 
 SpQRBackend = Literal["reference", "dense_sparse", "kernel"]
-IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 4-bit codes are the integers themselves
+IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 3- and 4-bit codes are the integers themselves
 
 
 class SpQRLinear(nn.Module):
@@ -192,17 +192,14 @@ class SpQRLinear(nn.Module):
     def _dense_product(self, rows: torch.Tensor) -> torch.Tensor:
         large = rows.shape[0] > SMALL_M
         gemm = self.gemm_dtype if large and self.gemm_dtype is not None else torch.float32
-        if self._resolve_backend() == "dense_sparse" or large and (self.bits == 3 or gemm != torch.float32):
-            # In bfloat16 the de-quantized weight (offsets included, so the operands are centred as a float
-            # model's are) and the input are rounded to it for oneDNN's bfloat16 GEMM, as KbitLinear's tiles are.
+        if self._resolve_backend() == "dense_sparse":
             out = nn.functional.linear(rows.to(gemm), self.dense_weight().to(gemm)).float()
             return out.add_(self.bias) if self.bias is not None else out
-        block = self.kernel_block
+        # Codes 0..2^b - 1 times each block's scale, plus its offset (-scale * zero); at prefill sizes decoded a
+        # tile of rows at a time, offsets included (centred as a float model's weight is), into the GEMM's dtype
         scale, offset = self.kernel_constants()
-        out = kbit_linear(rows, self.codes, scale, IDENTITY_TABLE, self.out_features, block, self.bias, "avx2",
-                          bits=self.bits)
-        block_sums = rows.reshape(rows.shape[0], -1, block).sum(dim=2)
-        return out.addmm_(block_sums, offset.T)
+        return kbit_linear(rows, self.codes, scale, IDENTITY_TABLE, self.out_features, self.kernel_block, self.bias,
+                           "avx2", bits=self.bits, compute_dtype=gemm, block_offsets=offset).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

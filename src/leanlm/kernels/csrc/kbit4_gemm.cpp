@@ -20,8 +20,8 @@
 // Threads: at::parallel_for splits output rows; it is OpenMP in ATen's headers, so the extension must be built
 // with -fopenmp or every call runs on one thread (it did, until the speed benchmark showed 2 cores = 1).
 //
-// `dequantize_rows` decodes a range of output rows into a float32 scratch tile, in order, for the large-M path
-// (decode a tile, then an ordinary SGEMM) that Python drives.
+// `dequantize_rows` decodes a range of output rows (3-, 4- or 8-bit codes) into a float32 scratch tile, in order,
+// for the large-M path (decode a tile, then an ordinary SGEMM) that Python drives.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -125,6 +125,34 @@ inline void decode16(const uint8_t* bytes, __m256 low_table, __m256 high_table, 
   const __m256 b_mask = _mm256_castsi256_ps(_mm256_slli_epi32(codes_b, 28));
   first = _mm256_blendv_ps(a_low, a_high, a_mask);
   second = _mm256_blendv_ps(b_low, b_high, b_mask);
+}
+
+// 16 consecutive 3-bit codes of a planes chunk (leanlm/formats/packing.py), the quarter-th 16 of its 64, as two
+// vectors of 8 floats through the 8-entry code book: the low pairs are bits 2q..2q+1 of the 16 low bytes, the high
+// bits 16q..16q+15 of the little-endian word that follows them.
+inline void decode16_planes(const uint8_t* chunk, int64_t quarter, __m256 table, __m256& first, __m256& second) {
+  const __m128i low_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk));
+  // a 16-bit lane shift: what the high byte moves into a low byte's top bits is masked off
+  const __m128i low = _mm_and_si128(_mm_srl_epi16(low_bytes, _mm_cvtsi32_si128(static_cast<int>(2 * quarter))),
+                                    _mm_set1_epi8(3));
+  uint64_t high_word;
+  std::memcpy(&high_word, chunk + 16, sizeof(high_word));
+  const uint32_t high = static_cast<uint32_t>(high_word >> (16 * quarter));
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i four = _mm256_set1_epi32(4);
+  const auto with_high = [&](__m256i codes, uint32_t bits) {
+    const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), bit), bit);
+    return _mm256_or_si256(codes, _mm256_and_si256(set, four));
+  };
+  first = _mm256_permutevar8x32_ps(table, with_high(_mm256_cvtepu8_epi32(low), high & 0xFF));
+  second = _mm256_permutevar8x32_ps(table, with_high(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)), (high >> 8) & 0xFF));
+}
+
+// 16 8-bit codes (one byte each) -> two vectors of 8 floats through the 256-entry code book.
+inline void decode16_bytes(const uint8_t* bytes, const float* table, __m256& first, __m256& second) {
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  first = _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(codes), 4);
+  second = _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)), 4);
 }
 
 // Batch-1 kernels read each weight once, in order, and do a few instructions per byte: the hardware prefetcher
@@ -322,6 +350,21 @@ BlockConstants constants_of(const torch::Tensor& absmax, const c10::optional<tor
   return constants;
 }
 
+// Every double-quantized block constant in float32, as the kernels decode them (`BlockConstants::value`): the
+// fused decode step's copy (kernels read float32 constants without decoding them), written straight into its
+// tensor (the same in PyTorch ops would allocate several index tensors of the weight's block count).
+torch::Tensor decode_block_constants(torch::Tensor absmax, torch::Tensor dq_scales, torch::Tensor dq_values,
+                                     double dq_offset, int64_t dq_group) {
+  const int64_t count = absmax.numel();
+  const BlockConstants constants = constants_of(absmax, dq_scales, dq_values, dq_offset, dq_group, count);
+  auto out = torch::empty({count}, torch::dtype(torch::kFloat));
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, count, 1 << 16, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) op[b] = constants.value(b);
+  });
+  return out;
+}
+
 #include "fused_decode.inc"
 
 }  // namespace
@@ -452,11 +495,17 @@ torch::Tensor w8a8_gemv(torch::Tensor x, torch::Tensor weight, torch::Tensor wei
 
 void dequantize_rows(torch::Tensor packed, torch::Tensor absmax, torch::Tensor table, int64_t block,
                      int64_t first_row, torch::Tensor out, c10::optional<torch::Tensor> dq_scales,
-                     c10::optional<torch::Tensor> dq_values, double dq_offset, int64_t dq_group) {
+                     c10::optional<torch::Tensor> dq_values, double dq_offset, int64_t dq_group, int64_t bits) {
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.is_contiguous(), "out: contiguous float32");
+  TORCH_CHECK(bits == 3 || bits == 4 || bits == 8, "dequantize_rows reads 3-, 4- or 8-bit codes, got ", bits);
   const int64_t in_features = out.size(1), rows = out.size(0);
   TORCH_CHECK(block % 16 == 0 && in_features % block == 0, "block must be a multiple of 16 dividing in_features");
-  TORCH_CHECK(packed.numel() >= (first_row + rows) * in_features / 2, "rows beyond the packed weight");
+  // 3-bit rows must start at a chunk of the planes layout
+  TORCH_CHECK(bits != 3 || in_features % 64 == 0, "3-bit codes: rows of a multiple of 64");
+  TORCH_CHECK(table.scalar_type() == torch::kFloat && table.is_contiguous() && table.numel() == (bits == 8 ? 256 : 16),
+              "table: the code book as float32, 16 entries (3 or 4 bits) or 256 (8 bits)");
+  const int64_t packed_end = bits == 3 ? (first_row + rows) * in_features / 64 * 24 : (first_row + rows) * in_features * bits / 8;
+  TORCH_CHECK(packed.numel() >= packed_end, "rows beyond the packed weight");
   const int64_t blocks_per_row = in_features / block;
   TORCH_CHECK(absmax.numel() >= (first_row + rows) * blocks_per_row, "rows beyond the block constants");
   const BlockConstants constants = constants_of(absmax, dq_scales, dq_values, dq_offset, dq_group, blocks_per_row);
@@ -474,8 +523,15 @@ void dequantize_rows(torch::Tensor packed, torch::Tensor absmax, torch::Tensor t
       for (int64_t b = 0; b < blocks_per_row; ++b) {
         const __m256 scale = _mm256_set1_ps(row_absmax[b]);
         for (int64_t k = b * block; k < (b + 1) * block; k += 16) {
+          const int64_t code = n * in_features + k;  // the first of these 16 codes, in the whole weight
           __m256 w0, w1;
-          decode16(pp + (n * in_features + k) / 2, low_table, high_table, w0, w1);
+          if (bits == 4) {
+            decode16(pp + code / 2, low_table, high_table, w0, w1);
+          } else if (bits == 3) {
+            decode16_planes(pp + code / 64 * 24, code % 64 / 16, low_table, w0, w1);
+          } else {
+            decode16_bytes(pp + code, tp, w0, w1);
+          }
           _mm256_storeu_ps(row_out + k, _mm256_mul_ps(w0, scale));
           _mm256_storeu_ps(row_out + k + 8, _mm256_mul_ps(w1, scale));
         }
@@ -559,8 +615,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("values"), py::arg("sinks"), py::arg("windows"), py::call_guard<py::gil_scoped_release>());
   m.def("has_avx512_vnni", &cpu_has_avx512_vnni, "whether this CPU runs the AVX512-VNNI int8 kernel");
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernel");
-  m.def("dequantize_rows", &dequantize_rows, "4-bit weights of out.size(0) output rows from first_row into out (AVX2)",
+  m.def("decode_block_constants", &decode_block_constants, "double-quantized block constants as float32",
+        py::arg("absmax"), py::arg("dq_scales"), py::arg("dq_values"), py::arg("dq_offset"), py::arg("dq_group"));
+  m.def("dequantize_rows", &dequantize_rows,
+        "3-, 4- or 8-bit weights of out.size(0) output rows from first_row into out (AVX2)",
         py::arg("packed"), py::arg("absmax"), py::arg("table"), py::arg("block"), py::arg("first_row"), py::arg("out"),
         py::arg("dq_scales") = py::none(), py::arg("dq_values") = py::none(), py::arg("dq_offset") = 0.0,
-        py::arg("dq_group") = 256);
+        py::arg("dq_group") = 256, py::arg("bits") = 4);
 }
