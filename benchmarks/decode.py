@@ -188,7 +188,7 @@ def systems(model: str, work: Path) -> dict[str, tuple[str, str]]:
               "NF4+DQ fused, BF16 head": (nf4, "auto", "fused", "float"),
               "NF4+DQ fused, int8 head": (nf4, "auto", "fused", "int8"),
               # the step's constants as stored (decoded per row: 0.5 bits a weight less resident, more work)
-              "NF4+DQ fused, int8 head, 8-bit constants": (nf4, "auto", "fused-compact", "int8"),
+              "NF4+DQ fused, 8-bit constants, int8 head": (nf4, "auto", "fused-compact", "int8"),
               # float32 block constants (4.5 bits a weight, Q4_0's size): no double-quantized constant to decode
               "NF4 fused, int8 head": (work / "nf4-plain", "auto", "fused", "int8"),
               "int8 blocks fused, int8 head": (int8, "auto", "fused", "int8"),

@@ -11,6 +11,7 @@ from leanlm.formats.codebooks import DYNAMIC8
 from leanlm.kernels.kbit_gemm import (
     SMALL_M,
     BlockConstants,
+    SparseRows,
     avx2_available,
     code_table,
     dequantize_weight,
@@ -56,20 +57,29 @@ def test_every_kernel_matches_the_reference(rows, dtype, block, in_features):
 @needs_avx2
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
-def test_block_offsets_shift_every_weight_of_their_block(rows, compute_dtype):
-    """An asymmetric grid's weight is scale * code + offset per block (GPTQ / SpQR): at decode sizes the offsets
-    meet the block sums of x, at prefill sizes they go into each decoded tile before it is rounded to bfloat16."""
+@pytest.mark.parametrize("out_features", [96, 1100])  # 1100: three tiles of 512 rows, the sparse rows split by them
+def test_block_offsets_and_a_sparse_part_add_to_the_weight(rows, compute_dtype, out_features):
+    """An asymmetric grid's weight is scale * code + offset per block, plus SpQR's sparse outliers: at decode sizes
+    the offsets meet the block sums of x and the outliers multiply on their own; at prefill sizes both go into each
+    decoded tile before it is rounded to bfloat16."""
     if compute_dtype == torch.bfloat16 and not has_native_bf16():
         pytest.skip("no bfloat16 products on this CPU")
-    quantized, packed, table, bias = operands(96, 512, "int", 64)
-    offsets = torch.randn(96, 512 // 64)
-    weight = quantized.dequantize() + offsets.repeat_interleave(64, dim=1)
+    quantized, packed, table, bias = operands(out_features, 512, "int", 64)
+    offsets = torch.randn(out_features, 512 // 64)
+    generator = torch.Generator().manual_seed(1)
+    mask = torch.rand(out_features, 512, generator=generator) < 0.02
+    mask[5] = False  # a row without outliers
+    outliers = torch.where(mask, torch.randn(out_features, 512, generator=generator) * 3, torch.zeros(()))
+    row_offsets = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(dim=1).cumsum(0)])
+    sparse = SparseRows(row_offsets, mask.nonzero()[:, 1], outliers[mask], (out_features, 512))
+    weight = quantized.dequantize() + offsets.repeat_interleave(64, dim=1) + outliers
     x = torch.randn(rows, 512)
-    reference = kbit_linear(x, packed, quantized.absmax, table, 96, 64, bias, "reference", block_offsets=offsets)
+    arguments = dict(block_offsets=offsets, sparse=sparse)
+    reference = kbit_linear(x, packed, quantized.absmax, table, out_features, 64, bias, "reference", **arguments)
     torch.testing.assert_close(reference, x @ weight.T + bias, rtol=1e-5, atol=1e-4)
-    fast = kbit_linear(x, packed, quantized.absmax, table, 96, 64, bias, "avx2", int8_activations=False,
-                       compute_dtype=compute_dtype, block_offsets=offsets).float()
-    if compute_dtype == torch.bfloat16 and rows > 16:  # the centred weight rounded, not s * q rounded then shifted
+    fast = kbit_linear(x, packed, quantized.absmax, table, out_features, 64, bias, "avx2", int8_activations=False,
+                       compute_dtype=compute_dtype, **arguments).float()
+    if compute_dtype == torch.bfloat16 and rows > 16:  # the whole weight rounded, not s * q rounded then shifted
         expected = (x.bfloat16() @ weight.bfloat16().T).float() + bias
         torch.testing.assert_close(fast, expected, rtol=2e-2, atol=5e-2)
     else:

@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -232,6 +233,30 @@ class BlockConstants:
                 "dq_group": self.group}
 
 
+class SparseRows:
+    """A sparse part of a weight (SpQR's outliers), CSR by output row: multiplied on its own at decode sizes, and at
+    prefill sizes added into each decoded tile before it is rounded (a sparse matmul over 512 tokens took longer
+    than the dense GEMM)."""
+
+    def __init__(self, row_offsets: torch.Tensor, columns: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]):
+        self.row_offsets, self.columns, self.values = row_offsets.long(), columns.long(), values.float()
+        self.rows = torch.repeat_interleave(torch.arange(shape[0]), self.row_offsets.diff())
+        with warnings.catch_warnings():  # "sparse CSR support is in beta": the ops used here are stable
+            warnings.simplefilter("ignore", UserWarning)
+            self.matrix = torch.sparse_csr_tensor(self.row_offsets, self.columns, self.values, shape,
+                                                  check_invariants=False)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x (M, K) float32 times the sparse part, transposed: (M, N)."""
+        return (self.matrix @ x.T).T
+
+    def add_to(self, tile: torch.Tensor, first_row: int) -> None:
+        """Adds the entries of rows first_row .. first_row + len(tile) into `tile` (float32, those rows)."""
+        start, end = int(self.row_offsets[first_row]), int(self.row_offsets[first_row + tile.shape[0]])
+        tile.index_put_((self.rows[start:end] - first_row, self.columns[start:end]), self.values[start:end],
+                        accumulate=True)
+
+
 def prefill_dtype(activations: torch.dtype) -> torch.dtype:
     """The GEMM dtype of the large-M path for a model computing in `activations`: bfloat16 where the model does
     and the CPU multiplies bfloat16 in hardware (elsewhere PyTorch emulates it, slower than float32), else
@@ -254,6 +279,7 @@ def kbit_linear(
     compute_dtype: torch.dtype = torch.float32,  # the large-M path's GEMM: float32, or bfloat16 (see below)
     # (N, K / block) float32 added to every weight of its block: an asymmetric grid's -scale * zero (GPTQ / SpQR)
     block_offsets: torch.Tensor | None = None,
+    sparse: SparseRows | None = None,  # a sparse part added to the weight (SpQR's outliers)
 ) -> torch.Tensor:
     in_features = x.shape[1]
     constants = absmax if isinstance(absmax, BlockConstants) else BlockConstants(absmax)
@@ -262,7 +288,10 @@ def kbit_linear(
         weight = table[codes].reshape(-1, block_size) * constants.dense()[:, None]
         if block_offsets is not None:
             weight += block_offsets.reshape(-1, 1)
-        return torch.nn.functional.linear(x, weight.reshape(out_features, in_features), bias)
+        weight = weight.reshape(out_features, in_features)
+        if sparse is not None:
+            sparse.add_to(weight, 0)
+        return torch.nn.functional.linear(x, weight, bias)
     if backend != "avx2":
         raise ValueError(f"unknown k-bit backend {backend!r}; choose reference or avx2")
     if isa not in _ISA_CODES and isa not in INT8_ISA_CODES:
@@ -300,11 +329,15 @@ def kbit_linear(
             if block_offsets is not None:
                 blocks = tile.view(tile.shape[0], -1, block_size)
                 blocks += block_offsets[first : first + tile.shape[0], :, None]
+            if sparse is not None:
+                sparse.add_to(tile, first)
             operand = tile if rounded is scratch else rounded[: tile.shape[0]].copy_(tile)
             torch.mm(operand, x.T, out=out_t[first : first + tile.shape[0]])
         out = out_t.T.contiguous()
     if small and block_offsets is not None:  # sum over a block of (offset * x) = offset * (the block's sum of x)
         out.addmm_(x.reshape(x.shape[0], -1, block_size).sum(dim=2), block_offsets.T)
+    if small and sparse is not None:
+        out += sparse.product(x)
     return out.add_(bias) if bias is not None else out
 
 

@@ -13,18 +13,18 @@ stored tensor. Three forward paths:
 - `reference` de-quantizes the whole weight (outliers included) and runs one matmul: the test oracle;
 - `dense_sparse` runs the de-quantized dense part, then adds the outliers' products;
 - `kernel` (4-bit codes, and 3-bit codes in the planes layout) reuses the k-bit kernels: a group's weights are
-  scale * q + offset (offset = -scale * zero), so y = kbit(x, codes, scale, table 0..2^b - 1) + (per-block sums
-  of x) @ offset^T, then the outliers. The kernel's blocks must tile each row, and a row need not be a whole
-  number of groups (SmolLM2's 576 columns in groups of 128 end on a group of 64), so it runs blocks of
-  gcd(group, columns) columns, each with its group's scale and offset. The default wherever those blocks are a
-  multiple of 16 (4 bits) or the int8 kernel reads them (3 bits: 16, 32 or a multiple of 64; decode sizes only,
-  a longer input multiplies by the de-quantized weight).
+  scale * q + offset (offset = -scale * zero), so at decode sizes y = kbit(x, codes, scale, table 0..2^b - 1) +
+  (per-block sums of x) @ offset^T + the outliers' product; at prefill sizes each tile of 512 rows the kernel
+  decodes takes its offsets and outliers before the GEMM (`kbit_linear`'s block_offsets and sparse). The
+  kernel's blocks must tile each row, and a row need not be a whole number of groups (SmolLM2's 576 columns in
+  groups of 128 end on a group of 64), so it runs blocks of gcd(group, columns) columns, each with its group's
+  scale and offset. The default wherever those blocks are a multiple of 16 (4 bits) or the int8 kernel reads
+  them (3 bits: 16, 32 or a multiple of 64).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Literal
 
 import torch
@@ -33,7 +33,7 @@ from torch import nn
 from leanlm.errors import ConfigError
 from leanlm.formats.gptq import SolvedWeight, SolverSettings
 from leanlm.formats.packing import CodeLayout, pack, packed_bytes, preferred_layout, unpack
-from leanlm.kernels.kbit_gemm import (SMALL_M, avx2_available, kbit_linear, supports_fast_path,
+from leanlm.kernels.kbit_gemm import (SMALL_M, SparseRows, avx2_available, kbit_linear, supports_fast_path,
                                       supports_int8_activations)
 
 SpQRBackend = Literal["reference", "dense_sparse", "kernel"]
@@ -52,7 +52,7 @@ class SpQRLinear(nn.Module):
         self.per_row = group_size is None
         self.backend: SpQRBackend | None = None  # None: the kernel where it applies, chosen at the first forward
         self._kernel_inputs = None  # (float32 scales flat, offsets (rows, groups)), rebuilt after a load
-        self._sparse = None  # the outliers as a CSR matrix, rebuilt after a load
+        self._sparse: SparseRows | None = None  # the outliers, rebuilt after a load
         self.gemm_dtype: torch.dtype | None = None  # the large-M GEMM's dtype, as KbitLinear.gemm_dtype
         groups = -(-in_features // self.group_size)
         self.register_buffer("codes", torch.zeros(packed_bytes(out_features * in_features, bits, code_layout),
@@ -155,14 +155,11 @@ class SpQRLinear(nn.Module):
         self._kernel_inputs = self._sparse = None
         super()._load_from_state_dict(*args, **kwargs)
 
-    def _outlier_matrix(self) -> torch.Tensor:
-        """The sparse part as a float32 CSR matrix (rows, columns in the solver's order), built once."""
-        if self._sparse is None:
-            with warnings.catch_warnings():  # "sparse CSR support is in beta": the ops used here are stable
-                warnings.simplefilter("ignore", UserWarning)
-                self._sparse = torch.sparse_csr_tensor(
-                    self.outlier_row_offsets.long(), self.outlier_columns.long(), self.outlier_values.float(),
-                    (self.out_features, self.in_features), check_invariants=False)
+    def _outliers(self) -> SparseRows | None:
+        """The sparse part (columns in the solver's order), built once; None without outliers."""
+        if self._sparse is None and self.outlier_count:
+            self._sparse = SparseRows(self.outlier_row_offsets, self.outlier_columns, self.outlier_values,
+                                      (self.out_features, self.in_features))
         return self._sparse
 
     @property
@@ -189,17 +186,20 @@ class SpQRLinear(nn.Module):
             self._kernel_inputs = (scale.reshape(-1).contiguous(), offset.contiguous())
         return self._kernel_inputs
 
-    def _dense_product(self, rows: torch.Tensor) -> torch.Tensor:
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
         large = rows.shape[0] > SMALL_M
         gemm = self.gemm_dtype if large and self.gemm_dtype is not None else torch.float32
         if self._resolve_backend() == "dense_sparse":
             out = nn.functional.linear(rows.to(gemm), self.dense_weight().to(gemm)).float()
+            if self.outlier_count:
+                out += self._outliers().product(rows)
             return out.add_(self.bias) if self.bias is not None else out
         # Codes 0..2^b - 1 times each block's scale, plus its offset (-scale * zero); at prefill sizes decoded a
         # tile of rows at a time, offsets included (centred as a float model's weight is), into the GEMM's dtype
         scale, offset = self.kernel_constants()
         return kbit_linear(rows, self.codes, scale, IDENTITY_TABLE, self.out_features, self.kernel_block, self.bias,
-                           "avx2", bits=self.bits, compute_dtype=gemm, block_offsets=offset).float()
+                           "avx2", bits=self.bits, compute_dtype=gemm, block_offsets=offset,
+                           sparse=self._outliers()).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -209,10 +209,7 @@ class SpQRLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).float()
         if self.permutation is not None:
             rows = rows[:, self.permutation.long()]
-        out = self._dense_product(rows.contiguous())
-        if self.outlier_count:
-            out += (self._outlier_matrix() @ rows.T).T
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return self._product(rows.contiguous()).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         stats = "float16 statistics" if self.statistic_bits is None else (
