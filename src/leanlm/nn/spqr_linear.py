@@ -127,15 +127,11 @@ class SpQRLinear(nn.Module):
         column_group = torch.arange(self.in_features) // self.group_size
         return self._statistic("scale")[:, column_group] * (codes - self._statistic("zero")[:, column_group])
 
-    def _outlier_rows(self) -> torch.Tensor:
-        counts = (self.outlier_row_offsets[1:] - self.outlier_row_offsets[:-1]).long()
-        return torch.repeat_interleave(torch.arange(self.out_features), counts)
-
     def dequantized_weight(self) -> torch.Tensor:
         """The (out, in) weight this layer computes with, in the original column order."""
         weight = self.dense_weight()
-        weight.index_put_((self._outlier_rows(), self.outlier_columns.long()), self.outlier_values.float(),
-                          accumulate=True)
+        if self.outlier_count:
+            self._outliers().add_to(weight, 0)
         if self.permutation is None:
             return weight
         restored = torch.empty_like(weight)
