@@ -15,7 +15,9 @@ Q4_0 weighted by an importance matrix (each block linear's mean squared input pe
 calibration windows GPTQ uses: what llama.cpp's `llama-imatrix` accumulates, computed here by leanlm on the float
 model and handed to the quantizer through the bindings); leanlm RTN and GPTQ on the symmetric grid in groups of
 32 (`--grid symmetric --group-size 32`, in column order or act-order with `--static-groups`), exported as their
-exact Q4_0 blocks. Tensors that are
+exact Q4_0 blocks, and leanlm RTN with llama.cpp's importance-matrix scale search (`--scale-search --imatrix`:
+each block's scale chosen by its squared error weighted by the same mean squared inputs, the importance matrix
+leanlm collects while quantizing, from the outputs of the blocks before, already quantized). Tensors that are
 not block linears take the type llama.cpp's Q4_0 gives them (token_embd Q8_0, norms F32), so files of one block
 type have the same size. SmolLM2's weights are de-quantized Q4_1 (asymmetric groups of 32): Q4_0's symmetric
 grid does not contain them, so every Q4_0 row re-rounds.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -62,6 +65,8 @@ def rows(calibration_samples: int) -> dict:
         "llama.cpp Q4_0": ("llama.cpp", "q4_0", False),
         "llama.cpp Q4_0 + imatrix": ("llama.cpp", "q4_0", True),
         "leanlm RTN Q4_0": RTNConfig(bits=4, **grid),
+        "leanlm RTN Q4_0, imatrix": RTNConfig(bits=4, scale_search=True, imatrix=True,
+                                              calibration_samples=calibration_samples, **grid),
         "leanlm GPTQ Q4_0": GPTQConfig(bits=4, act_order=False, calibration_samples=calibration_samples, **grid),
         "leanlm GPTQ Q4_0, act-order": GPTQConfig(bits=4, static_groups=True, calibration_samples=calibration_samples,
                                                   **grid),
@@ -196,10 +201,12 @@ def main() -> None:
                 model = copy.deepcopy(loaded.model)
                 record = quantize_(model, recipe, calibration=calibration)
                 ours = leanlm_perplexity(model)
-                checkpoint = save_quantized(loaded, model, record, work / row.replace(" ", "_"))
+                checkpoint_dir, path = work / row.replace(" ", "_"), work / f"{row.replace(' ', '_')}.gguf"
+                shutil.rmtree(checkpoint_dir, ignore_errors=True)  # a previous run's: this row is made anew
+                path.unlink(missing_ok=True)
+                checkpoint = save_quantized(loaded, model, record, checkpoint_dir)
                 del model
-                path = Path(export_gguf(checkpoint, work / f"{row.replace(' ', '_')}.gguf",
-                                        FLOAT_TYPE_OF_Q4_0)["path"])
+                path = Path(export_gguf(checkpoint, path, FLOAT_TYPE_OF_Q4_0)["path"])
         engine = LlamaCpp(path, context=args.seq_len, threads=args.threads)
         scored = engine.perplexity(windows)
         del engine

@@ -52,6 +52,7 @@ def test_a_checkpoint_loads_in_transformers_and_computes_what_leanlm_computes(ca
     (["--method", "rtn", "--group-size", "32"], "fractional zeros"),
     (["--method", "kbit"], "KbitLinear has no compressed-tensors form"),
     (["--method", "llm-int8"], "outlier columns"),
+    (["--method", "rtn", "--grid", "symmetric", "--group-size", "48"], "compressed-tensors packs whole groups"),
 ])
 def test_forms_it_cannot_hold_are_refused_with_the_reason(arguments, reason, tiny_llama_dir, tmp_path, capsys):
     checkpoint, out = tmp_path / "checkpoint", tmp_path / "ct"

@@ -94,6 +94,25 @@ def test_the_scale_search_never_does_worse_than_the_rule_and_gptq_gains_from_it(
         weight, inputs, solve(weight, hessian, plain).weight)
 
 
+def test_rtn_weighs_its_scale_search_by_an_importance_vector_and_lowers_the_output_error():
+    weight, inputs, _ = _layer()
+    inputs = inputs * torch.randn(256, generator=torch.Generator().manual_seed(2)).exp()  # columns of mixed scale
+    importance = inputs.square().mean(dim=0)  # within each group too, as real layers' inputs are
+    searched = SolverSettings(bits=4, group_size=32, act_order=False, error_feedback=False, grid="symmetric",
+                              scale_search=True)
+    hessian = 2 * inputs.T @ inputs / inputs.shape[0]
+    weighted = solve(weight, None, searched, importance=importance)
+    expected, _ = search_symmetric(weight.reshape(96, 8, 32), 4, importance.reshape(8, 32)[None])
+    torch.testing.assert_close(torch.stack([s.values for s in weighted.scales], 1), expected.half().float(),
+                               rtol=0, atol=0)
+    unweighted = solve(weight, None, searched)
+    assert _output_error(weight, inputs, weighted.weight) < 0.97 * _output_error(weight, inputs, unweighted.weight)
+    with pytest.raises(ConfigError, match="does not fit a weight with 256 input columns"):
+        solve(weight, None, searched, importance=importance[:32])
+    with pytest.raises(ConfigError, match="GPTQ and SpQR take the Hessian"):
+        solve(weight, hessian, SYMMETRIC, importance=importance)
+
+
 def test_static_groups_keep_act_order_groups_on_consecutive_columns():
     weight, inputs, hessian = _layer()
     static = SolverSettings(bits=4, group_size=32, grid="symmetric", static_groups=True)

@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from leanlm.errors import ConfigError
+from leanlm.formats.minmax import search_symmetric
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, SpQRConfig, load_quantized, quantize_, save_quantized
 from leanlm.models import load_model
 from leanlm.nn import SpQRLinear
@@ -43,6 +45,32 @@ def test_gptq_beats_rtn_on_the_calibration_text():
         with torch.inference_mode():
             errors[name] = (model(input_ids=ids).logits - reference).square().mean().item()
     assert errors["gptq"] < errors["rtn"]
+
+
+def test_rtn_imatrix_weighs_each_scale_search_by_the_calibration_inputs_mean_squares():
+    model = tiny_model("llama", layers=2)
+    calibration = Calibration(token_ids=_calibration(samples=8))
+    first = model.model.layers[0].self_attn.q_proj
+    inputs = []
+    handle = first.register_forward_hook(lambda module, args, out: inputs.append(args[0].reshape(-1, args[0].shape[-1])))
+    with torch.inference_mode():  # block 0's inputs are the float model's (nothing before it is quantized)
+        for window in calibration.batches():
+            model(input_ids=window[None])
+    handle.remove()
+    importance = torch.cat(inputs).square().mean(dim=0)
+    weight = first.weight.detach().clone()
+    record = quantize_(model, RTNConfig(bits=4, group_size=16, grid="symmetric", scale_search=True, imatrix=True),
+                       calibration=calibration)
+    expected, _ = search_symmetric(weight.reshape(weight.shape[0], -1, 16), 4,
+                                   importance.reshape(-1, 16)[None])
+    stored = model.model.layers[0].self_attn.q_proj.scale.float()
+    torch.testing.assert_close(stored, expected.half().float(), rtol=0, atol=0)
+    assert record["imatrix"] and record["calibration_samples"] == 8
+    with pytest.raises(ConfigError, match="which needs --scale-search"):
+        RTNConfig(imatrix=True)
+    with pytest.raises(ConfigError, match="calibration"):  # it reads text; plain RTN does not
+        quantize_(tiny_model("llama", layers=1), RTNConfig(grid="symmetric", scale_search=True, imatrix=True))
+    quantize_(tiny_model("llama", layers=1), RTNConfig(grid="symmetric", scale_search=True))
 
 
 def test_spqr_checkpoint_round_trips(tiny_llama_dir, tmp_path):

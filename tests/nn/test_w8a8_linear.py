@@ -146,6 +146,20 @@ def test_after_packing_only_the_packed_copy_is_kept_and_saving_is_unchanged(kind
 
 
 @pytest.mark.skipif(not fbgemm_available(), reason="no fbgemm engine")
+@pytest.mark.parametrize("activation, static", [("per_token", False), ("per_tensor", True)])
+def test_packed_linears_switch_to_the_reference_and_then_compute_exactly_what_it_does(activation, static):
+    packed, reference = _group(activation, static), _group(activation, static, "reference")
+    SharedInputGemm(packed)
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(4))
+    for module in packed:
+        module(x)  # packs: fbgemm's copy is then the only one
+    for module, oracle in zip(packed, reference):
+        module.use_reference_()
+        assert module.backend == "reference" and torch.equal(module.weight, oracle.weight)
+        assert torch.equal(module(x), oracle(x))
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="no fbgemm engine")
 def test_linears_packed_alone_then_grouped_keep_one_packed_copy():
     separate, grouped = _group("per_token", False), _group("per_token", False)
     x = torch.randn(5, 40)

@@ -157,14 +157,17 @@ def inverse_hessian_factor(hessian: torch.Tensor, damping: float, overwrite: boo
     return torch.linalg.cholesky(inverse, upper=True)
 
 
-def _round_to_nearest(W: torch.Tensor, group: int, settings: SolverSettings) -> SolvedWeight:
-    """RTN without outliers: what the column loop of `solve` gives with no feedback, one group at a time."""
+def _round_to_nearest(W: torch.Tensor, group: int, settings: SolverSettings,
+                      importance: torch.Tensor | None = None) -> SolvedWeight:
+    """RTN without outliers: what the column loop of `solve` gives with no feedback, one group at a time
+    (`importance`: one weight per column for the scale search)."""
     rows, columns = W.shape
     codes = torch.zeros(rows, columns, dtype=torch.uint8)
     scales, zeros = [], []
     for start in range(0, columns, group):
         values = W[:, start:start + group]
-        scale, zero = _group_statistics(values, torch.zeros_like(values, dtype=torch.bool), settings)
+        weights = None if importance is None else importance[start:start + group]
+        scale, zero = _group_statistics(values, torch.zeros_like(values, dtype=torch.bool), settings, weights)
         q = quantize_minmax(values, scale.values, zero.values, settings.bits)
         codes[:, start:start + group] = q.to(torch.uint8)
         W[:, start:start + group] = dequantize_minmax(q, scale.values, zero.values)
@@ -175,14 +178,23 @@ def _round_to_nearest(W: torch.Tensor, group: int, settings: SolverSettings) -> 
 
 
 def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSettings, *,
-          overwrite_hessian: bool = False) -> SolvedWeight:
+          overwrite_hessian: bool = False, importance: torch.Tensor | None = None) -> SolvedWeight:
     """Quantize `weight` (out, in) given the Hessian of its inputs (in, in); None or RTN settings: no feedback.
     `overwrite_hessian`: the caller is done with `hessian` (a float32 tensor), which is then worked on in place
-    instead of copied (an 8B model's down_proj has a 0.8 GB one)."""
+    instead of copied (an 8B model's down_proj has a 0.8 GB one). `importance` (RTN only): the Hessian's diagonal
+    alone, one weight per input column for the scale search (llama.cpp's importance matrix)."""
     W = weight.detach().float().clone()
     rows, columns = W.shape
     if settings.error_feedback and hessian is None:
         raise ConfigError("GPTQ and SpQR need the Hessian of the layer's inputs (calibrate first)")
+    if importance is not None:
+        if settings.error_feedback or settings.outlier_threshold is not None:
+            raise ConfigError("an importance vector weighs RTN's scale search; GPTQ and SpQR take the Hessian")
+        if importance.shape != (columns,):
+            raise ConfigError(f"importance of shape {tuple(importance.shape)} does not fit a weight with {columns} "
+                              "input columns")
+    if not settings.error_feedback and settings.outlier_threshold is None:  # RTN: no Hessian, no factor
+        return _round_to_nearest(W, settings.group_size or columns, settings, importance)
     if not settings.error_feedback:
         H = torch.eye(columns)
     else:
@@ -214,8 +226,6 @@ def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSe
     if settings.outlier_threshold is not None:
         threshold = settings.outlier_threshold * (W.var(dim=0) / diagonal.square()).mean().item()
 
-    if not settings.error_feedback and threshold is None:
-        return _round_to_nearest(W, group, settings)
     # Every group must start on a block boundary or lie inside one block, so that it is fitted on columns that
     # have already received all earlier columns' feedback.
     block = max(group, settings.block_size // group * group) if group <= settings.block_size else group

@@ -47,12 +47,22 @@ def _grid_option():
 
 @dataclass(frozen=True)
 class RTNConfig(_SolverChecks):
-    """Round to nearest: min-max groups, no calibration (the baseline of GPTQ and SpQR)."""
+    """Round to nearest: min-max groups, no calibration (the baseline of GPTQ and SpQR); `imatrix` weighs the
+    symmetric grid's scale search by calibration inputs, as llama.cpp's importance-matrix quantization does."""
 
     bits: int = option(4, "bits per weight code (2-8)")
     group_size: int | None = option(128, "input columns per scale and zero, or the whole row", none_word="0")
     grid: str = _grid_option()
     scale_search: bool = _scale_search_option()
+    imatrix: bool = option(False, "weigh the scale search by each input column's mean squared activation on "
+                                  "calibration text (llama.cpp's importance matrix; with --scale-search)")
+    calibration_samples: int = option(128, "calibration windows the importance matrix is read from (--imatrix)",
+                                      flag="--calib-samples")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.imatrix and not self.scale_search:
+            raise ConfigError("imatrix weighs the search of each group's scale, which needs --scale-search")
 
     def solver(self) -> SolverSettings:
         return SolverSettings(bits=self.bits, group_size=self.group_size, act_order=False, error_feedback=False,
@@ -105,7 +115,7 @@ class SpQRConfig(_SolverChecks):
 SolverConfig = RTNConfig | GPTQConfig | SpQRConfig
 
 
-@register_method(RTNConfig, "rtn", "quantizer", needs_calibration=lambda config: False, blockwise=True)
+@register_method(RTNConfig, "rtn", "quantizer", needs_calibration=lambda config: config.imatrix, blockwise=True)
 @register_method(GPTQConfig, "gptq", "quantizer", blockwise=True)
 @register_method(SpQRConfig, "spqr", "quantizer", blockwise=True)
 def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> BlockPlan:
@@ -116,14 +126,18 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     samples = getattr(config, "calibration_samples", None)
     table = architecture_for(model)
     started = time.perf_counter()
-    hessians = _HessianObserver(table)
+    importance_only = getattr(config, "imatrix", False)  # RTN's scale search weighted by the Hessian's diagonal
+    hessians = _HessianObserver(table, diagonal_only=importance_only)
 
     def quantize_block(index: int, block: nn.Module) -> dict:
         counts = {"weights": 0, "stored_bits": 0.0, "outliers": 0}
         for path in table.quantizable_linears:
             linear = block.get_submodule(path)
             weight = linear_weight_out_in(linear, table)
-            solved = solve(weight, hessians.take(path), settings, overwrite_hessian=True)
+            if importance_only:
+                solved = solve(weight, None, settings, importance=hessians.take(path))
+            else:
+                solved = solve(weight, hessians.take(path), settings, overwrite_hessian=True)
             quantized = SpQRLinear.from_solved(solved, settings, getattr(linear, "bias", None))
             block.set_submodule(path, quantized)
             counts["weights"] += weight.numel()
@@ -132,10 +146,11 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
         hessians.clear()
         return counts
 
-    windows = run.data(config).batches(samples) if settings.error_feedback else None  # RTN needs no data
+    # RTN reads no data, but for its importance matrix
+    windows = run.data(config).batches(samples) if settings.error_feedback or importance_only else None
 
     def finish(model: nn.Module, counts: dict) -> dict:
-        return {**asdict(settings), "calibration_samples": None if windows is None else len(windows),
+        return {**asdict(settings), "imatrix": importance_only, "calibration_samples": None if windows is None else len(windows),
                 "calibration_seq_len": run.calibration.seq_len if run.calibration is not None else None,
                 "avg_bits": counts["stored_bits"] / counts["weights"],
                 "outlier_rate": counts["outliers"] / counts["weights"], "seconds": time.perf_counter() - started}
@@ -147,10 +162,12 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
 class _HessianObserver:
     """H = 2/N sum_x x x^T over every calibration token entering each linear of the current (float) block. The
     linears one norm feeds (q/k/v, gate/up) read the same input, so they share one H; each H is dropped once the
-    last linear reading it has taken it (an 8B model's down_proj alone has a 14336^2 float32 H, 0.8 GB)."""
+    last linear reading it has taken it (an 8B model's down_proj alone has a 14336^2 float32 H, 0.8 GB).
+    `diagonal_only`: H's diagonal 2/N sum_x x^2 alone (the importance matrix), a vector per input."""
 
-    def __init__(self, table):
+    def __init__(self, table, diagonal_only: bool = False):
         self.table = table
+        self.diagonal_only = diagonal_only
         self.source = {member: feeds.linears[0] for feeds in table.norm_feeds for member in feeds.linears}
         self.sums: dict[str, torch.Tensor] = {}
         self.tokens: dict[str, int] = {}
@@ -165,7 +182,10 @@ class _HessianObserver:
 
     def _add(self, key: str, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
-        self.sums[key] = self.sums[key].addmm_(x.T, x) if key in self.sums else x.T @ x
+        if self.diagonal_only:
+            self.sums[key] = self.sums[key].add_(x.square().sum(dim=0)) if key in self.sums else x.square().sum(dim=0)
+        else:
+            self.sums[key] = self.sums[key].addmm_(x.T, x) if key in self.sums else x.T @ x
         self.tokens[key] = self.tokens.get(key, 0) + x.shape[0]
 
     def clear(self) -> None:

@@ -119,6 +119,12 @@ class W8A8Linear(nn.Module):
             return self.shared_input.member_weight(self)
         return self._packed.unpacked()
 
+    def use_reference_(self) -> None:
+        """Compute from now on with the plain-PyTorch int8 reference (the oracle the kernels are tested against:
+        x rounded by division, integer products summed exactly), unpacking fbgemm's copy if it is the only one."""
+        self._buffers["weight"] = self.weight
+        self.backend = "reference"
+
     def release_int8_weight(self) -> None:
         """Drop the plain int8 tensor once a packed copy holds the same values."""
         self._buffers["weight"] = None
