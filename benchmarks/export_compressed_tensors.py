@@ -28,6 +28,7 @@ import gc
 import os
 import shutil
 from contextlib import contextmanager
+from importlib.metadata import version
 from pathlib import Path
 
 import matplotlib
@@ -45,6 +46,7 @@ from leanlm.export import export_compressed_tensors  # noqa: E402
 from leanlm.nn import W8A8Linear  # noqa: E402
 from leanlm.methods import (Calibration, GPTQConfig, RTNConfig, SmoothQuantConfig, W8A8Config, quantize_,  # noqa: E402
                             save_quantized)
+from leanlm.report import format_table, save_figure  # noqa: E402
 
 GOAL = 0.005  # transformers' perplexity of the export within 0.5% of leanlm's of the checkpoint
 
@@ -79,8 +81,8 @@ def rows(calibration_samples: int, group_size: int) -> dict:
         "SmoothQuant O2": [smooth, w8a8("O2")],
         "SmoothQuant O3 (static)": [smooth, w8a8("O3")],
         f"RTN int4, groups of {group_size}": RTNConfig(**weight_only),
-        f"GPTQ int4, groups of {group_size}, act-order": GPTQConfig(static_groups=True, calibration_samples=calibration_samples,
-                                                          **weight_only),
+        f"GPTQ int4, groups of {group_size}, act-order": GPTQConfig(
+            static_groups=True, calibration_samples=calibration_samples, **weight_only),
     }
 
 
@@ -89,8 +91,6 @@ def directory_bytes(path: Path) -> int:
 
 
 def report(payload: dict) -> str:
-    from leanlm.report import format_table
-
     settings = payload["settings"]
     lines = []
     for name, row in payload.get("rows", {}).items():
@@ -102,8 +102,9 @@ def report(payload: dict) -> str:
                       f"{100 * difference:+.2f}%", "yes" if abs(difference) <= GOAL else "no",
                       f"{100 * (row['transformers'] / their_step - 1):+.2f}%" if their_step else "",
                       f"{row['directory_bytes'] / 2**20:.1f}", f"{row['peak_rss_bytes'] / 2**20:,.0f}"])
-    head = (f"WikiText-2 test, {settings['windows'] or 'all'} windows of {settings['seq_len']} tokens; transformers "
-            f"{payload.get('transformers_version', '')}, compressed-tensors {payload.get('compressed_tensors_version', '')}")
+    versions = (f"transformers {payload.get('transformers_version', '')}, "
+                f"compressed-tensors {payload.get('compressed_tensors_version', '')}")
+    head = f"WikiText-2 test, {settings['windows'] or 'all'} windows of {settings['seq_len']} tokens; {versions}"
     return head + "\n\n" + format_table(
         ["checkpoint", "compressed-tensors scheme", "leanlm ppl", "leanlm, PyTorch int8 reference",
          "leanlm, absmax / 127.5", "transformers ppl",
@@ -137,10 +138,7 @@ def plot_rows(payload: dict, path: Path) -> None:
     ax.set_xlim(min(values) * 0.9, max(values) * 1.05)
     ax.set_xlabel("WikiText-2 perplexity")
     ax.legend(loc="lower right", fontsize=8)
-    save_figure_titled = titled(payload, "compressed-tensors exports in transformers")
-    from leanlm.report import save_figure
-
-    save_figure(fig, path, save_figure_titled)
+    save_figure(fig, path, titled(payload, "compressed-tensors exports in transformers"))
 
 
 def main() -> None:
@@ -158,8 +156,6 @@ def main() -> None:
     name = results_name("compressed_tensors", args.model) + ("" if args.windows == 8 else f"_windows{args.windows}")
     if args.report:
         return print_report(name, report)
-
-    from importlib.metadata import version
 
     settings = {"windows": args.windows, "seq_len": args.seq_len, "calibration_samples": args.calib_samples}
     if args.group_size != 64:  # recorded when not the default, so the rows measured before the flag are kept
@@ -203,7 +199,7 @@ def main() -> None:
             gc.collect()
         value = {"leanlm": ours, **({"leanlm_absmax_127_5": ours_with_their_step} if dynamic else {}),
                  **({"leanlm_reference_int8": ours_reference} if int8 else {}),
-                 "transformers": theirs, "scheme": exported.get("scheme", ""),
+                 "transformers": theirs, "scheme": exported["scheme"],
                  "directory_bytes": directory_bytes(directory), "peak_rss_bytes": memory.peak_bytes}
         study.record("rows", row, value, summary=lambda v: f"leanlm {v['leanlm']:.3f}, transformers "
                      f"{v['transformers']:.3f} ({100 * (v['transformers'] / v['leanlm'] - 1):+.2f}%)")

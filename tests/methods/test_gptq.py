@@ -52,7 +52,7 @@ def test_rtn_imatrix_weighs_each_scale_search_by_the_calibration_inputs_mean_squ
     calibration = Calibration(token_ids=_calibration(samples=8))
     first = model.model.layers[0].self_attn.q_proj
     inputs = []
-    handle = first.register_forward_hook(lambda module, args, out: inputs.append(args[0].reshape(-1, args[0].shape[-1])))
+    handle = first.register_forward_hook(lambda module, args, out: inputs.append(args[0].flatten(0, -2)))
     with torch.inference_mode():  # block 0's inputs are the float model's (nothing before it is quantized)
         for window in calibration.batches():
             model(input_ids=window[None])

@@ -150,7 +150,8 @@ class FusedDecoder:
 
     Double-quantized block constants are decoded to float32 once, here, for the step (`compact_constants=False`):
     the kernel then reads 4.5 bits a weight instead of 4.13, but skips decoding a constant per 64 weights, which
-    costs more time than the 8% fewer bytes save (SmolLM2 on an AMD EPYC: 203 against 165 tokens/s; README). The values are the ones the kernel decodes, bit for bit, so the logits do not change; the model keeps
+    costs more time than the 8% fewer bytes save (SmolLM2 on an AMD EPYC: 203 against 165 tokens/s; README). The
+    values are the ones the kernel decodes, bit for bit, so the logits do not change; the model keeps
     its 8-bit constants for prefill, and the float32 copy adds 0.5 bits a weight to resident memory (SmolLM2: 7 MiB;
     Llama-3-8B: 0.4 GiB). `compact_constants=True` keeps only the 8-bit ones."""
 

@@ -69,7 +69,7 @@ def scheme_of(module: nn.Module) -> dict:
             problems.append(f"a last group of {module.in_features % module.group_size} columns ({module.in_features} "
                             f"input columns in groups of {module.group_size}; compressed-tensors packs whole groups: "
                             "a --group-size that divides every layer's input columns)")
-        if module.bits in (4, 8) and not problems and not bool((module.zero == half).all()):
+        if not problems and not bool((module.zero == half).all()):
             problems.append(f"the min-max grid's fractional zeros (compressed-tensors' symmetric grid has zero at "
                             f"{half}: --grid symmetric)")
         if problems:

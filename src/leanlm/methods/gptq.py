@@ -150,7 +150,8 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     windows = run.data(config).batches(samples) if settings.error_feedback or importance_only else None
 
     def finish(model: nn.Module, counts: dict) -> dict:
-        return {**asdict(settings), "imatrix": importance_only, "calibration_samples": None if windows is None else len(windows),
+        return {**asdict(settings), "imatrix": importance_only,
+                "calibration_samples": None if windows is None else len(windows),
                 "calibration_seq_len": run.calibration.seq_len if run.calibration is not None else None,
                 "avg_bits": counts["stored_bits"] / counts["weights"],
                 "outlier_rate": counts["outliers"] / counts["weights"], "seconds": time.perf_counter() - started}
