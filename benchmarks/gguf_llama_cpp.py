@@ -8,6 +8,7 @@ same llama.cpp kernels, and decode speed is measured on a quiet machine by its o
     python benchmarks/gguf_llama_cpp.py                    # first 8 windows of 512 tokens
     python benchmarks/gguf_llama_cpp.py --windows 0        # the full test set (about 10 min a row in each engine)
     python benchmarks/gguf_llama_cpp.py --windows 0 --no-q8-inputs --only F32 imatrix "scale search"
+    python benchmarks/gguf_llama_cpp.py --windows 0 --no-q8-inputs --resume --only shrunk   # one more row
     python benchmarks/gguf_llama_cpp.py --report
 
 Rows: the float model as F32; llama.cpp's own Q8_0 and Q4_0 of that F32 file (`llama_model_quantize`), and its
@@ -17,7 +18,9 @@ model and handed to the quantizer through the bindings); leanlm RTN and GPTQ on 
 32 (`--grid symmetric --group-size 32`, in column order or act-order with `--static-groups`), exported as their
 exact Q4_0 blocks, and leanlm RTN with llama.cpp's importance-matrix scale search (`--scale-search --imatrix`:
 each block's scale chosen by its squared error weighted by the same mean squared inputs, the importance matrix
-leanlm collects while quantizing, from the outputs of the blocks before, already quantized). Tensors that are
+leanlm collects while quantizing, from the outputs of the blocks before, already quantized), and GPTQ with
+that search whose Hessian's off-diagonal terms are halved first (`--hessian-shrinkage 0.5`: its error feedback
+trusts the calibration text's input correlations half as much; 1 would be the importance-matrix RTN). Tensors that are
 not block linears take the type llama.cpp's Q4_0 gives them (token_embd Q8_0, norms F32), so files of one block
 type have the same size. SmolLM2's weights are de-quantized Q4_1 (asymmetric groups of 32): Q4_0's symmetric
 grid does not contain them, so every Q4_0 row re-rounds.
@@ -72,6 +75,9 @@ def rows(calibration_samples: int) -> dict:
                                                   **grid),
         "leanlm GPTQ Q4_0, act-order, scale search": GPTQConfig(
             bits=4, static_groups=True, scale_search=True, calibration_samples=calibration_samples, **grid),
+        "leanlm GPTQ Q4_0, shrunk Hessian": GPTQConfig(
+            bits=4, static_groups=True, scale_search=True, hessian_shrinkage=0.5,
+            calibration_samples=calibration_samples, **grid),
     }
 
 

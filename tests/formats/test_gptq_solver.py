@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -111,6 +113,21 @@ def test_rtn_weighs_its_scale_search_by_an_importance_vector_and_lowers_the_outp
         solve(weight, None, searched, importance=importance[:32])
     with pytest.raises(ConfigError, match="GPTQ and SpQR take the Hessian"):
         solve(weight, hessian, SYMMETRIC, importance=importance)
+
+
+def test_hessian_shrinkage_moves_gptq_from_error_feedback_to_importance_weighted_rtn():
+    weight, inputs, hessian = _layer()
+    gptq = SolverSettings(bits=4, group_size=32, grid="symmetric", scale_search=True, static_groups=True)
+    weighted_rtn = solve(weight, None, replace(gptq, act_order=False, error_feedback=False),
+                         importance=hessian.diagonal())
+    diagonal_only = solve(weight, hessian, replace(gptq, hessian_shrinkage=1.0))
+    torch.testing.assert_close(diagonal_only.weight, weighted_rtn.weight, rtol=0, atol=0)
+    errors = [_output_error(weight, inputs, solve(weight, hessian, replace(gptq, hessian_shrinkage=amount)).weight)
+              for amount in (0.0, 0.5, 1.0)]
+    # On the calibration inputs themselves feedback can only help: shrinking it gives up some of that gain.
+    assert errors[0] < errors[1] < errors[2]
+    with pytest.raises(ConfigError, match="Hessian shrinkage must be between 0 and 1, got 1.5"):
+        replace(gptq, hessian_shrinkage=1.5)
 
 
 def test_static_groups_keep_act_order_groups_on_consecutive_columns():

@@ -73,6 +73,18 @@ def test_rtn_imatrix_weighs_each_scale_search_by_the_calibration_inputs_mean_squ
     quantize_(tiny_model("llama", layers=1), RTNConfig(grid="symmetric", scale_search=True))
 
 
+def test_gptq_with_its_hessian_shrunk_to_the_diagonal_is_the_imatrix_rtn():
+    """`--hessian-shrinkage 1` leaves GPTQ no feedback: every block's codes and scales are the importance-matrix
+    RTN's, whose importance is the Hessian's diagonal collected through the same block pipeline."""
+    calibration = Calibration(token_ids=_calibration(samples=8))
+    grid = dict(bits=4, group_size=16, grid="symmetric", scale_search=True)
+    shrunk, rtn = tiny_model("llama", layers=2), tiny_model("llama", layers=2)
+    quantize_(shrunk, GPTQConfig(static_groups=True, hessian_shrinkage=1.0, **grid), calibration=calibration)
+    quantize_(rtn, RTNConfig(imatrix=True, **grid), calibration=calibration)
+    for (name, tensor), (_, expected) in zip(shrunk.state_dict().items(), rtn.state_dict().items(), strict=True):
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=0, msg=name)
+
+
 def test_spqr_checkpoint_round_trips(tiny_llama_dir, tmp_path):
     loaded = load_model(tiny_llama_dir)
     batches = torch.randint(0, 1000, (8, 32), generator=torch.Generator().manual_seed(0))

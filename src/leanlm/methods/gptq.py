@@ -83,11 +83,13 @@ class GPTQConfig(_SolverChecks):
     static_groups: bool = option(False, "fit every group before solving, on consecutive columns, so act-order keeps "
                                         "groups contiguous (for GGUF / compressed-tensors export with act-order)")
     scale_search: bool = _scale_search_option()
+    hessian_shrinkage: float = option(0.0, "pull the Hessian's off-diagonal terms toward zero by this fraction (0: "
+                                           "GPTQ, 1: importance-weighted RTN)")
 
     def solver(self) -> SolverSettings:
         return SolverSettings(bits=self.bits, group_size=self.group_size, act_order=self.act_order,
                               damping=self.damping, grid=self.grid, static_groups=self.static_groups,
-                              scale_search=self.scale_search)
+                              scale_search=self.scale_search, hessian_shrinkage=self.hessian_shrinkage)
 
 
 @dataclass(frozen=True)
