@@ -23,7 +23,7 @@ REPORTED = {
                "decode_smollm2-135m_gptq-prefill", "decode_smollm2-135m_prefetch"],
     "gguf_llama_cpp": ["gguf_llama_cpp_smollm2-135m", "gguf_llama_cpp_gemma3-270m",
                        "gguf_llama_cpp_smollm2-135m_windows0"],
-    "export_compressed_tensors": ["compressed_tensors_smollm2-135m"],
+    "export_compressed_tensors": ["compressed_tensors_smollm2-135m", "compressed_tensors_smollm2-135m_windows0"],
     "gptq_spqr": ["gptq_spqr_smollm2-135m", "gptq_spqr_gemma3-270m"],
     "kbit_speed": ["kbit_speed"],
     "kbit_sweep": ["kbit_sweep_smollm2-135m", "kbit_sweep_gemma3-270m"],

@@ -48,7 +48,9 @@ def test_a_checkpoint_loads_in_transformers_and_computes_what_leanlm_computes(ca
 
 
 @pytest.mark.parametrize("arguments, reason", [
-    (["--method", "w8a8", "--calib-samples", "4"], "quantize with --no-bmm"),
+    (["--method", "w8a8", "--level", "O3", "--calib-samples", "4"], "quantize with --no-bmm"),
+    (["--method", "smoothquant", "--level", "O2", "--no-bmm", "--calib-samples", "4"],
+     "dynamic per-tensor int8 activations (W8A8 O2) have no vLLM kernel"),
     (["--method", "rtn", "--group-size", "32"], "fractional zeros"),
     (["--method", "kbit"], "KbitLinear has no compressed-tensors form"),
     (["--method", "llm-int8"], "outlier columns"),

@@ -37,6 +37,36 @@ def test_fbgemm_matches_the_reference_with_scales(per_token, bias):
     assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5)
 
 
+def _near_ties(rows: int, k: int, scale: torch.Tensor) -> torch.Tensor:
+    """Values a hair (1e-6 to 1e-5 of a step) from half steps of `scale`: where a kernel that rounds x times 1 / s,
+    or adds the uint8 zero point before rounding in float32, picks the other code."""
+    torch.manual_seed(4)
+    steps = torch.randint(-140, 140, (rows, k)).float() + 0.5
+    return (steps + torch.randn(rows, k) * 1e-5) * scale
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_token", "zero_point"])
+def test_every_int8_path_rounds_ties_as_the_reference(granularity):
+    """An identity weight with unit scales makes each output the input's code times its scale, so the codes of
+    fbgemm's path and of the one-token kernel (every ISA) are compared with the reference's exactly, on inputs
+    made of near-ties (and values beyond the range, which clamp)."""
+    k = 256
+    scale = torch.full((8, 1), 0.37) if granularity == "per_token" else torch.tensor(0.37)
+    zero_point = 3 if granularity == "zero_point" else 0
+    x = _near_ties(8, k, scale)
+    identity, ones = torch.eye(k, dtype=torch.int8), torch.ones(k)
+    expected = int8_linear(x, scale, identity, ones, None, "reference", x_zero_point=zero_point)
+    fast = int8_linear(x.clone(), scale, None, None, None, "fbgemm", pack_weight(identity, ones),
+                       x_zero_point=zero_point)
+    assert torch.equal(fast, expected)
+    if zero_point == 0 and int8_kernel_isas():
+        for isa in int8_kernel_isas():
+            for row in range(8):
+                out = int8_gemv(x[row:row + 1], identity, ones, None, float(scale.flatten()[row % scale.numel()]),
+                                isa=isa)
+                assert torch.equal(out, expected[row:row + 1]), isa
+
+
 @pytest.mark.parametrize("zero_point", [0, 3])
 def test_the_packed_copy_gives_the_weight_back_exactly(zero_point):
     torch.manual_seed(2)

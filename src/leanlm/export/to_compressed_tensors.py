@@ -8,12 +8,12 @@ its rounding gives back leanlm's integer codes (w = scale * q, and round(w / sca
 What maps, exactly:
 - W8A8 (naive or SmoothQuant, its smoothing already folded into the norms and weights): int8 weights with a
   scale per tensor or per output channel (leanlm's per-group-of-channels scales are written per channel, each
-  channel its group's scale), activations dynamic per token (O1), dynamic per tensor (O2) or static per tensor
-  (O3, with leanlm's calibrated `input_scale`).
+  channel its group's scale), activations dynamic per token (O1) or static per tensor (O3, with leanlm's
+  calibrated `input_scale`): the two int8 activation schemes vLLM runs.
 - RTN / GPTQ on the symmetric grid (`--grid symmetric`), in natural column order: int4 or int8 weights in groups
   along the input (`pack-quantized`), value = scale * (code - 2^(b-1)).
 
-What is refused, with the reason: attention's int8 products (BmmQuantizer: compressed-tensors quantizes the KV
+What is refused, with the reason: dynamic per-tensor activations (O2: no vLLM kernel), attention's int8 products (BmmQuantizer: compressed-tensors quantizes the KV
 cache, never q), LLM.int8()'s float outlier columns, zero points, k-bit codebooks (NF4 / FP4), SpQR's quantized
 statistics and outliers, GPTQ's fractional min-max zeros and act-order columns, and CushionCache's prefix.
 """
@@ -49,6 +49,10 @@ def scheme_of(module: nn.Module) -> dict:
                               "decomposition")
         if module.asymmetric:
             raise ConfigError("zero-point int8 (LLM.int8()'s zeropoint baseline) is not exported")
+        if module.activation == "per_tensor" and not module.static:
+            raise ConfigError("dynamic per-tensor int8 activations (W8A8 O2) have no vLLM kernel: vLLM's int8 W8A8 "
+                              "takes activations dynamic per token or static per tensor; quantize with --level O1 "
+                              "or O3")
         per_tensor = bool((module.weight_scale == module.weight_scale[0]).all())
         weights = {"num_bits": 8, "type": "int", "symmetric": True,
                    "strategy": "tensor" if per_tensor else "channel"}

@@ -5,8 +5,9 @@ asymmetric ("zeropoint") baseline, which is per tensor.
 
 `reference` is plain PyTorch with the integer product in float64 (exact for any int8 sum below 2^53): the
 test oracle. `fbgemm` is PyTorch's quantized CPU backend (AVX2/AVX-512), many times faster than fp32 matmul
-here, where `torch._int_mm` falls back to a scalar loop: its op quantizes the input, runs the u8 x s8 GEMM and
-applies both scales and the bias in one call. The two agree to float32 rounding of the final scaling.
+here, where `torch._int_mm` falls back to a scalar loop: leanlm rounds the input codes as the reference does, and
+its op runs the u8 x s8 GEMM and applies the scales in one call. The two give the same codes and integer sums and
+agree to float32 rounding of the final scaling.
 
 `int8_gemv` is leanlm's own kernel for one token (`csrc/w8a8_gemv.inc`: AVX512-VNNI or AVX2), what the fused decode
 step runs: fbgemm's fixed cost per call is most of a decode-sized product. Its oracle is `reference` above.
@@ -114,11 +115,16 @@ def int8_linear(
         raise ValueError(f"unknown int8 backend {backend!r}; choose reference or fbgemm")
     if packed is None:
         packed = pack_weight(weight_int8, weight_scale, weight_zero_point)
-    # The op quantizes its input as uint8 with the given scale and zero point 128, i.e. round(x / s) + 128
-    # clamped to 0..255: exactly the symmetric int8 grid -128..127, shifted.
-    if x_scale.numel() == 1:
-        out = _GEMM(x.contiguous(), float(x_scale), 128 + x_zero_point, packed.params)
+    # The op quantizes its input to uint8 itself, but it adds the zero point 128 to x / s in float32 before
+    # rounding, where a step is 2^-16: a value within ~1e-5 of a half step can land on the other code, and with
+    # per-tensor scales (a step of several units) one such code moves the output measurably. So the codes are
+    # rounded here as the reference rounds them (round(x / s) half to even, the rounding of vLLM's int8 kernel
+    # and of compressed-tensors), and the op only ever sees values within 1e-4 of whole steps: its codes are the
+    # reference's exactly (tested on ties).
+    codes = x.div_(x_scale) if overwrite_input and x.is_contiguous() else x / x_scale
+    codes = codes.round_().add_(x_zero_point).clamp_(QMIN, QMAX).sub_(x_zero_point).contiguous()
+    if x_scale.numel() == 1:  # whole steps of s: the op's scaling stays acc * (s * s_w), the one-token kernel's
+        out = _GEMM(codes.mul_(x_scale), float(x_scale), 128 + x_zero_point, packed.params)
     else:
-        scaled = x.div_(x_scale) if overwrite_input and x.is_contiguous() else (x / x_scale).contiguous()
-        out = _GEMM(scaled, 1.0, 128, packed.params).mul_(x_scale)
+        out = _GEMM(codes, 1.0, 128, packed.params).mul_(x_scale)
     return out.add_(bias) if bias is not None else out
