@@ -15,7 +15,7 @@ checkpoint say how much of a difference is arithmetic:
 - "PyTorch int8 reference": leanlm's oracle int8 path (products summed in float64). It gives fbgemm's path the
   same codes (both round x / s); what is left is the float32 rounding of the final scaling. Where per-tensor
   activation scales leave most activations on a few codes, a last-bit difference that flips a code moves the
-  perplexity by percents: before fbgemm's path rounded its codes itself, its ties did (O3: 47.82 against 47.08).
+  perplexity by percents (the README's reading of this table).
 - "absmax / 127.5" (dynamic rows): compressed-tensors' emulation scales a token's activations by absmax / 127.5,
   leanlm and vLLM's int8 kernel by absmax / 127; this is leanlm with the emulation's rule.
 O2 (dynamic per-tensor activations) is not a row: vLLM has no kernel for it and the export refuses it.
@@ -173,11 +173,8 @@ def main() -> None:
 
     recipes = rows(args.calib_samples, args.group_size)
     saved = study.rows("rows")
-    gone = set(saved) - set(recipes)  # rows the script no longer has (O2: the export refuses it now)
-    for row in gone:
-        del saved[row]
-    if gone:
-        study.save()
+    for gone in set(saved) - set(recipes):  # rows the script no longer has (O2: the export refuses it now); the
+        del saved[gone]                    # file drops them with the next row it records
     for row in study.todo("rows", recipes):
         stem = work / row.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
         checkpoint_dir, exported_dir = stem.with_name(stem.name + "-checkpoint"), stem.with_name(stem.name + "-ct")

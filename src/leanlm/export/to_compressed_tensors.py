@@ -13,9 +13,10 @@ What maps, exactly:
 - RTN / GPTQ on the symmetric grid (`--grid symmetric`), in natural column order: int4 or int8 weights in groups
   along the input (`pack-quantized`), value = scale * (code - 2^(b-1)).
 
-What is refused, with the reason: dynamic per-tensor activations (O2: no vLLM kernel), attention's int8 products (BmmQuantizer: compressed-tensors quantizes the KV
-cache, never q), LLM.int8()'s float outlier columns, zero points, k-bit codebooks (NF4 / FP4), SpQR's quantized
-statistics and outliers, GPTQ's fractional min-max zeros and act-order columns, and CushionCache's prefix.
+What is refused, with the reason: dynamic per-tensor activations (O2: no vLLM kernel), attention's int8 products
+(BmmQuantizer: compressed-tensors quantizes the KV cache, never q), LLM.int8()'s float outlier columns, zero
+points, k-bit codebooks (NF4 / FP4), SpQR's quantized statistics and outliers, GPTQ's fractional min-max zeros and
+act-order columns, and CushionCache's prefix.
 """
 
 from __future__ import annotations
