@@ -4,7 +4,7 @@ mode, threshold 0: plain vector-wise int8) and torchao int8 dynamic activation +
 round by round at every M; speed-ups are over the best float path. Writes benchmarks/results/w8a8_speed.json +
 .png.
 
-    python benchmarks/w8a8_speed.py            # 4096x4096 linear, SmolLM2's shapes, whole-model prefill
+    python benchmarks/w8a8_speed.py            # 4096x4096 linear, SmolLM2's shapes, input rounding, whole-model prefill
     python benchmarks/w8a8_speed.py --quick    # fewer repeats, prefill at 512 only
     python benchmarks/w8a8_speed.py --report   # the saved tables
 
@@ -30,9 +30,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from leanlm.bench import Study, print_report, study_arguments, time_call, time_modules, time_prefill, weight_bytes  # noqa: E402
-from leanlm.bench.harness import cpu_description, float_paths, speed_table  # noqa: E402
+from leanlm.bench.harness import cpu_description, float_paths, speed_table, time_interleaved  # noqa: E402
 from leanlm.bench.peers import bitsandbytes_int8_linear, torchao_int8_dynamic_  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
+from leanlm.kernels.int8_gemm import pack_weight, rounded_codes  # noqa: E402
 from leanlm.methods import Calibration, SmoothQuantConfig, W8A8Config, calibrate, quantize_, share_input_gemms_  # noqa: E402
 from leanlm.models import iter_quantizable_linears, load_model  # noqa: E402
 from leanlm.nn import W8A8Linear  # noqa: E402
@@ -76,6 +77,41 @@ def bench_linear(in_features: int, out_features: int, rows: list[int], repeats: 
     results["weight_bytes_ratio"] = {
         name: weight_bytes(module) / bytes_fp32 for name, module in modules.items() if name not in ("fp32", "bf16")
     }
+    return results
+
+
+ROUNDINGS = ("fbgemm's op rounds", "PyTorch ops round", "C++ pass rounds")
+
+
+def bench_rounding(in_features: int, out_features: int, m: int, repeats: int) -> dict:
+    """The eager int8 GEMM at prefill size with its input codes rounded three ways: by fbgemm's op itself (what
+    leanlm ran before 2026-11-26: fast, but it moves near-ties, see the Kernels bullet), by PyTorch ops (six passes
+    over x) and by leanlm's one C++ pass (what `int8_linear` runs now); per-tensor and per-token scales. ms."""
+    gemm = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+    torch.manual_seed(0)
+    x = torch.randn(m, in_features) * 2
+    packed = pack_weight(torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8),
+                         torch.rand(out_features) * 0.01 + 1e-3)
+    results = {}
+    for granularity in ("per_tensor", "per_token"):
+        scale = x.abs().amax(dim=1, keepdim=True) / 127 if granularity == "per_token" else x.abs().amax() / 127
+        per_tensor = granularity == "per_tensor"
+
+        def leanlm_rounds(compiled: bool):
+            codes = rounded_codes(x, scale, rescale=per_tensor, compiled=compiled)
+            return gemm(codes, float(scale), 128, packed.params) if per_tensor else \
+                gemm(codes, 1.0, 128, packed.params).mul_(scale)
+
+        fns = {
+            ROUNDINGS[0]: (lambda: gemm(x, float(scale), 128, packed.params)) if per_tensor else
+            (lambda: gemm(x / scale, 1.0, 128, packed.params).mul_(scale)),
+            ROUNDINGS[1]: lambda: leanlm_rounds(False),
+            ROUNDINGS[2]: lambda: leanlm_rounds(True),
+        }
+        timings = time_interleaved(fns, warmup=2, repeats=repeats)
+        results[granularity] = {name: t.median * 1e3 for name, t in timings.items()}
+        print(f"rounding {out_features}x{in_features} M={m} {granularity}: " + ", ".join(
+            f"{name} {ms:.3f} ms" for name, ms in results[granularity].items()), flush=True)
     return results
 
 
@@ -145,6 +181,16 @@ def report(payload: dict) -> str:
     if shapes:
         out.append(speed_table({shape: entry["by_m"]["512"] for shape, entry in shapes.items()},
                                first="shape (out x in), M = 512"))
+    rounding = payload.get("rounding_m512", {})
+    if rounding:
+        rows = []
+        for shape, entry in rounding.items():
+            for granularity, ms in entry.items():
+                first = ms[ROUNDINGS[0]]
+                rows.append([shape, granularity.replace("_", "-"), f"{first:.3f}",
+                             *(f"{ms[name]:.3f} ({ms[name] / first:.2f}x)" for name in ROUNDINGS[1:])])
+        out.append("The int8 GEMM at M = 512 with its input codes rounded three ways, ms (time against fbgemm's own "
+                   "rounding):\n\n" + format_table(["shape (out x in)", "activations", *ROUNDINGS], rows, markdown=True))
     for key in ("by_length", "by_length_last_logits"):
         prefill = payload.get("model_prefill", {}).get(key, {})
         if prefill:
@@ -207,6 +253,9 @@ def main() -> None:
     for shape in study.todo("smollm2_shapes_m512", [f"{o}x{i}" for o, i in SMOLLM2_SHAPES]):
         out_features, in_features = map(int, shape.split("x"))
         study.record("smollm2_shapes_m512", shape, bench_linear(in_features, out_features, [512], repeats))
+    for shape in study.todo("rounding_m512", [f"{o}x{i}" for o, i in SMOLLM2_SHAPES[:4]]):
+        out_features, in_features = map(int, shape.split("x"))
+        study.record("rounding_m512", shape, bench_rounding(in_features, out_features, 512, 31 if not args.quick else 9))
     if study.pending("model_prefill"):
         study.set("model_prefill", bench_model([512] if args.quick else [512, 2048], repeats))
     print(report(study.payload))

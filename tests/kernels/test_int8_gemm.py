@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from leanlm.errors import ConfigError
-from leanlm.kernels.int8_gemm import fbgemm_available, int8_gemv, int8_linear, pack_weight
+from leanlm.kernels.int8_gemm import fbgemm_available, int8_gemv, int8_linear, pack_weight, rounded_codes
 from leanlm.kernels.kbit_gemm import int8_kernel_isas
 from leanlm.nn.w8a8_linear import W8A8Linear
 
@@ -65,6 +65,29 @@ def test_every_int8_path_rounds_ties_as_the_reference(granularity):
                 out = int8_gemv(x[row:row + 1], identity, ones, None, float(scale.flatten()[row % scale.numel()]),
                                 isa=isa)
                 assert torch.equal(out, expected[row:row + 1]), isa
+
+
+@pytest.mark.skipif(not int8_kernel_isas(), reason="leanlm's kernels cannot be built here")
+@pytest.mark.parametrize("k", [13, 576, 1000])  # 13 and 1000: a scalar tail after the 8-wide loop
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_token", "zero_point"])
+def test_the_compiled_rounding_pass_equals_the_pytorch_ops(k, granularity):
+    """The one C++ pass that rounds prefill activations against the PyTorch ops it replaced (its oracle), bit for
+    bit: near-ties, ordinary values, values beyond the range, infinities and NaN."""
+    rows = 6
+    scale = torch.rand(rows, 1) * 0.5 + 0.01 if granularity == "per_token" else torch.tensor(0.37)
+    zero_point = 3 if granularity == "zero_point" else 0
+    x = _near_ties(rows, k, scale)
+    x[1] = torch.randn(k) * 20
+    x[2, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e30])
+    rescale = granularity != "per_token"
+    expected = rounded_codes(x, scale, zero_point, rescale=rescale, compiled=False)
+    original = x.clone()
+    in_place = x.clone()
+    for compiled in (rounded_codes(x, scale, zero_point, rescale=rescale),
+                     rounded_codes(in_place, scale, zero_point, rescale=rescale, overwrite_input=True)):
+        assert torch.equal(compiled.isnan(), expected.isnan()) and compiled.isnan().sum() == 1
+        assert torch.equal(compiled.nan_to_num(0.0), expected.nan_to_num(0.0))
+    assert torch.equal(x.nan_to_num(0.0), original.nan_to_num(0.0))  # left alone without overwrite_input
 
 
 @pytest.mark.parametrize("zero_point", [0, 3])

@@ -121,10 +121,28 @@ def int8_linear(
     # rounded here as the reference rounds them (round(x / s) half to even, the rounding of vLLM's int8 kernel
     # and of compressed-tensors), and the op only ever sees values within 1e-4 of whole steps: its codes are the
     # reference's exactly (tested on ties).
-    codes = x.div_(x_scale) if overwrite_input and x.is_contiguous() else x / x_scale
-    codes = codes.round_().add_(x_zero_point).clamp_(QMIN, QMAX).sub_(x_zero_point).contiguous()
-    if x_scale.numel() == 1:  # whole steps of s: the op's scaling stays acc * (s * s_w), the one-token kernel's
-        out = _GEMM(codes.mul_(x_scale), float(x_scale), 128 + x_zero_point, packed.params)
+    # Per tensor, the op is handed whole steps of s, so its scaling stays acc * (s * s_w), the one-token kernel's;
+    # per token, bare codes scaled after.
+    per_tensor = x_scale.numel() == 1
+    codes = rounded_codes(x, x_scale, x_zero_point, rescale=per_tensor, overwrite_input=overwrite_input)
+    if per_tensor:
+        out = _GEMM(codes, float(x_scale), 128 + x_zero_point, packed.params)
     else:
         out = _GEMM(codes, 1.0, 128, packed.params).mul_(x_scale)
     return out.add_(bias) if bias is not None else out
+
+
+def rounded_codes(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: int = 0, *, rescale: bool,
+                  overwrite_input: bool = False, compiled: bool = True) -> torch.Tensor:
+    """x's int8 codes, clamp(round(x / s) + z, -128, 127) - z (half to even), as float32 (times s if `rescale`).
+    One C++ pass (`round_to_int8_codes`) where the kernels are built, else the PyTorch ops it equals bit for bit
+    (its oracle, tested): the ops pass over x six times, which cost the rounding up to a third of a prefill GEMM."""
+    extension = compiled_kernels() if compiled and x.dtype == torch.float32 else None
+    if extension is not None:
+        x = x.contiguous()
+        codes = x if overwrite_input else torch.empty_like(x)
+        extension.round_to_int8_codes(x, codes, x_scale.float().contiguous().reshape(-1), int(x_zero_point), rescale)
+        return codes
+    codes = x.div_(x_scale) if overwrite_input and x.is_contiguous() else x / x_scale
+    codes = codes.round_().add_(x_zero_point).clamp_(QMIN, QMAX).sub_(x_zero_point).contiguous()
+    return codes.mul_(x_scale) if rescale else codes

@@ -493,6 +493,29 @@ torch::Tensor w8a8_gemv(torch::Tensor x, torch::Tensor weight, torch::Tensor wei
   return out;
 }
 
+// The int8 codes of the eager W8A8 path (w8a8::round_row_to_codes) of x (M, K) float32 into out (x itself for in
+// place), with one scale (per tensor; `rescale`: the codes times it) or one per row (per token; bare codes).
+void round_to_int8_codes(torch::Tensor x, torch::Tensor out, torch::Tensor scale, int64_t zero_point, bool rescale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous float32 (M, K)");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == torch::kFloat && out.is_contiguous(),
+              "out: contiguous float32 of x's shape");
+  const int64_t rows = x.size(0), K = x.size(1);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() &&
+                  (scale.numel() == 1 || scale.numel() == rows), "scale: float32, one or one per row of x");
+  TORCH_CHECK(!rescale || scale.numel() == 1, "only a per-tensor scale rescales its codes");
+  const bool per_row = scale.numel() != 1;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* sp = scale.data_ptr<float>();
+  const float zero = static_cast<float>(zero_point);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float s = sp[per_row ? r : 0];
+      w8a8::round_row_to_codes(xp + r * K, op + r * K, K, s, zero, rescale ? s : 1.0f);
+    }
+  });
+}
+
 void dequantize_rows(torch::Tensor packed, torch::Tensor absmax, torch::Tensor table, int64_t block,
                      int64_t first_row, torch::Tensor out, c10::optional<torch::Tensor> dq_scales,
                      c10::optional<torch::Tensor> dq_values, double dq_offset, int64_t dq_group, int64_t bits) {
@@ -617,6 +640,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU runs the AVX-512 kernel");
   m.def("decode_block_constants", &decode_block_constants, "double-quantized block constants as float32",
         py::arg("absmax"), py::arg("dq_scales"), py::arg("dq_values"), py::arg("dq_offset"), py::arg("dq_group"));
+  m.def("round_to_int8_codes", &round_to_int8_codes,
+        "x's int8 activation codes into out (round half to even, clamp), per-tensor codes times their scale",
+        py::arg("x"), py::arg("out"), py::arg("scale"), py::arg("zero_point"), py::arg("rescale"));
   m.def("dequantize_rows", &dequantize_rows,
         "3-, 4- or 8-bit weights of out.size(0) output rows from first_row into out (AVX2)",
         py::arg("packed"), py::arg("absmax"), py::arg("table"), py::arg("block"), py::arg("first_row"), py::arg("out"),
