@@ -181,16 +181,17 @@ def report(payload: dict) -> str:
     if shapes:
         out.append(speed_table({shape: entry["by_m"]["512"] for shape, entry in shapes.items()},
                                first="shape (out x in), M = 512"))
-    rounding = payload.get("rounding_m512", {})
+    rounding = payload.get("rounding", {})
     if rounding:
         rows = []
-        for shape, entry in rounding.items():
+        for row, entry in rounding.items():
+            shape, m = row.split(" M=")
             for granularity, ms in entry.items():
                 first = ms[ROUNDINGS[0]]
-                rows.append([shape, granularity.replace("_", "-"), f"{first:.3f}",
+                rows.append([shape, m, granularity.replace("_", "-"), f"{first:.3f}",
                              *(f"{ms[name]:.3f} ({ms[name] / first:.2f}x)" for name in ROUNDINGS[1:])])
-        out.append("The int8 GEMM at M = 512 with its input codes rounded three ways, ms (time against fbgemm's own "
-                   "rounding):\n\n" + format_table(["shape (out x in)", "activations", *ROUNDINGS], rows, markdown=True))
+        out.append("The int8 GEMM with its input codes rounded three ways, ms (time against fbgemm's own rounding):\n\n"
+                   + format_table(["shape (out x in)", "M", "activations", *ROUNDINGS], rows, markdown=True))
     for key in ("by_length", "by_length_last_logits"):
         prefill = payload.get("model_prefill", {}).get(key, {})
         if prefill:
@@ -253,9 +254,12 @@ def main() -> None:
     for shape in study.todo("smollm2_shapes_m512", [f"{o}x{i}" for o, i in SMOLLM2_SHAPES]):
         out_features, in_features = map(int, shape.split("x"))
         study.record("smollm2_shapes_m512", shape, bench_linear(in_features, out_features, [512], repeats))
-    for shape in study.todo("rounding_m512", [f"{o}x{i}" for o, i in SMOLLM2_SHAPES[:4]]):
+    # SmolLM2's four single shapes at M = 512 and the 4096 x 4096 linear at M = 1 and 512
+    rounding_rows = [f"{o}x{i} M=512" for o, i in SMOLLM2_SHAPES[:4]] + ["4096x4096 M=1", "4096x4096 M=512"]
+    for row in study.todo("rounding", rounding_rows):
+        shape, m = row.split(" M=")
         out_features, in_features = map(int, shape.split("x"))
-        study.record("rounding_m512", shape, bench_rounding(in_features, out_features, 512, 31 if not args.quick else 9))
+        study.record("rounding", row, bench_rounding(in_features, out_features, int(m), 31 if not args.quick else 9))
     if study.pending("model_prefill"):
         study.set("model_prefill", bench_model([512] if args.quick else [512, 2048], repeats))
     print(report(study.payload))
