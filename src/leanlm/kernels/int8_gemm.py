@@ -136,7 +136,7 @@ def rounded_codes(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: int = 0,
                   overwrite_input: bool = False, compiled: bool = True) -> torch.Tensor:
     """x's int8 codes, clamp(round(x / s) + z, -128, 127) - z (half to even), as float32 (times s if `rescale`).
     One C++ pass (`round_to_int8_codes`) where the kernels are built, else the PyTorch ops it equals bit for bit
-    (its oracle, tested): the ops pass over x six times, which cost the rounding up to a third of a prefill GEMM."""
+    (its oracle, tested), which pass over x six times (`benchmarks/w8a8_speed.py --only rounding` times both)."""
     extension = compiled_kernels() if compiled and x.dtype == torch.float32 else None
     if extension is not None:
         x = x.contiguous()
