@@ -33,7 +33,7 @@ from leanlm.bench import Study, print_report, study_arguments, time_call, time_m
 from leanlm.bench.harness import cpu_description, float_paths, speed_table, time_interleaved  # noqa: E402
 from leanlm.bench.peers import bitsandbytes_int8_linear, torchao_int8_dynamic_  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
-from leanlm.kernels.int8_gemm import pack_weight, rounded_codes  # noqa: E402
+from leanlm.kernels.int8_gemm import int8_linear, pack_weight  # noqa: E402
 from leanlm.methods import Calibration, SmoothQuantConfig, W8A8Config, calibrate, quantize_, share_input_gemms_  # noqa: E402
 from leanlm.models import iter_quantizable_linears, load_model  # noqa: E402
 from leanlm.nn import W8A8Linear  # noqa: E402
@@ -97,16 +97,11 @@ def bench_rounding(in_features: int, out_features: int, m: int, repeats: int) ->
         scale = x.abs().amax(dim=1, keepdim=True) / 127 if granularity == "per_token" else x.abs().amax() / 127
         per_tensor = granularity == "per_tensor"
 
-        def leanlm_rounds(compiled: bool):
-            codes = rounded_codes(x, scale, rescale=per_tensor, compiled=compiled)
-            return gemm(codes, float(scale), 128, packed.params) if per_tensor else \
-                gemm(codes, 1.0, 128, packed.params).mul_(scale)
-
         fns = {
             ROUNDINGS[0]: (lambda: gemm(x, float(scale), 128, packed.params)) if per_tensor else
             (lambda: gemm(x / scale, 1.0, 128, packed.params).mul_(scale)),
-            ROUNDINGS[1]: lambda: leanlm_rounds(False),
-            ROUNDINGS[2]: lambda: leanlm_rounds(True),
+            ROUNDINGS[1]: lambda: int8_linear(x, scale, None, None, None, "fbgemm", packed, compiled_rounding=False),
+            ROUNDINGS[2]: lambda: int8_linear(x, scale, None, None, None, "fbgemm", packed),
         }
         timings = time_interleaved(fns, warmup=2, repeats=repeats)
         results[granularity] = {name: t.median * 1e3 for name, t in timings.items()}
@@ -259,7 +254,7 @@ def main() -> None:
     for row in study.todo("rounding", rounding_rows):
         shape, m = row.split(" M=")
         out_features, in_features = map(int, shape.split("x"))
-        study.record("rounding", row, bench_rounding(in_features, out_features, int(m), 31 if not args.quick else 9))
+        study.record("rounding", row, bench_rounding(in_features, out_features, int(m), 101 if not args.quick else 9))
     if study.pending("model_prefill"):
         study.set("model_prefill", bench_model([512] if args.quick else [512, 2048], repeats))
     print(report(study.payload))

@@ -105,6 +105,7 @@ def int8_linear(
     x_zero_point: int = 0,  # per-tensor scales only
     weight_zero_point: int = 0,
     overwrite_input: bool = False,  # x is a scratch copy: per-token scaling may happen in place
+    compiled_rounding: bool = True,  # False rounds by the PyTorch ops (the oracle; timed beside it by the benchmark)
 ) -> torch.Tensor:
     if backend == "reference":
         x_int = torch.clamp(torch.round(x / x_scale) + x_zero_point, QMIN, QMAX) - x_zero_point
@@ -124,7 +125,8 @@ def int8_linear(
     # Per tensor, the op is handed whole steps of s, so its scaling stays acc * (s * s_w), the one-token kernel's;
     # per token, bare codes scaled after.
     per_tensor = x_scale.numel() == 1
-    codes = rounded_codes(x, x_scale, x_zero_point, rescale=per_tensor, overwrite_input=overwrite_input)
+    codes = rounded_codes(x, x_scale, x_zero_point, rescale=per_tensor, overwrite_input=overwrite_input,
+                          compiled=compiled_rounding)
     if per_tensor:
         out = _GEMM(codes, float(x_scale), 128 + x_zero_point, packed.params)
     else:
