@@ -22,7 +22,7 @@ REPORTED = {
                "decode_gemma3-270m_xeon-amx", "decode_smollm2-135m_3bit", "decode_llama3-8b-shape",
                "decode_smollm2-135m_gptq-prefill", "decode_smollm2-135m_prefetch"],
     "gguf_llama_cpp": ["gguf_llama_cpp_smollm2-135m", "gguf_llama_cpp_gemma3-270m",
-                       "gguf_llama_cpp_smollm2-135m_windows0"],
+                       "gguf_llama_cpp_smollm2-135m_windows0", "gguf_llama_cpp_gemma3-270m_windows0"],
     "export_compressed_tensors": ["compressed_tensors_smollm2-135m", "compressed_tensors_smollm2-135m_windows0"],
     "gptq_spqr": ["gptq_spqr_smollm2-135m", "gptq_spqr_gemma3-270m"],
     "kbit_speed": ["kbit_speed"],
