@@ -91,3 +91,21 @@ def test_quantized_rows_quantize_a_copy_and_measure_the_float_model_itself():
     assert nf4["memory"]["weight_bytes"] < fp32["memory"]["weight_bytes"] <= fp32["memory"]["peak_rss_bytes"]
     assert study.payload["table"]["NF4"]["kbit_linears"] == 14 and 4 < study.payload["table"]["NF4"]["avg_bits"] < 5
     assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_each_row_keeps_the_run_that_measured_it(results_in, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["bench.py"])
+    first = Study("s", {"tokens": 8}, arguments())
+    first.record("table", "a", 1)
+    first.set("speed", {"ms": 3.0})
+    monkeypatch.setattr("sys.argv", ["bench.py", "--only", "b"])
+    second = Study("s", {"tokens": 8}, arguments("--only", "b"))
+    second.record("table", "b", 2)
+    saved = json.loads((results_in / "s.json").read_text())
+    runs = saved["measured_by"]
+    assert runs["table/a"]["command"] == "bench.py" and runs["speed"]["command"] == "bench.py"
+    assert runs["table/b"]["command"] == "bench.py --only b" and saved["environment"]["command"] == "bench.py --only b"
+    assert set(runs["table/a"]) == {"command", "date", "git_commit", "load_average"}
+    # other settings keep an independent part's run beside the part, and nothing else
+    other = Study("s", {"tokens": 16}, arguments(), independent=("speed",))
+    assert list(other.payload["measured_by"]) == ["speed"]

@@ -18,12 +18,20 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from torch import nn
 
-from leanlm.bench.harness import peak_memory, previous_results, results_dir, weight_bytes, write_results
+from leanlm.bench.harness import (environment, peak_memory, previous_results, results_dir, weight_bytes,
+                                  write_results)
+
+# The file's top-level "environment" is the last run's; a file filled by several runs (--only, --resume) also
+# keeps, for every row and part, the run that measured it (its command, commit, date, load average), so a row
+# measured on a quiet host is not credited to the busy one that added another row later.
+RUNS_KEY = "measured_by"
+RUN_FIELDS = ("command", "date", "git_commit", "load_average")
 
 Plot = Callable[[dict, Path], None]
 Report = Callable[[dict], str]
@@ -83,6 +91,10 @@ class Study:
             self.payload.update({k: v for k, v in previous.items() if k not in ("settings", "environment")})
         else:
             self.payload.update({k: previous[k] for k in independent if k in previous})
+            kept = {key: run for key, run in previous.get(RUNS_KEY, {}).items() if key.split("/", 1)[0] in independent}
+            if kept:
+                self.payload[RUNS_KEY] = kept
+        self._run = None  # this run's command, commit, date and load: stamped on each row it saves
 
     @property
     def path(self) -> Path:
@@ -139,12 +151,21 @@ class Study:
         if summary is not None:
             label = row if isinstance(part, str) else " ".join((*part[1:], row))
             print(f"{label}: {summary(value)}", flush=True)
+        self._stamp("/".join(((part,) if isinstance(part, str) else part) + (row,)))
         self.save()
 
     def set(self, key: str, value: Any) -> None:
         """Store a part measured in one go and save."""
         self.payload[key] = value
+        self._stamp(key)
         self.save()
+
+    def _stamp(self, key: str) -> None:
+        """Record this run as the one that measured `key` ("part/row"); the load average is read now, at the row's
+        end, as the file's environment always was."""
+        if self._run is None:
+            self._run = {field: value for field, value in environment().items() if field in RUN_FIELDS}
+        self.payload.setdefault(RUNS_KEY, {})[key] = {**self._run, "load_average": list(os.getloadavg())}
 
     def save(self) -> Path:
         plot = None if self.plot is None else (lambda path: self.plot(self.payload, path))
