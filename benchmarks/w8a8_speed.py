@@ -162,6 +162,17 @@ def bench_model(lengths: list[int], repeats: int) -> dict:
     return results
 
 
+def rounding_row(shape: tuple[int, int], m: int) -> str:
+    """The rounding part's row name: "OUTxIN M=m" (the saved key; `rounding_row_shape` reads it back)."""
+    return f"{shape[0]}x{shape[1]} M={m}"
+
+
+def rounding_row_shape(row: str) -> tuple[tuple[int, int], int]:
+    shape, m = row.split(" M=")
+    out_features, in_features = map(int, shape.split("x"))
+    return (out_features, in_features), int(m)
+
+
 def report(payload: dict) -> str:
     """ms (linears) or tokens/s (prefill), each quantized implementation with its speed-up over the best float path
     (the faster of FP32 and BF16 in the same interleaved rounds) in brackets."""
@@ -180,7 +191,8 @@ def report(payload: dict) -> str:
     if rounding:
         rows = []
         for row, entry in rounding.items():
-            shape, m = row.split(" M=")
+            (out_features, in_features), m = rounding_row_shape(row)
+            shape = f"{out_features}x{in_features}"
             for granularity, ms in entry.items():
                 first = ms[ROUNDINGS[0]]
                 rows.append([shape, m, granularity.replace("_", "-"), f"{first:.3f}",
@@ -250,11 +262,11 @@ def main() -> None:
         out_features, in_features = map(int, shape.split("x"))
         study.record("smollm2_shapes_m512", shape, bench_linear(in_features, out_features, [512], repeats))
     # SmolLM2's four single shapes at M = 512 and the 4096 x 4096 linear at M = 1 and 512
-    rounding_rows = [f"{o}x{i} M=512" for o, i in SMOLLM2_SHAPES[:4]] + ["4096x4096 M=1", "4096x4096 M=512"]
+    rounding_rows = [rounding_row(shape, 512) for shape in SMOLLM2_SHAPES[:4]] + [
+        rounding_row((4096, 4096), m) for m in (1, 512)]
     for row in study.todo("rounding", rounding_rows):
-        shape, m = row.split(" M=")
-        out_features, in_features = map(int, shape.split("x"))
-        study.record("rounding", row, bench_rounding(in_features, out_features, int(m), 101 if not args.quick else 9))
+        (out_features, in_features), m = rounding_row_shape(row)
+        study.record("rounding", row, bench_rounding(in_features, out_features, m, 101 if not args.quick else 9))
     if study.pending("model_prefill"):
         study.set("model_prefill", bench_model([512] if args.quick else [512, 2048], repeats))
     print(report(study.payload))
