@@ -35,6 +35,11 @@ def tiny_model(model_type: str = "llama", vocab_size: int = 128, layers: int = 2
     return model.eval()
 
 
+def token_ids(*shape: int, seed: int = 0, vocab_size: int = 128) -> torch.Tensor:
+    """Token ids of `shape` below `vocab_size` (a tiny model's), the same for the same seed whatever ran before."""
+    return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
 def save_tiny_llama(directory, tokenizer):
     """A local HF model directory: a tiny random Llama with `tokenizer` (SmolLM2's, so real text works)."""
     tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(directory)

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import tiny_model, token_ids
 from transformers import DynamicCache
 
 from leanlm.bench import peak_memory
@@ -28,7 +28,7 @@ def kept_positions(length: int, sinks: int, window: int) -> list[int]:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox"])
 def test_equals_dense_attention_until_the_cache_is_full(family):
     model = tiny_model(family)
-    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    tokens = token_ids(2, 24)
     dense = stream(model, tokens, DynamicCache(config=model.config))
     streamed = stream(model, tokens, sink_cache(model, StreamingConfig(sinks=4, window=20)))
     assert torch.equal(dense, streamed)
@@ -41,7 +41,7 @@ def test_after_eviction_each_token_sees_the_kept_tokens_at_cache_positions(famil
     # of token t must equal a dense forward over exactly the tokens the cache kept, renumbered 0..n-1.
     model = tiny_model(family, layers=1)
     window, length = 6, 40
-    tokens = torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(1))
+    tokens = token_ids(1, length, seed=1)
     streamed = stream(model, tokens, sink_cache(model, StreamingConfig(sinks=sinks, window=window)))
     with torch.inference_mode():
         for t in range(length):
@@ -54,7 +54,7 @@ def test_cache_holds_sinks_plus_window_with_the_first_tokens_kept():
     model = tiny_model("llama", layers=1)
     config = StreamingConfig(sinks=3, window=5)
     cache = sink_cache(model, config)
-    tokens = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(2))
+    tokens = token_ids(1, 30, seed=2)
     stream(model, tokens, cache)
     assert cache.get_seq_length() == config.cache_size
     assert cache.evicted == 30 - config.cache_size - 1  # the last token's eviction is still pending
@@ -70,7 +70,7 @@ def test_cache_holds_sinks_plus_window_with_the_first_tokens_kept():
 def test_generate_streams_past_the_cache_and_matches_a_manual_loop():
     model = tiny_model("llama")
     model.generation_config.pad_token_id = 0
-    prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    prompt = token_ids(2, 5, seed=3)
     config = StreamingConfig(sinks=2, window=10)
     cache = sink_cache(model, config)
     generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
@@ -91,7 +91,7 @@ def test_generate_streams_past_the_cache_and_matches_a_manual_loop():
 def test_works_with_a_w8a8_quantized_model():
     model = tiny_model("llama")
     quantize_(model, W8A8Config(level="O1"))
-    tokens = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(4))
+    tokens = token_ids(1, 30, seed=4)
     dense = stream(model, tokens[:, :12], DynamicCache(config=model.config))
     streamed = stream(model, tokens, sink_cache(model, StreamingConfig(sinks=4, window=8)))
     assert torch.equal(dense, streamed[:, :12])
@@ -102,7 +102,7 @@ def test_a_million_tokens_stream_with_flat_memory():
     model = tiny_model("llama", layers=1)
     config = StreamingConfig(sinks=4, window=60)
     cache = sink_cache(model, config)
-    chunk = torch.randint(0, 128, (1, 250), generator=torch.Generator().manual_seed(5))
+    chunk = token_ids(1, 250, seed=5)
     with torch.inference_mode():
         def run(chunks):
             for _ in range(chunks):

@@ -18,7 +18,7 @@ from leanlm.methods.streaming import StreamingConfig
 from leanlm.methods.checkpoint import embeddings_to_, quantize_head_
 from leanlm.nn import KbitLinear
 from leanlm.nn.float_linear import use_gemv_
-from tiny import tiny_config, tiny_model
+from tiny import tiny_config, tiny_model, token_ids
 
 needs_kernels = pytest.mark.skipif(not avx2_available(), reason="leanlm's kernels cannot be built here")
 FUSED_FAMILIES = ("llama", "mistral", "qwen2", "gemma3_text")
@@ -59,7 +59,7 @@ def _model(family: str, weights: str):
     elif weights == "fp4":
         quantize_(model, KbitConfig(dtype="fp"))
     elif weights in CALIBRATED:
-        calibration = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
+        calibration = token_ids(3, 16, vocab_size=256)
         quantize_(model, CALIBRATED[weights], calibration=Calibration(token_ids=calibration))
     if weights.endswith("bf16-head"):  # as load_any holds a quantized checkpoint's with --dtype auto
         use_gemv_(model)

@@ -1,11 +1,11 @@
 import torch
 
 from leanlm.evaluation.outliers import OutlierCriteria, analyze_outliers, block_input_magnitudes
-from tiny import tiny_model
+from tiny import tiny_model, token_ids
 
 
 def _batches():
-    return torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    return token_ids(2, 32)
 
 
 def test_a_planted_systematic_feature_is_found():

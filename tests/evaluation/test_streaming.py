@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import tiny_model, token_ids
 
 from leanlm.errors import ConfigError
 from leanlm.evaluation.streaming import (
@@ -40,7 +40,7 @@ def test_every_strategy_reports_the_contract_keys(tiny_with_tokenizer):
 
 def test_recompute_scores_each_target_from_its_own_window():
     model = tiny_model("llama", layers=1)
-    tokens = torch.randint(0, 128, (100,), generator=torch.Generator().manual_seed(0))
+    tokens = token_ids(100)
     nll = recompute_nll(model, tokens, window=16, targets=range(40, 45), batch=2)
     with torch.inference_mode():
         logits = model(input_ids=tokens[None, 26:42]).logits[0, -1]

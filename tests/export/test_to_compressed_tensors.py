@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from leanlm.cli.main import main
 from leanlm.methods.checkpoint import load_quantized
+from tiny import token_ids
 
 CASES = {
     "w8a8 O1 per-channel": (["--method", "w8a8", "--level", "O1", "--no-bmm", "--weight-granularity", "per_channel",
@@ -36,7 +37,7 @@ def test_a_checkpoint_loads_in_transformers_and_computes_what_leanlm_computes(ca
 
     ours, _ = load_quantized(checkpoint)
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    ids = torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(0))
+    ids = token_ids(2, 40, vocab_size=1000)
     with torch.no_grad():
         expected, got = ours.model(ids).logits, theirs(ids).logits
     assert (got - expected).abs().max().item() <= tolerance * expected.abs().max().item()

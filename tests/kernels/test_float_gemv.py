@@ -6,7 +6,7 @@ from torch import nn
 
 from leanlm.kernels.float_gemv import float_gemv, gemv_isas, reference_gemv, small_m_linear
 from leanlm.nn import GemvLinear, use_gemv_
-from tiny import tiny_model
+from tiny import tiny_model, token_ids
 
 ISAS = gemv_isas()
 
@@ -70,7 +70,7 @@ def test_a_model_decodes_the_same_tokens_through_it():
     model = tiny_model("llama", vocab_size=128)
     reference = tiny_model("llama", vocab_size=128)
     assert use_gemv_(model) == 2 * 7 + 1  # 7 block linears per layer, and the lm_head
-    prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    prompt = token_ids(1, 8, seed=1)
     with torch.inference_mode():
         ours = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
         theirs = reference.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)

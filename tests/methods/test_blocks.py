@@ -7,11 +7,11 @@ from leanlm.methods import SmoothQuantConfig, W8A8Config, calibrate, collect_inp
 from leanlm.methods.blocks import capture_block_inputs, observe_inputs, walk_blocks
 from leanlm.methods.quantize import Calibration
 from leanlm.models.architectures import iter_quantizable_linears
-from tiny import FAMILIES, tiny_model
+from tiny import FAMILIES, tiny_model, token_ids
 
 
 def _windows(samples=3, length=20):
-    return torch.randint(0, 128, (samples, length), generator=torch.Generator().manual_seed(0))
+    return token_ids(samples, length)
 
 
 def _whole_model_absmax(model, batches):

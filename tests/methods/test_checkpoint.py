@@ -17,6 +17,7 @@ from leanlm.methods import (
     save_quantized,
 )
 from leanlm.models import load_model
+from tiny import token_ids
 
 
 @pytest.fixture
@@ -68,7 +69,7 @@ def test_a_bfloat16_load_of_a_kbit_checkpoint_runs_its_prefill_gemms_in_bfloat16
     config = {"kbit": KbitConfig(), "gptq": GPTQConfig(group_size=32),
               "gptq-3bit": GPTQConfig(bits=3, group_size=32)}[method]
     loaded = load_model(tiny_llama_dir)
-    ids = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(0))
+    ids = token_ids(4, 32, vocab_size=1000)
     record = quantize_(loaded.model, config, calibration=Calibration(token_ids=ids))
     out = save_quantized(loaded, loaded.model, record, tmp_path / "q")
     reference, fast = load_any(out).model, load_any(out, "bfloat16").model
@@ -78,7 +79,7 @@ def test_a_bfloat16_load_of_a_kbit_checkpoint_runs_its_prefill_gemms_in_bfloat16
     assert all(module.gemm_dtype is None for module in reference.modules() if isinstance(module, kinds))
     with torch.inference_mode():
         for length in (4, 40):
-            ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(length))
+            ids = token_ids(1, length, seed=length, vocab_size=1000)
             expected, got = reference(ids).logits, fast(ids).logits
             # Mostly the bfloat16 embedding and head's rounding: up to 4% of the largest logit with 3-bit weights.
             assert (got - expected).abs().max() < 0.05 * expected.abs().max()

@@ -6,11 +6,11 @@ from leanlm.formats.minmax import search_symmetric
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, SpQRConfig, load_quantized, quantize_, save_quantized
 from leanlm.models import load_model
 from leanlm.nn import SpQRLinear
-from tiny import tiny_model
+from tiny import tiny_model, token_ids
 
 
 def _calibration(vocab=128, samples=16, seq_len=32):
-    return torch.randint(0, vocab, (samples, seq_len), generator=torch.Generator().manual_seed(1))
+    return token_ids(samples, seq_len, seed=1, vocab_size=vocab)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt2", "opt"])
@@ -87,7 +87,7 @@ def test_gptq_with_its_hessian_shrunk_to_the_diagonal_is_the_imatrix_rtn():
 
 def test_spqr_checkpoint_round_trips(tiny_llama_dir, tmp_path):
     loaded = load_model(tiny_llama_dir)
-    batches = torch.randint(0, 1000, (8, 32), generator=torch.Generator().manual_seed(0))
+    batches = token_ids(8, 32, vocab_size=1000)
     record = quantize_(loaded.model, SpQRConfig(), calibration=Calibration(token_ids=batches))
     assert record["outlier_rate"] > 0
     out = save_quantized(loaded, loaded.model, record, tmp_path / "q")

@@ -32,7 +32,7 @@ from leanlm.methods import (
 from leanlm.methods.checkpoint import weights_files
 from leanlm.methods.out_of_core import load_quantizing, quantize_out_of_core
 from leanlm.models import load_model
-from tiny import FAMILIES, tiny_model
+from tiny import FAMILIES, tiny_model, token_ids
 
 METHODS = {
     "nf4-dq": KbitConfig(double_quant=True),
@@ -49,7 +49,7 @@ METHODS = {
 
 
 def _calibration():
-    ids = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(0))
+    ids = token_ids(3, 24)
     return Calibration(token_ids=ids)
 
 
@@ -143,7 +143,7 @@ _KILLED_RUN = textwrap.dedent("""
         if index == int(sys.argv[3]):
             os.kill(os.getpid(), signal.SIGKILL)
     StreamedBlocks.release = release_then_die
-    ids = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(0))
+    ids = token_ids(3, 24)
     quantize_out_of_core(sys.argv[1], GPTQConfig(group_size=32), sys.argv[2], calibration=Calibration(token_ids=ids))
 """)
 

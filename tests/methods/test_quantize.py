@@ -23,11 +23,11 @@ from leanlm.methods import (
 from leanlm.methods.quantize import method_names
 from leanlm.models import load_model
 from leanlm.nn import KbitLinear, SpQRLinear, W8A8Linear
-from tiny import tiny_model
+from tiny import tiny_model, token_ids
 
 
 def _ids(samples=4, length=24):
-    return torch.randint(0, 128, (samples, length), generator=torch.Generator().manual_seed(0))
+    return token_ids(samples, length)
 
 
 def test_the_verb_and_every_config_are_exported_from_the_package():
@@ -60,7 +60,7 @@ def test_smoothing_then_gptq_keeps_the_model_and_round_trips(tiny_llama_dir, tmp
     ids = torch.randint(0, 1000, (1, 16))
     with torch.inference_mode():
         reference = loaded.model(ids).logits
-    calibration = Calibration(token_ids=torch.randint(0, 1000, (8, 32), generator=torch.Generator().manual_seed(0)))
+    calibration = Calibration(token_ids=token_ids(8, 32, vocab_size=1000))
     record = quantize_(loaded.model, [SmoothQuantConfig(0.5), GPTQConfig(bits=8, group_size=32)],
                        calibration=calibration)
     assert record["smoothquant"]["alpha"] == 0.5 and record["bits"] == 8

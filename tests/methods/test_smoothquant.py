@@ -6,7 +6,7 @@ import torch
 from leanlm.errors import ConfigError
 from leanlm.methods import SmoothQuantConfig, calibrate, collect_input_absmax, smooth_
 from leanlm.methods.smoothquant import consumer_to_producer_channels, smoothing_factors
-from tiny import FAMILIES, tiny_model
+from tiny import FAMILIES, tiny_model, token_ids
 
 
 def test_the_worked_example():
@@ -20,7 +20,7 @@ def test_the_worked_example():
 
 
 def _batches(n=3, length=24):
-    return torch.randint(0, 128, (n, length), generator=torch.Generator().manual_seed(0))
+    return token_ids(n, length)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

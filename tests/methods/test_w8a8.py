@@ -17,15 +17,15 @@ from leanlm.methods import (
 )
 from leanlm.nn import ATTENTION_NAME, BmmQuantizer, W8A8Linear
 from leanlm.models import architecture_for
-from tiny import FAMILIES, tiny_model
+from tiny import FAMILIES, tiny_model, token_ids
 
 
 def _batches(n=3, length=24):
-    return torch.randint(0, 128, (n, length), generator=torch.Generator().manual_seed(0))
+    return token_ids(n, length)
 
 
 def _relative_error(model, quantized):
-    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    ids = token_ids(1, 20, seed=1)
     with torch.inference_mode():
         expected, actual = model(ids).logits, quantized(ids).logits
     return ((actual - expected).norm() / expected.norm()).item()
@@ -50,7 +50,7 @@ def test_every_linear_becomes_int8_and_outputs_stay_close(model_type, level):
     # and sharing changes no logit.
     feeds = [f.linears for f in architecture_for(quantized).norm_feeds if len(f.linears) > 1]
     assert sum(m.shared_input is not None for m in linears) == 2 * sum(map(len, feeds))  # two blocks
-    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+    ids = token_ids(2, 20, seed=1)
     with torch.inference_mode():
         shared = quantized(ids).logits
         assert share_input_gemms_(quantized, share=False) == 0
