@@ -143,7 +143,7 @@ _KILLED_RUN = textwrap.dedent("""
         if index == int(sys.argv[3]):
             os.kill(os.getpid(), signal.SIGKILL)
     StreamedBlocks.release = release_then_die
-    ids = token_ids(3, 24)
+    ids = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(0))
     quantize_out_of_core(sys.argv[1], GPTQConfig(group_size=32), sys.argv[2], calibration=Calibration(token_ids=ids))
 """)
 
