@@ -82,6 +82,28 @@ def test_blockwise_error_shrinks_with_the_block_size():
     assert per_row.block_size == 512 and per_row.absmax.numel() == 128
 
 
+@pytest.mark.parametrize("block_size", [64, 4096])
+def test_quantizing_chunk_by_chunk_codes_every_value_to_its_nearest(monkeypatch, block_size):
+    """Large tensors are quantized a few blocks at a time into preallocated results (to bound the temporaries);
+    across chunk boundaries and a short last block every value still gets its block's absmax and the nearest
+    code (an oracle: the distance to all 16 values, ties to the lower code as bitsandbytes' midpoints do)."""
+    import leanlm.formats.blockwise as blockwise
+
+    monkeypatch.setattr(blockwise, "_CHUNK_VALUES", 3 * block_size + 5)  # 3 blocks a chunk
+    torch.manual_seed(2)
+    flat = torch.randn(10 * block_size + 37) * torch.rand(10 * block_size + 37) ** 3
+    flat[block_size:2 * block_size] = 0.0  # an all-zero block is coded as zeros
+    result = quantize_blockwise(flat, NF4, block_size)
+    blocks = torch.split(flat, block_size)
+    absmax = torch.stack([block.abs().max() for block in blocks])
+    assert torch.equal(result.absmax, absmax)
+    inverse = 1.0 / absmax.clamp(min=1e-38)  # the scaling bitsandbytes does: times the reciprocal
+    normalized = torch.cat([block * scale for block, scale in zip(blocks, inverse)])
+    distance = (normalized[:, None] - NF4.values).abs()
+    nearest = (distance == distance.min(dim=1, keepdim=True).values).int().argmax(dim=1)  # first of any tie
+    assert torch.equal(result.codes.long(), nearest)
+
+
 def test_bits_account():
     assert bits_per_parameter(4, 64, double_quant=False) == 4.5  # 32-bit constant per 64 values
     assert bits_per_parameter(4, 64, double_quant=True) == pytest.approx(4 + 8 / 64 + 32 / (64 * 256))  # 4.127

@@ -48,27 +48,40 @@ def _blocks(flat: torch.Tensor, block_size: int) -> list[torch.Tensor]:
     return list(torch.split(flat, block_size))
 
 
-_CHUNK_VALUES = 1 << 22  # values quantized at once: the temporaries (about 25 bytes a value) stay ~100 MB
+_CHUNK_VALUES = 1 << 20  # values quantized at once: their temporaries (12 bytes a value) stay at 12 MB
 
 
 def _quantize_flat(flat: torch.Tensor, codebook: Codebook, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, absmax) of `flat`, a whole number of blocks at a time, so that quantizing an 8B model's largest
-    matrix (59M values) does not need gigabytes of temporaries."""
+    """(codes, absmax) of `flat`, a whole number of blocks at a time, written into tensors made once: quantizing
+    an 8B model's largest matrix (59M values) needs 12 MB of temporaries, of the same sizes in every chunk, which
+    the allocator reuses. (Chunks of 4M values whose results were concatenated at the end scattered freed memory
+    between live tensors: a streamed NF4 quantization of a 550M-parameter model peaked at 0.87-0.90 GiB of
+    resident memory, against 0.64-0.69 GiB so.)"""
+    blocks = -(-flat.numel() // block_size)
+    codes, absmax = torch.empty(flat.numel(), dtype=torch.uint8), torch.empty(blocks)
     step = max(1, _CHUNK_VALUES // block_size) * block_size
-    if flat.numel() <= step:
-        return _quantize_chunk(flat, codebook, block_size)
-    parts = [_quantize_chunk(flat[start:start + step], codebook, block_size) for start in range(0, flat.numel(), step)]
-    return torch.cat([codes for codes, _ in parts]), torch.cat([absmax for _, absmax in parts])
+    for start in range(0, flat.numel(), step):
+        stop = min(start + step, flat.numel())
+        _quantize_chunk(flat[start:stop], codebook, block_size, codes[start:stop],
+                        absmax[start // block_size: -(-stop // block_size)])
+    return codes, absmax
 
 
-def _quantize_chunk(flat: torch.Tensor, codebook: Codebook, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_chunk(flat: torch.Tensor, codebook: Codebook, block_size: int, codes: torch.Tensor,
+                    absmax: torch.Tensor) -> None:
+    """Quantize `flat` (whole blocks, but for a shorter last one) into `codes` and `absmax`."""
     full = flat.numel() - flat.numel() % block_size
-    absmax = flat[:full].reshape(-1, block_size).abs().amax(dim=1)
+    torch.amax(flat[:full].reshape(-1, block_size).abs(), dim=1, out=absmax[: full // block_size])
     if full < flat.numel():
-        absmax = torch.cat([absmax, flat[full:].abs().amax()[None]])
-    per_value = absmax.clamp(min=_TINY).repeat_interleave(block_size)[: flat.numel()]
-    normalized = torch.clamp(flat * (1.0 / per_value), -1, 1)
-    return codebook.nearest(normalized), absmax
+        absmax[-1] = flat[full:].abs().amax()
+    # Each value times its block's 1/absmax, broadcast rather than repeated per value: one temporary, clamped
+    # in place.
+    inverse = 1.0 / absmax.clamp(min=_TINY)
+    normalized = torch.empty_like(flat)
+    torch.mul(flat[:full].reshape(-1, block_size), inverse[: full // block_size, None],
+              out=normalized[:full].view(-1, block_size))
+    torch.mul(flat[full:], inverse[full // block_size:], out=normalized[full:])
+    codebook.nearest(normalized.clamp_(-1, 1), out=codes)
 
 
 def _dequantize_flat(codes: torch.Tensor, absmax: torch.Tensor, codebook: Codebook, block_size: int) -> torch.Tensor:

@@ -29,8 +29,9 @@ class Codebook:
     bits: int
     values: torch.Tensor  # (2^bits,) float32 in [-1, 1]; index = code
 
-    def nearest(self, normalized: torch.Tensor) -> torch.Tensor:
-        """Code of the nearest value for every element of `normalized` (in [-1, 1]), as uint8."""
+    def nearest(self, normalized: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Code of the nearest value for every element of `normalized` (in [-1, 1]), as uint8 (written into
+        `out`, flat uint8 of as many elements, if given)."""
         order = torch.argsort(self.values, stable=True)
         ordered = self.values[order]
         # A value listed twice (the symmetric int books' unused last code repeats zero) is coded by its first
@@ -40,7 +41,10 @@ class Codebook:
         first[1:] = (ordered[1:] != ordered[:-1]) | (ordered[1:].signbit() != ordered[:-1].signbit())
         order, ordered = order[first], ordered[first]
         midpoints = (ordered[:-1] + ordered[1:]) / 2
-        return order[torch.bucketize(normalized, midpoints)].to(torch.uint8)
+        # int32 positions into a uint8 table: 4 bytes a value of temporaries, not the 16 of int64 positions and codes.
+        positions = torch.bucketize(normalized.reshape(-1), midpoints, out_int32=True)
+        codes = torch.index_select(order.to(torch.uint8), 0, positions, out=out)
+        return codes if out is not None else codes.reshape(normalized.shape)
 
 
 def _check_bits(bits: int, low: int = 2, high: int = 8) -> None:
