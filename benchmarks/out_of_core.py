@@ -8,6 +8,7 @@ is a row of the result file (--resume keeps finished rows):
 
   write      the shards, written by `leanlm.models.synthetic.write_random_model` one shard at a time
   nf4-dq     `leanlm quantize SRC --method kbit --double-quant` (block by block from disk)
+  nf4-dq-bf16-tables   the same with `--table-dtype bfloat16` (the embedding and output head stored in bfloat16)
   w8a8-O2    `leanlm quantize SRC --method w8a8 --level O2`
   gptq-4bit  `leanlm quantize SRC --method gptq --calib-samples 16 --calib-seq-len 512`
   generate   greedy decoding of --new-tokens tokens from the NF4 checkpoint (`load_quantized`: no float model)
@@ -51,10 +52,12 @@ SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, nu
              tie_word_embeddings=False)
 QUANTIZE_STEPS = {
     "nf4-dq": ["--method", "kbit", "--double-quant"],
+    "nf4-dq-bf16-tables": ["--method", "kbit", "--double-quant", "--table-dtype", "bfloat16"],
     "w8a8-O2": ["--method", "w8a8", "--level", "O2"],
     "gptq-4bit": ["--method", "gptq", "--bits", "4", "--calib-samples", "16", "--calib-seq-len", "512"],
 }
-BUDGET_GIB = {"nf4-dq": 4, "w8a8-O2": 4, "gptq-4bit": 6, "generate": 6, "qlora": 10}  # the targets
+BUDGET_GIB = {"nf4-dq": 4, "nf4-dq-bf16-tables": 4, "w8a8-O2": 4, "gptq-4bit": 6,  # the targets
+              "generate": 6, "qlora": 10}
 QLORA_STEPS = 5
 PROMPT = "The history of the city begins with"
 

@@ -5,6 +5,7 @@ import pytest
 from leanlm.bench import weight_bytes
 from leanlm.cli.main import main
 from leanlm.methods import load_quantized
+from leanlm.methods.checkpoint import weights_files
 from leanlm.models import load_model
 from processes import leanlm_process
 
@@ -138,6 +139,13 @@ def test_kbit_checkpoint_records_measured_average_bits(tiny_llama_dir, tmp_path)
     assert summary["method"] == "kbit" and summary["avg_bits"] == record["avg_bits"]
     assert summary["peak_rss_bytes"] > 0 and summary["seconds"] > 0
     assert main(["eval", str(out), "--max-tokens", "128", "--seq-len", "64"]) == 0
+    halved = tmp_path / "nf4-bf16-tables"
+    assert main(["quantize", str(tiny_llama_dir), "--method", "kbit", "--double-quant", "--table-dtype", "bfloat16",
+                 "--out", str(halved)]) == 0
+    assert json.loads((halved / "leanlm_quant.json").read_text())["table_dtype"] == "bfloat16"
+    stored = [sum(path.stat().st_size for path in weights_files(directory)) for directory in (halved, out)]
+    assert stored[0] < stored[1]
+    assert main(["eval", str(halved), "--max-tokens", "128", "--seq-len", "64"]) == 0
 
 
 def test_stream_writes_the_contract_keys_and_a_plot(tiny_llama_dir, tmp_path, capsys):

@@ -130,6 +130,8 @@ def _first_linear(record):
     (lambda r: {**r, "method": "cushion+awq"}, "method 'cushion+awq' is not a leanlm method or composition"),
     (lambda r: {**r, "level": "O4"}, "level 'O4' is not one of O1, O2, O3"),
     (lambda r: {**r, "modules": []}, "'modules' must be an object"),
+    (lambda r: {**r, "table_dtype": "float8"}, "table_dtype 'float8' is not one of float32, bfloat16"),
+    (lambda r: {**r, "table_dtype": "bfloat16"}, "lm_head.weight: F32 [49152, 64], expected BF16"),
     (lambda r: (_first_linear(r)["args"].update(colour="red"), r)[1], "unexpected keyword argument 'colour'"),
     (lambda r: (_first_linear(r)["args"].update(in_features=7), r)[1], "does not replace a linear of that shape"),
     (lambda r: (_first_linear(r)["args"].update(bias=True), r)[1], "does not match its leanlm_quant.json"),

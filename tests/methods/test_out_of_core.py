@@ -29,7 +29,7 @@ from leanlm.methods import (
     quantize_,
     save_quantized,
 )
-from leanlm.methods.checkpoint import weights_files
+from leanlm.methods.checkpoint import float_tables, weights_files
 from leanlm.methods.out_of_core import load_quantizing, quantize_out_of_core
 from leanlm.models import load_model
 from tiny import FAMILIES, tiny_model, token_ids
@@ -109,6 +109,36 @@ def test_streamed_and_in_memory_checkpoints_are_identical_for_every_method(metho
     with torch.inference_mode():
         logits = [load_quantized(path)[0].model(ids).logits for path in (streamed, tmp_path / "in_memory")]
     assert torch.equal(*logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt_neox"])  # tied; untied; a head stored under another name
+def test_a_checkpoint_stores_its_embedding_and_head_in_bfloat16_on_request(family, tmp_path):
+    """`table_dtype="bfloat16"` (`--table-dtype bfloat16`) stores the float tables rounded to bfloat16, both
+    pipelines alike, and nothing else changes: the reloaded model computes as the float32-table checkpoint with
+    its tables rounded."""
+    source = tmp_path / "source"  # float32 weights: the rounding is not a no-op
+    tiny_model(family).save_pretrained(source)
+    _tokenizer().save_pretrained(source)
+    config = KbitConfig(double_quant=True)
+    streamed, _ = quantize_out_of_core(source, config, tmp_path / "streamed", table_dtype="bfloat16")
+    loaded = load_model(source)
+    record = quantize_(loaded.model, config)
+    halved = save_quantized(loaded, loaded.model, record, tmp_path / "bf16", "bfloat16")
+    full = save_quantized(loaded, loaded.model, record, tmp_path / "f32")
+    _same_checkpoint(streamed, halved)
+    tables = float_tables(loaded.model)
+    assert all(module.weight.dtype == torch.float32 for module in tables.values())  # the model keeps its own
+    left, right = _tensors(halved), _tensors(full)
+    assert {name for name, tensor in left.items() if tensor.dtype == torch.bfloat16} == set(tables) & set(left)
+    assert all(torch.equal(left[name], right[name].to(left[name].dtype)) for name in left)
+    assert json.loads((halved / "leanlm_quant.json").read_text())["table_dtype"] == "bfloat16"
+    expected = load_quantized(full)[0].model
+    with torch.no_grad():
+        for module in float_tables(expected).values():
+            module.weight.copy_(module.weight.to(torch.bfloat16))
+    ids = token_ids(1, 12)
+    with torch.inference_mode():
+        assert torch.equal(load_quantized(halved)[0].model(ids).logits, expected(ids).logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -118,12 +118,12 @@ def command_quantize(args) -> None:
     _check_json_path(args.json)
     try:  # block by block from disk: resident memory holds one float block, whatever the model's size
         out, record = quantize_out_of_core(args.model, configs, args.out, calibration=calibration,
-                                           resume=args.resume)
+                                           resume=args.resume, table_dtype=args.table_dtype)
     except NeedsWholeModelError as reason:
         print(f"quantizing in memory: {reason}", flush=True)
         loaded = load_model(args.model)
         record = quantize_(loaded.model, configs, calibration=replace(calibration, tokenizer=loaded.tokenizer))
-        out = save_quantized(loaded, loaded.model, record, args.out)
+        out = save_quantized(loaded, loaded.model, record, args.out, args.table_dtype)
     record["quantize_seconds"] = record["seconds"]
     curve = record.get("cushion", {}).get("tuning", {}).get("curve")
     if curve:  # an illustration beside the finished checkpoint, which does not need it

@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     from leanlm.evaluation.streaming import StreamSettings
     from leanlm.export import FILE_TYPES
     from leanlm.methods import LoRAConfig
+    from leanlm.methods.checkpoint import TABLE_DTYPES
     from leanlm.methods.streaming import StreamingConfig
     from leanlm.models import INTERACTIVE_LOADING, LoadSettings
     from leanlm.serve.server import ServeSettings
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--out", type=Path, required=True, help="directory for the checkpoint")
     quantize.add_argument("--resume", action="store_true",
                           help="finish an interrupted run of the same command, keeping the blocks it wrote")
+    quantize.add_argument("--table-dtype", choices=list(TABLE_DTYPES), default="float32",
+                          help="what the checkpoint stores the token embedding and float output head in (bfloat16: "
+                               "half their bytes)")
 
     analyze = _command(sub, "analyze", "activation outlier features (LLM.int8() section 2.3)", commands.command_analyze,
                        json="write the report as one JSON object to this path")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,6 +35,9 @@ from leanlm.storage import QUANT_FILE, QUANTIZED_MARKER, staged_directory
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"  # a checkpoint in several files (one per block, out of core)
+# What a checkpoint may store its token embedding and float output head in: bfloat16 halves what are then its
+# largest float tensors (a Llama-3-8B's two tables are 1.96 GB in float32) for their rounding to 8 significant bits.
+TABLE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
                        torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
@@ -60,18 +64,54 @@ def write_checkpoint_files(config, tokenizer, quant: dict, staging: Path) -> Non
     (staging / QUANT_FILE).write_text(json.dumps(quant, indent=2) + "\n")
 
 
-def save_quantized(loaded: LoadedModel, model: nn.Module, record: dict, out_dir: str | os.PathLike) -> Path:
+def save_quantized(loaded: LoadedModel, model: nn.Module, record: dict, out_dir: str | os.PathLike,
+                   table_dtype: str = "float32") -> Path:
     """Write `model` (quantized from `loaded`) with `record` (method and settings) to `out_dir`, which appears
-    only once every file is written."""
-    quant = checkpoint_record(record, loaded.name, loaded.weights_note, model.config._attn_implementation,
-                              quantized_module_records(model))
-    with staged_directory(out_dir) as staging:
+    only once every file is written; the token embedding and a float output head stored in `table_dtype` (one of
+    TABLE_DTYPES; the model in memory keeps its own)."""
+    quant = checkpoint_record({**record, "table_dtype": check_table_dtype(table_dtype)}, loaded.name,
+                              loaded.weights_note, model.config._attn_implementation, quantized_module_records(model))
+    with staged_directory(out_dir) as staging, tables_held_as(model, TABLE_DTYPES[table_dtype]):
         save_safetensors_from(model, str(staging / WEIGHTS_FILE), metadata={"format": "pt", QUANTIZED_MARKER: "1"})
         cushion = attached_cushion(model)
         if cushion is not None:
             save_cushion(cushion, staging)
         write_checkpoint_files(model.config, loaded.tokenizer, quant, staging)
     return Path(out_dir)
+
+
+def check_table_dtype(name: str) -> str:
+    if name not in TABLE_DTYPES:
+        raise ConfigError(f"table dtype must be one of {', '.join(TABLE_DTYPES)}, got {name!r}")
+    return name
+
+
+def float_tables(model: nn.Module) -> dict[str, nn.Module]:
+    """{state-dict name of the weight: module} of the token embedding and the output head, where they are float
+    tables (not quantized modules such as an 8-bit head)."""
+    names = {module: name for name, module in model.named_modules()}
+    modules = [model.get_input_embeddings(), model.get_output_embeddings()]
+    return {f"{names[module]}.weight": module for module in modules
+            if isinstance(module, (nn.Embedding, nn.Linear)) and type(module).__name__ not in QUANTIZED_MODULES
+            and module.weight.is_floating_point()}
+
+
+@contextmanager
+def tables_held_as(model: nn.Module, dtype: torch.dtype):
+    """`model`'s float tables cast to `dtype` while the block runs (a tied pair stays one tensor), then its own
+    again."""
+    originals = {module: module.weight for module in float_tables(model).values()}
+    cast = {}
+    try:
+        for module, weight in originals.items():
+            if weight.dtype != dtype:
+                if id(weight) not in cast:
+                    cast[id(weight)] = nn.Parameter(weight.detach().to(dtype), requires_grad=False)
+                module.weight = cast[id(weight)]
+        yield
+    finally:
+        for module, weight in originals.items():
+            module.weight = weight
 
 
 def is_quantized_checkpoint(source: str | os.PathLike) -> bool:
@@ -95,6 +135,9 @@ def read_record(directory: str | os.PathLike) -> dict:
     modules = record.get("modules")
     if not isinstance(modules, dict):
         raise CorruptModelError(f"{path}: 'modules' must be an object mapping module names to their class and args")
+    if record.get("table_dtype", "float32") not in TABLE_DTYPES:
+        raise CorruptModelError(f"{path}: table_dtype {record['table_dtype']!r} is not one of "
+                                f"{', '.join(TABLE_DTYPES)}")
     for name, entry in modules.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("args"), dict):
             raise CorruptModelError(f"{path}: module {name} must be {{'class': ..., 'args': {{...}}}}, got {entry!r:.80}")
@@ -153,10 +196,12 @@ def weights_files(directory: Path) -> list[Path]:
     return files
 
 
-def _check_weights_files(paths: list[Path], model: nn.Module) -> dict[str, Path]:
+def _check_weights_files(paths: list[Path], model: nn.Module, table_dtype: str = "float32") -> dict[str, Path]:
     """The files must hold, together, exactly the tensors of `model` (a meta-device skeleton), with their shapes
-    and types; checked on the headers, before anything is read into memory. Returns each name's file."""
+    and types (the float tables in `table_dtype`); checked on the headers, before anything is read into memory.
+    Returns each name's file."""
     expected = model.state_dict()
+    tables = float_tables(model)
     problems = []
     found: dict[str, Path] = {}
     for path in paths:
@@ -167,7 +212,8 @@ def _check_weights_files(paths: list[Path], model: nn.Module) -> dict[str, Path]
                     if name not in expected:
                         continue
                     stored = handle.get_slice(name)
-                    want = (list(expected[name].shape), _SAFETENSORS_DTYPES.get(expected[name].dtype))
+                    dtype = TABLE_DTYPES[table_dtype] if name in tables else expected[name].dtype
+                    want = (list(expected[name].shape), _SAFETENSORS_DTYPES.get(dtype))
                     have = (stored.get_shape(), stored.get_dtype())
                     if have != want:
                         problems.append(f"{name}: {have[1]} {have[0]}, expected {want[1]} {want[0]}")
@@ -206,7 +252,7 @@ def load_quantized(directory: str | os.PathLike, table_dtype: torch.dtype = torc
     rebuilt = _rebuilt_modules(skeleton, record["modules"], directory / QUANT_FILE)
     for name, module in rebuilt.items():
         skeleton.set_submodule(name, module, strict=False)
-    stored = _check_weights_files(files, skeleton)
+    stored = _check_weights_files(files, skeleton, record.get("table_dtype", "float32"))
     del skeleton, rebuilt
     # No float model first: parameters start on the meta device (buffers, such as RoPE's frequencies and the
     # quantized modules' codes, are real) and take the files' tensors, so resident memory is the stored bytes.

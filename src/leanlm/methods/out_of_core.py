@@ -39,7 +39,10 @@ from leanlm.memory import trim_freed_memory
 from leanlm.methods.blocks import ResidentBlocks
 from leanlm.methods.checkpoint import (
     INDEX_FILE,
+    TABLE_DTYPES,
+    check_table_dtype,
     checkpoint_record,
+    float_tables,
     quantized_module_records,
     retie_embeddings,
     write_checkpoint_files,
@@ -278,10 +281,12 @@ class StreamedBlocks(ShardBlocks):
         if self.staging.is_dir() and not any(self.staging.glob("block-*.safetensors")):
             shutil.rmtree(self.staging, ignore_errors=True)
 
-    def publish(self, record: dict, tokenizer, name: str, weights_note: str | None) -> Path:
-        """Write what is outside the blocks, the index, config, tokenizer and record; then the staging
-        directory becomes `out` in one rename."""
+    def publish(self, record: dict, tokenizer, name: str, weights_note: str | None,
+                table_dtype: str = "float32") -> Path:
+        """Write what is outside the blocks (the float tables in `table_dtype`), the index, config, tokenizer
+        and record; then the staging directory becomes `out` in one rename."""
         weight_map, seen = {}, set()
+        tables = float_tables(self.model)
         for key, tensor in self.model.state_dict(keep_vars=True).items():
             if key.startswith(f"{self.table.blocks}.") or id(tensor) in seen:
                 continue  # a tied output head is stored once, as the in-memory checkpoint does
@@ -290,15 +295,18 @@ class StreamedBlocks(ShardBlocks):
                 raise CorruptModelError(f"the weights in {self.shards.directory} lack {key}")
             # One file each: an 8B model's embedding and output head are 0.8 GB apiece in float32.
             file = f"outside-blocks-{len(seen):02d}.safetensors"
-            _write_atomically(self.staging / file, {key: self.shards.get(key) if tensor.is_meta else tensor.detach()},
-                              {QUANTIZED_MARKER: "1"})
+            value = self.shards.get(key) if tensor.is_meta else tensor.detach()
+            if key in tables:
+                value = value.to(TABLE_DTYPES[table_dtype])
+            _write_atomically(self.staging / file, {key: value}, {QUANTIZED_MARKER: "1"})
             weight_map[key] = file
         for index in range(len(self)):
             with safe_open(str(self.staging / block_file(index)), "pt") as handle:
                 weight_map.update({key: block_file(index) for key in handle.keys()})
         (self.staging / INDEX_FILE).write_text(json.dumps({"metadata": {"format": "pt"}, "weight_map": weight_map},
                                                           indent=2) + "\n")
-        quant = checkpoint_record(record, name, weights_note, self.model.config._attn_implementation, self.modules)
+        quant = checkpoint_record({**record, "table_dtype": table_dtype}, name, weights_note,
+                                  self.model.config._attn_implementation, self.modules)
         write_checkpoint_files(self.model.config, tokenizer, quant, self.staging)
         check_output_directory(self.out)
         if self.out.is_dir():
@@ -325,10 +333,13 @@ def _job(directory: Path, configs: tuple, calibration: Calibration | None) -> di
 
 
 def quantize_out_of_core(source: str | os.PathLike, config, out: str | os.PathLike, *,
-                         calibration: Calibration | None = None, resume: bool = False) -> tuple[Path, QuantRecord]:
+                         calibration: Calibration | None = None, resume: bool = False,
+                         table_dtype: str = "float32") -> tuple[Path, QuantRecord]:
     """Quantize the float model `source` (registry name, HF directory of safetensors, .gguf) with `config` (as
-    `quantize_` takes it) block by block from disk into the checkpoint `out`; (out, the record). A method that
-    needs the whole model raises `NeedsWholeModelError` before any block is read."""
+    `quantize_` takes it) block by block from disk into the checkpoint `out`, its token embedding and float
+    output head stored in `table_dtype`; (out, the record). A method that needs the whole model raises
+    `NeedsWholeModelError` before any block is read."""
+    check_table_dtype(table_dtype)
     out = check_output_directory(out)
     directory, weights_note = resolve_float_directory(source)
     model_config = read_model_config(directory)
@@ -342,7 +353,7 @@ def quantize_out_of_core(source: str | os.PathLike, config, out: str | os.PathLi
     try:
         record = quantize_(model, configs, calibration=calibration, source=blocks)
         record["pipeline"] = "out of core: one block at a time from disk"
-        return blocks.publish(record, tokenizer, str(source), weights_note), record
+        return blocks.publish(record, tokenizer, str(source), weights_note, table_dtype), record
     except BaseException:
         blocks.discard_if_empty()  # stopped before any block was written: nothing worth resuming
         raise
