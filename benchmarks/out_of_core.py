@@ -222,7 +222,7 @@ def report(payload: dict) -> str:
 def plot(payload: dict, path: Path) -> None:
     steps = payload.get("steps", {})
     names = list(steps)
-    figure, axis = plt.subplots(figsize=(7, 3.5))
+    figure, axis = plt.subplots(figsize=(8, 4))
     axis.bar(names, [steps[name]["peak_rss_bytes"] / 2**30 for name in names], label="peak RSS")
     axis.bar(names, [steps[name].get("stored_bytes", 0) / 2**30 for name in names], width=0.4, label="stored")
     written = steps.get("write")
@@ -230,6 +230,7 @@ def plot(payload: dict, path: Path) -> None:
         axis.axhline(written["float32_bytes"] / 2**30, color="red", linestyle="--", label="float32 model")
     axis.axhline(payload.get("memory_bytes", 0) / 2**30, color="black", linestyle=":", label="machine memory")
     axis.set_ylabel("GiB")
+    axis.tick_params(axis="x", labelrotation=20, labelsize=8)  # step names are long ("nf4-dq-bf16-tables")
     axis.set_title("Llama-3-8B-shaped model (random weights), out of core")
     axis.legend(fontsize=8)
     save_figure(figure, path)
