@@ -36,7 +36,7 @@ from leanlm.storage import QUANT_FILE, QUANTIZED_MARKER, staged_directory
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"  # a checkpoint in several files (one per block, out of core)
 # What a checkpoint may store its token embedding and float output head in: bfloat16 halves what are then its
-# largest float tensors (a Llama-3-8B's two tables are 1.96 GB in float32) for their rounding to 8 significant bits.
+# largest float tensors (a Llama-3-8B's two are 4.2 GB in float32) for their rounding to 8 significant bits.
 TABLE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
                        torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -98,8 +98,8 @@ def float_tables(model: nn.Module) -> dict[str, nn.Module]:
 
 @contextmanager
 def tables_held_as(model: nn.Module, dtype: torch.dtype):
-    """`model`'s float tables cast to `dtype` while the block runs (a tied pair stays one tensor), then its own
-    again."""
+    """`model`'s float tables cast to `dtype` inside the `with` statement (a tied pair stays one tensor), its own
+    again after it."""
     originals = {module: module.weight for module in float_tables(model).values()}
     cast = {}
     try:
