@@ -135,6 +135,19 @@ def test_quantize_4bit_matches_bitsandbytes(quant_type, book, double_quant):
     assert torch.all((ours.block_constants() - exact).abs() <= (theirs_constants - exact).abs() + 1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", range(3, 9))
+def test_every_value_gets_a_code_of_its_nearest_value(dtype, bits):
+    """Books of up to 32 codes are searched by comparisons, larger ones by bucketize: either way the value a code
+    stands for is a nearest one (oracle: the distance to every value of the book)."""
+    book = codebook(dtype, bits)
+    values = torch.cat([torch.rand(20_000, generator=torch.Generator().manual_seed(bits)) * 2 - 1, book.values])
+    codes = book.nearest(values)
+    assert codes.dtype == torch.uint8 and codes.shape == values.shape
+    distance = (values[:, None] - book.values).abs()
+    assert torch.equal((book.values[codes.long()] - values).abs(), distance.min(dim=1).values)
+
+
 def test_a_value_listed_twice_is_coded_by_its_first_index():
     """The symmetric int books end on an unused second zero; `nearest` never emits it (the 8-bit kernel reads int
     codes as int8 values plus 127). (0.0 and -0.0 of bitsandbytes' FP4 keep their codes: its parity tests.)"""
