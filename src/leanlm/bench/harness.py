@@ -170,7 +170,9 @@ def _status_kib(field: str, pid: int | str = "self") -> int:
         for line in handle:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    # A process that has just ended (a zombie not yet waited for) keeps its status file without the memory lines:
+    # an OSError, as when the file is gone, so that callers polling another process catch one error type.
+    raise ProcessLookupError(f"{field} not in /proc/{pid}/status: the process has ended")
 
 
 _peak_before_resets = 0  # the high-water mark as it was before `peak_memory` last reset it
