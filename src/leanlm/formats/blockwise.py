@@ -48,12 +48,12 @@ def _blocks(flat: torch.Tensor, block_size: int) -> list[torch.Tensor]:
     return list(torch.split(flat, block_size))
 
 
-_CHUNK_VALUES = 1 << 20  # values quantized at once: their temporaries (12 bytes a value) stay at 12 MB
+_CHUNK_VALUES = 1 << 20  # values quantized at once: their temporaries (at most 12 bytes a value) stay under 12 MB
 
 
 def _quantize_flat(flat: torch.Tensor, codebook: Codebook, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, absmax) of `flat`, a whole number of blocks at a time, written into tensors made once: quantizing
-    an 8B model's largest matrix (59M values) needs 12 MB of temporaries, of the same sizes in every chunk, which
+    an 8B model's largest matrix (59M values) needs at most 12 MB of temporaries, of the same sizes in every chunk, which
     the allocator reuses. (Chunks of 4M values whose results were concatenated at the end scattered freed memory
     between live tensors: a streamed NF4 quantization of a 550M-parameter model peaked at 0.87-0.90 GiB of
     resident memory, against 0.64-0.69 GiB so.)"""
