@@ -86,12 +86,16 @@ def check_table_dtype(name: str) -> str:
     return name
 
 
-def float_tables(model: nn.Module) -> dict[str, nn.Module]:
-    """{state-dict name of the weight: module} of the token embedding and the output head, where they are float
-    tables (not quantized modules such as an 8-bit head)."""
+def _tables(model: nn.Module) -> dict[str, nn.Module]:
+    """{state-dict name of the weight: module} of the token embedding and the output head (if the model has one)."""
     names = {module: name for name, module in model.named_modules()}
     modules = [model.get_input_embeddings(), model.get_output_embeddings()]
-    return {f"{names[module]}.weight": module for module in modules
+    return {f"{names[module]}.weight": module for module in modules if module is not None}
+
+
+def float_tables(model: nn.Module) -> dict[str, nn.Module]:
+    """`_tables` where they are float tables (not quantized modules such as an 8-bit head)."""
+    return {name: module for name, module in _tables(model).items()
             if isinstance(module, (nn.Embedding, nn.Linear)) and type(module).__name__ not in QUANTIZED_MODULES
             and module.weight.is_floating_point()}
 
@@ -260,7 +264,7 @@ def load_quantized(directory: str | os.PathLike, table_dtype: torch.dtype = torc
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for name, entry in record["modules"].items():
         model.set_submodule(name, QUANTIZED_MODULES[entry["class"]](**entry["args"]), strict=False)
-    tables = {name: stored[name] for name in _table_names(model) if name in stored}
+    tables = {name: stored[name] for name in _tables(model) if name in stored}
     unexpected = []
     for path in files:
         try:
@@ -317,19 +321,12 @@ def _read_table(path: Path, name: str, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(table, requires_grad=False)
 
 
-def _table_names(model: nn.Module) -> list[str]:
-    """The state-dict names of the token embedding's and the output head's weights."""
-    names = {module: name for name, module in model.named_modules()}
-    modules = [model.get_input_embeddings(), model.get_output_embeddings()]
-    return [f"{names[module]}.weight" for module in modules if module is not None]
-
-
 def _load_tables(model: nn.Module, stored: dict[str, Path], dtype: torch.dtype, head: str) -> None:
     """The token embedding and output head from the files (`stored`: name -> file; a tied pair is stored once,
     under either name) in `dtype`, the head as 8-bit int blocks with head="int8"."""
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
     tied = outputs is not None and bool(getattr(model.config, "tie_word_embeddings", False))
-    names = dict(zip(("inputs", "outputs"), _table_names(model)))
+    names = dict(zip(("inputs", "outputs"), _tables(model)))
 
     def source(which: str) -> tuple[Path, str]:
         name = names[which] if names[which] in stored or not tied else next(iter(stored))
