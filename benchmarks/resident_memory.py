@@ -38,6 +38,7 @@ PROMPT = "The history of the city begins with"
 ROWS = {
     "float32": None,
     "nf4-dq": ["--method", "kbit", "--double-quant"],
+    "nf4-dq, bf16 tables": ["--method", "kbit", "--double-quant", "--table-dtype", "bfloat16"],
     "gptq 4-bit": ["--method", "gptq", "--bits", "4", "--calib-samples", "16"],
     "w8a8 O2": ["--method", "w8a8", "--level", "O2"],
     "w8a8 O2, int8 copy kept": ["--method", "w8a8", "--level", "O2"],
