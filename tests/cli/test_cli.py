@@ -50,6 +50,8 @@ def test_eval_writes_the_contract_json(tiny_llama_dir, tmp_path, capsys):
         (["eval", "smollm2-135m", "--dtype", "float16"], "--dtype 'float16': choose from auto, float32, bfloat16"),
         (["chat", "--dtype", "fp8"], "--dtype 'fp8': choose from auto, float32, bfloat16"),
         (["serve", "smollm2-135m", "--head", "int4"], "--head 'int4': choose from float, int8"),
+        (["quantize", "smollm2-135m", "--method", "kbit", "--table-dtype", "float16", "--out", "o"],
+         "--table-dtype 'float16': choose from float32, bfloat16"),
     ],
 )
 def test_bad_input_gets_a_one_line_error(argv, message, capsys):

@@ -110,10 +110,12 @@ def command_quantize(args) -> None:
     from leanlm.cli.options import method_configs
     from leanlm.errors import NeedsWholeModelError
     from leanlm.methods import quantize_, save_quantized
+    from leanlm.methods.checkpoint import check_table_dtype
     from leanlm.methods.out_of_core import quantize_out_of_core
     from leanlm.models import load_model
 
     configs, calibration = method_configs(args)  # every option checked before the model loads
+    check_table_dtype(args.table_dtype, "--table-dtype")
     check_output_directory(args.out)
     _check_json_path(args.json)
     try:  # block by block from disk: resident memory holds one float block, whatever the model's size

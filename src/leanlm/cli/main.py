@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--out", type=Path, required=True, help="directory for the checkpoint")
     quantize.add_argument("--resume", action="store_true",
                           help="finish an interrupted run of the same command, keeping the blocks it wrote")
-    quantize.add_argument("--table-dtype", choices=list(TABLE_DTYPES), default="float32",
+    # Checked by the command (one line naming the flag, as every option's value is), not by argparse's choices.
+    quantize.add_argument("--table-dtype", default="float32", metavar="{" + ",".join(TABLE_DTYPES) + "}",
                           help="what the checkpoint stores the token embedding and float output head in (bfloat16: "
                                "half their bytes)")
 

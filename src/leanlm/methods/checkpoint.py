@@ -80,9 +80,10 @@ def save_quantized(loaded: LoadedModel, model: nn.Module, record: dict, out_dir:
     return Path(out_dir)
 
 
-def check_table_dtype(name: str) -> str:
+def check_table_dtype(name: str, what: str = "table dtype") -> str:
+    """`name` if it is one of TABLE_DTYPES; else a ConfigError naming `what` (the CLI passes its flag)."""
     if name not in TABLE_DTYPES:
-        raise ConfigError(f"table dtype must be one of {', '.join(TABLE_DTYPES)}, got {name!r}")
+        raise ConfigError(f"{what} {name!r}: choose from {', '.join(TABLE_DTYPES)}")
     return name
 
 
