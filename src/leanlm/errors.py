@@ -32,3 +32,37 @@ class ConfigError(LeanLMError):
 class NeedsWholeModelError(ConfigError):
     """A method (or setting) that reads the whole float model at once, asked to run on blocks read one at a
     time from disk; the command line then quantizes in memory instead."""
+
+
+class MissingExtraError(ConfigError):
+    """A command or function that needs an optional dependency which is not installed; names the extra that
+    adds it."""
+
+    def __init__(self, what: str, module: str, extra: str):
+        super().__init__(f"{what} needs {module}, which is not installed: pip install \"leanlm[{extra}]\"")
+
+
+# Optional dependencies (top-level module -> the extra of pyproject.toml that installs it).
+EXTRAS = {
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "starlette": "serve",
+    "pydantic": "serve",
+    "hivemind": "swarm",
+    "compressed_tensors": "export",
+    "matplotlib": "plots",
+    "llama_cpp": "llama",
+}
+
+
+def missing_extra(error: ModuleNotFoundError) -> str | None:
+    """The extra that installs the module `error` failed to import, or None if it is no optional dependency."""
+    return EXTRAS.get((error.name or "").split(".")[0])
+
+
+def require_extra(what: str, module: str) -> None:
+    """Raise MissingExtraError unless `module` (an optional dependency) can be imported."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtraError(what, module, EXTRAS[module])

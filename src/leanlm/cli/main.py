@@ -1,6 +1,10 @@
-"""`leanlm`: a thin command-line shell over the Python API (contract: CONTRACT.md). The flags are generated from
-the config and settings dataclasses (`leanlm.cli.options`), the commands live in `leanlm.cli.commands`; this module
-only wires them together and turns every failure into one line and an exit code."""
+"""`leanlm`: a thin command-line shell over the Python API (reference: docs/cli.md, generated from this parser). The
+flags are generated from the config and settings dataclasses (`leanlm.cli.options`), the commands live in
+`leanlm.cli.commands`; this module only wires them together and turns every failure into one line and an exit code.
+
+Each command's options are built only when that command runs (or when the whole reference is generated), so
+`leanlm --help` and `leanlm --version` import neither torch nor any optional extra, and a command imports only
+what it uses."""
 
 from __future__ import annotations
 
@@ -8,13 +12,10 @@ import argparse
 import logging
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
-from leanlm.cli import commands
-from leanlm.cli.options import add_method_options, add_settings_options, option_dest
-from leanlm.errors import LeanLMError
-from leanlm.models import DEFAULT_MODEL
+from leanlm.errors import LeanLMError, MissingExtraError, missing_extra
 
 MODEL_HELP = "registry name, model directory, .gguf file or quantized checkpoint"
 
@@ -26,12 +27,13 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def _command(commands_: argparse._SubParsersAction, name: str, help: str, handler, *, model: str | None = "required",
-             settings: tuple = (), defaults: dict | None = None, json: str | None = "write the results as one JSON "
-             "object to this path", interrupted=None) -> argparse.ArgumentParser:
-    """A sub-command: its MODEL argument (required, or optional with a default), the flags of its settings
-    dataclasses, --json, and what to say if Ctrl-C stops it."""
-    parser = commands_.add_parser(name, help=help)
+def _setup(parser: argparse.ArgumentParser, handler: str, *, model: str | None = "required", settings: tuple = (),
+           defaults: dict | None = None, json: str | None = "write the results as one JSON object to this path",
+           interrupted=None) -> None:
+    """A command's MODEL argument (required, or optional with a default), the flags of its settings dataclasses,
+    --json, the function that runs it (by name in `leanlm.cli.commands`) and what to say if Ctrl-C stops it."""
+    from leanlm.cli.options import add_settings_options
+
     if model == "required":
         parser.add_argument("model", help=MODEL_HELP)
     elif model is not None:
@@ -40,108 +42,173 @@ def _command(commands_: argparse._SubParsersAction, name: str, help: str, handle
     if json:
         parser.add_argument("--json", type=Path, help=json)
     parser.set_defaults(handler=handler, interrupted=interrupted)
-    return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from leanlm.chat import ChatSettings
+def _eval(parser: argparse.ArgumentParser) -> None:
     from leanlm.evaluation import EvalSettings
-    from leanlm.evaluation.streaming import StreamSettings
-    from leanlm.export import FILE_TYPES
-    from leanlm.methods import LoRAConfig
+    from leanlm.models import LoadSettings
+
+    _setup(parser, "command_eval", settings=(EvalSettings, LoadSettings))
+
+
+def _quantize(parser: argparse.ArgumentParser) -> None:
+    from leanlm.cli.options import add_method_options
     from leanlm.methods.checkpoint import TABLE_DTYPES
+
+    _setup(parser, "command_quantize", json="write method, avg_bits, peak_rss_bytes and seconds as JSON",
+           interrupted=_quantize_interrupted)
+    add_method_options(parser)
+    parser.add_argument("--out", type=Path, required=True, help="directory for the checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="finish an interrupted run of the same command, keeping the blocks it wrote")
+    # Checked by the command (one line naming the flag, as every option's value is), not by argparse's choices.
+    parser.add_argument("--table-dtype", default="float32", metavar="{" + ",".join(TABLE_DTYPES) + "}",
+                        help="what the checkpoint stores the token embedding and float output head in (bfloat16: "
+                             "half their bytes)")
+
+
+def _analyze(parser: argparse.ArgumentParser) -> None:
+    _setup(parser, "command_analyze", json="write the report as one JSON object to this path")
+    parser.add_argument("--samples", type=_positive_int, default=8, help="text windows analysed")
+    parser.add_argument("--seq-len", type=_positive_int, default=512)
+    parser.add_argument("--text", choices=["lambada-dev", "lambada-test", "lee"], default="lambada-dev")
+    parser.add_argument("--plot", type=Path, help="write a PNG: channel heat map + before/after SmoothQuant")
+
+
+def _stream(parser: argparse.ArgumentParser) -> None:
+    from leanlm.evaluation.streaming import StreamSettings
+    from leanlm.models import LoadSettings
+
+    _setup(parser, "command_stream", settings=(StreamSettings, LoadSettings))
+    parser.add_argument("--plot", type=Path, help="write a PNG: windowed perplexity and per-token latency")
+
+
+def _chat(parser: argparse.ArgumentParser) -> None:
+    from dataclasses import asdict
+
+    from leanlm.chat import ChatSettings
     from leanlm.methods.streaming import StreamingConfig
-    from leanlm.models import INTERACTIVE_LOADING, LoadSettings
+    from leanlm.models import DEFAULT_MODEL, INTERACTIVE_LOADING, LoadSettings
+
+    _setup(parser, "command_chat", model=DEFAULT_MODEL, settings=(StreamingConfig, ChatSettings, LoadSettings),
+           defaults={**asdict(ChatSettings().streaming), **asdict(INTERACTIVE_LOADING)}, json=None)
+
+
+def _serve(parser: argparse.ArgumentParser) -> None:
+    from dataclasses import asdict
+
+    from leanlm.methods.streaming import StreamingConfig
+    from leanlm.models import DEFAULT_MODEL, INTERACTIVE_LOADING, LoadSettings
     from leanlm.serve.server import ServeSettings
-    from leanlm.showcase import QUICK_SETTINGS
-    from leanlm.swarm import SwarmModelConfig, SwarmRun, SwarmSettings
+
+    _setup(parser, "command_serve", model=DEFAULT_MODEL, settings=(StreamingConfig, ServeSettings, LoadSettings),
+           defaults={**asdict(ServeSettings().streaming), **asdict(INTERACTIVE_LOADING)}, json=None)
+
+
+def _finetune(parser: argparse.ArgumentParser) -> None:
+    from leanlm.cli.options import option_dest
+    from leanlm.methods import LoRAConfig
     from leanlm.training import FinetuneSettings
+
+    _setup(parser, "command_finetune", settings=(FinetuneSettings, LoRAConfig), interrupted=_finetune_interrupted)
+    parser.add_argument("--method", choices=["qlora", "lora"], default="qlora",
+                        help="qlora: adapters over a frozen 4-bit base; lora: over the float base")
+    parser.add_argument("--data", type=Path, required=True,
+                        help="plain text (one document per line) or JSONL (text / messages / instruction+output)")
+    parser.add_argument("--out", type=Path, required=True, help="directory for the adapter and checkpoints")
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    # Gradient checkpointing is the default; the flag that asked for it still works (the contract keeps it).
+    parser.add_argument("--gradient-checkpointing", dest=option_dest("--no-gradient-checkpointing"),
+                        action="store_const", const=True, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _merge(parser: argparse.ArgumentParser) -> None:
+    _setup(parser, "command_merge", json=None, interrupted=_nothing_written)
+    parser.add_argument("--adapter", type=Path, required=True, help="a PEFT-format adapter directory")
+    parser.add_argument("--out", type=Path, required=True, help="directory for the merged model")
+    parser.add_argument("--requantize", choices=["nf4-dq", "nf4", "fp4", "int4"],
+                        help="re-quantize the merged weights (reports the error it adds); default: float32")
+
+
+def _bench(parser: argparse.ArgumentParser) -> None:
+    from leanlm.models import DEFAULT_MODEL
+
+    _setup(parser, "command_bench", model=None)
+    parser.add_argument("suite", choices=["linear", "model", "stream"],
+                        help="linear: one size x size layer at M = 1/16/64/512 (fp32, w8a8, llm-int8, nf4); model: "
+                             "prefill and decode speed of fp32 / nf4+dq / w8a8; stream: the StreamingLLM strategies")
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help="for model and stream (default: the default model)")
+    parser.add_argument("--size", type=_positive_int, default=4096, help="linear: in = out features")
+    parser.add_argument("--repeats", type=_positive_int, default=5)
+    parser.add_argument("--stream-tokens", type=_positive_int, default=8192, help="stream: length of the stream")
+
+
+def _export(parser: argparse.ArgumentParser) -> None:
+    from leanlm.export.to_gguf import FILE_TYPES
+
+    _setup(parser, "command_export")
+    parser.add_argument("--format", choices=["gguf", "compressed-tensors"], required=True,
+                        help="gguf: llama.cpp's file; compressed-tensors: llm-compressor's directory")
+    parser.add_argument("--out", type=Path, required=True, help="the file (gguf) or directory to write")
+    parser.add_argument("--type", choices=list(FILE_TYPES), default="f32",
+                        help="gguf: tensor type of the float matrices (a checkpoint's quantized ones keep their "
+                             "blocks; norms stay f32; default f32)")
+
+
+def _swarm(parser: argparse.ArgumentParser) -> None:
+    from leanlm.swarm import SwarmModelConfig, SwarmRun, SwarmSettings
+
+    _setup(parser, "command_swarm", model=None, settings=(SwarmModelConfig, SwarmRun, SwarmSettings))
+
+
+def _showcase(parser: argparse.ArgumentParser) -> None:
+    from dataclasses import asdict
+
+    from leanlm.evaluation import EvalSettings
+    from leanlm.models import DEFAULT_MODEL
+    from leanlm.showcase import QUICK_SETTINGS
+
+    _setup(parser, "command_showcase", model=DEFAULT_MODEL, settings=(EvalSettings,), defaults=asdict(QUICK_SETTINGS))
+
+
+# name -> (one-line help, the function that adds its options)
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "eval": ("perplexity and zero-shot accuracy of a model", _eval),
+    "quantize": ("quantize a model and write a reloadable checkpoint", _quantize),
+    "analyze": ("activation outlier features (as in LLM.int8(), section 2.3)", _analyze),
+    "stream": ("streaming perplexity, latency and memory over a long text (dense, window, re-computation, "
+               "StreamingLLM)", _stream),
+    "chat": ("multi-round chat that never runs out of context (StreamingLLM); reads one message per line from stdin "
+             "when it is not a terminal", _chat),
+    "serve": ("an OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) whose "
+              "conversations never run out of context: each lives in a sink cache", _serve),
+    "finetune": ("LoRA / QLoRA fine-tuning; writes a PEFT adapter", _finetune),
+    "merge": ("fold LoRA adapters into the de-quantized base weights", _merge),
+    "bench": ("quick side-by-side measurements (the full studies are the scripts in benchmarks/)", _bench),
+    "export": ("write a model for another engine: a GGUF file llama.cpp runs alone (a float model as F32 / F16 / "
+               "BF16 / Q8_0; RTN or GPTQ with --grid symmetric --group-size 32 --no-act-order as its exact Q4_0 / "
+               "Q8_0 blocks), or a compressed-tensors directory that transformers and vLLM load (W8A8 / SmoothQuant "
+               "with --no-bmm; RTN or GPTQ with --grid symmetric --no-act-order)", _export),
+    "swarm": ("SWARM parallelism: a local swarm of pipeline peers and trainers on 127.0.0.1 (hivemind), training a "
+              "small byte-level LM on the shipped text", _swarm),
+    "showcase": ("every leanlm method side by side on one model, in minutes", _showcase),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `only`, the options of that command alone (the others are listed by name and
+    help), which is all one run of `leanlm` needs."""
+    from leanlm import __version__
 
     parser = argparse.ArgumentParser(prog="leanlm", description="Cheap LLM inference and fine-tuning on the hardware "
                                      "you have.")
+    parser.add_argument("--version", action="version", version=f"leanlm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _command(sub, "eval", "perplexity and zero-shot accuracy of a model", commands.command_eval,
-             settings=(EvalSettings, LoadSettings))
-
-    quantize = _command(sub, "quantize", "quantize a model and write a reloadable checkpoint",
-                        commands.command_quantize, json="write method, avg_bits, peak_rss_bytes and seconds as JSON",
-                        interrupted=_quantize_interrupted)
-    add_method_options(quantize)
-    quantize.add_argument("--out", type=Path, required=True, help="directory for the checkpoint")
-    quantize.add_argument("--resume", action="store_true",
-                          help="finish an interrupted run of the same command, keeping the blocks it wrote")
-    # Checked by the command (one line naming the flag, as every option's value is), not by argparse's choices.
-    quantize.add_argument("--table-dtype", default="float32", metavar="{" + ",".join(TABLE_DTYPES) + "}",
-                          help="what the checkpoint stores the token embedding and float output head in (bfloat16: "
-                               "half their bytes)")
-
-    analyze = _command(sub, "analyze", "activation outlier features (LLM.int8() section 2.3)", commands.command_analyze,
-                       json="write the report as one JSON object to this path")
-    analyze.add_argument("--samples", type=_positive_int, default=8, help="text windows analysed")
-    analyze.add_argument("--seq-len", type=_positive_int, default=512)
-    analyze.add_argument("--text", choices=["lambada-dev", "lambada-test", "lee"], default="lambada-dev")
-    analyze.add_argument("--plot", type=Path, help="write a PNG: channel heat map + before/after SmoothQuant")
-
-    stream = _command(sub, "stream", "streaming perplexity, latency and memory over a long text (dense, window, "
-                      "re-computation, StreamingLLM)", commands.command_stream, settings=(StreamSettings, LoadSettings))
-    stream.add_argument("--plot", type=Path, help="write a PNG: windowed perplexity and per-token latency")
-
-    _command(sub, "chat", "multi-round chat that never runs out of context (StreamingLLM); reads one message per "
-             "line from stdin when it is not a terminal", commands.command_chat, model=DEFAULT_MODEL,
-             settings=(StreamingConfig, ChatSettings, LoadSettings),
-             defaults={**asdict(ChatSettings().streaming), **asdict(INTERACTIVE_LOADING)}, json=None)
-
-    _command(sub, "serve", "an OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, "
-             "/health) whose conversations never run out of context: each lives in a sink cache", commands.command_serve,
-             settings=(StreamingConfig, ServeSettings, LoadSettings),
-             defaults={**asdict(ServeSettings().streaming), **asdict(INTERACTIVE_LOADING)}, json=None)
-
-    finetune = _command(sub, "finetune", "LoRA / QLoRA fine-tuning; writes a PEFT adapter", commands.command_finetune,
-                        settings=(FinetuneSettings, LoRAConfig), interrupted=_finetune_interrupted)
-    finetune.add_argument("--method", choices=["qlora", "lora"], default="qlora",
-                          help="qlora: adapters over a frozen 4-bit base; lora: over the float base")
-    finetune.add_argument("--data", type=Path, required=True,
-                          help="plain text (one document per line) or JSONL (text / messages / instruction+output)")
-    finetune.add_argument("--out", type=Path, required=True, help="directory for the adapter and checkpoints")
-    finetune.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    # Gradient checkpointing became the default; the flag that asked for it still works (the contract keeps it).
-    finetune.add_argument("--gradient-checkpointing", dest=option_dest("--no-gradient-checkpointing"),
-                          action="store_const", const=True, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-
-    merge = _command(sub, "merge", "fold LoRA adapters into the de-quantized base weights", commands.command_merge,
-                     json=None, interrupted=_nothing_written)
-    merge.add_argument("--adapter", type=Path, required=True, help="a PEFT-format adapter directory")
-    merge.add_argument("--out", type=Path, required=True, help="directory for the merged model")
-    merge.add_argument("--requantize", choices=["nf4-dq", "nf4", "fp4", "int4"],
-                       help="re-quantize the merged weights (reports the error it adds); default: float32")
-
-    bench = _command(sub, "bench", "quick side-by-side measurements (the full studies are the scripts in "
-                     "benchmarks/)", commands.command_bench, model=None)
-    bench.add_argument("suite", choices=["linear", "model", "stream"],
-                       help="linear: one size x size layer at M = 1/16/64/512 (fp32, w8a8, llm-int8, nf4); model: "
-                            "prefill and decode speed of fp32 / nf4+dq / w8a8; stream: the StreamingLLM strategies")
-    bench.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="for model and stream (default: the default model)")
-    bench.add_argument("--size", type=_positive_int, default=4096, help="linear: in = out features")
-    bench.add_argument("--repeats", type=_positive_int, default=5)
-    bench.add_argument("--stream-tokens", type=_positive_int, default=8192, help="stream: length of the stream")
-
-    export = _command(sub, "export", "write a model for another engine: a GGUF file llama.cpp runs alone (a float "
-                      "model as F32 / F16 / BF16 / Q8_0; RTN or GPTQ with --grid symmetric --group-size 32 "
-                      "--no-act-order as its exact Q4_0 / Q8_0 blocks), or a compressed-tensors directory that "
-                      "transformers and vLLM load (W8A8 / SmoothQuant with --no-bmm; RTN or GPTQ with --grid "
-                      "symmetric --no-act-order)", commands.command_export)
-    export.add_argument("--format", choices=["gguf", "compressed-tensors"], required=True,
-                        help="gguf: llama.cpp's file; compressed-tensors: llm-compressor's directory")
-    export.add_argument("--out", type=Path, required=True, help="the file (gguf) or directory to write")
-    export.add_argument("--type", choices=list(FILE_TYPES), default="f32",
-                        help="gguf: tensor type of the float matrices (a checkpoint's quantized ones keep their "
-                        "blocks; norms stay f32; default f32)")
-
-    _command(sub, "swarm", "SWARM parallelism: a local swarm of pipeline peers and trainers on 127.0.0.1 "
-             "(hivemind), training a small byte-level LM on the shipped text", commands.command_swarm, model=None,
-             settings=(SwarmModelConfig, SwarmRun, SwarmSettings))
-    _command(sub, "showcase", "every leanlm method side by side on one model, in minutes", commands.command_showcase,
-             model=DEFAULT_MODEL, settings=(EvalSettings,), defaults=asdict(QUICK_SETTINGS))
+    for name, (help, add_options) in COMMANDS.items():
+        command = sub.add_parser(name, help=help, description=help)
+        if only is None or only == name:
+            add_options(command)
     return parser
 
 
@@ -172,17 +239,36 @@ def _finetune_interrupted(args) -> str:
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
+def _command_word(argv: list[str]) -> str:
+    """The command a command line names (its first word that is not an option), or '' for none."""
+    return next((word for word in argv if not word.startswith("-")), "")
+
+
+def _error(text: str) -> None:
+    print(f"leanlm: error: {' '.join(text.split())}", file=sys.stderr)  # one line, whatever a library put in it
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="leanlm: %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = _command_word(argv)
     try:
-        args.handler(args)
+        args = build_parser(only=command if command in COMMANDS else "").parse_args(argv)
+        from leanlm.cli import commands
+
+        getattr(commands, args.handler)(args)
     except LeanLMError as error:
-        # One line, whatever a library below put into the message.
-        print(f"leanlm: error: {' '.join(str(error).split())}", file=sys.stderr)
+        _error(str(error))
+        return 2
+    except ModuleNotFoundError as error:
+        extra = missing_extra(error)
+        if extra is None:
+            raise
+        _error(str(MissingExtraError(f"leanlm {command}", error.name, extra)))
         return 2
     except KeyboardInterrupt:
-        print("\nleanlm: interrupted" + (f"; {args.interrupted(args)}" if args.interrupted else ""), file=sys.stderr)
+        interrupted = getattr(locals().get("args"), "interrupted", None)
+        print("\nleanlm: interrupted" + (f"; {interrupted(args)}" if interrupted else ""), file=sys.stderr)
         return INTERRUPTED
     except OSError as error:  # the disk filled up, a file vanished, a path became unreadable mid-run
         print(f"leanlm: error: {error.strerror or error}" + (f": {error.filename}" if error.filename else ""),

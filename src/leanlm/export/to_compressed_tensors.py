@@ -21,23 +21,20 @@ act-order columns, and CushionCache's prefix.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from leanlm.errors import ConfigError
+from leanlm.errors import ConfigError, require_extra
 from leanlm.nn import QUANTIZED_MODULES, SpQRLinear, W8A8Linear, use_gemv_
 
 FORMATS = {W8A8Linear: "int-quantized", SpQRLinear: "pack-quantized"}
 
 
 def _require_compressed_tensors() -> None:
-    if importlib.util.find_spec("compressed_tensors") is None:
-        raise ConfigError("compressed-tensors export needs the compressed-tensors package: "
-                          "pip install compressed-tensors==0.20.0")
+    require_extra("compressed-tensors export", "compressed_tensors")
 
 
 def scheme_of(module: nn.Module) -> dict:
