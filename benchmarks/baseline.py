@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-import torch
-
 import matplotlib
+import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -26,8 +25,14 @@ from leanlm.bench import Study, print_report, results_name, study_arguments, tim
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
-TASK_NAMES = {"lambada": "LAMBADA (OpenAI)", "piqa": "PIQA", "hellaswag": "HellaSwag", "arc_easy": "ARC-easy",
-              "arc_challenge": "ARC-challenge", "winogrande": "WinoGrande"}
+TASK_NAMES = {
+    "lambada": "LAMBADA (OpenAI)",
+    "piqa": "PIQA",
+    "hellaswag": "HellaSwag",
+    "arc_easy": "ARC-easy",
+    "arc_challenge": "ARC-challenge",
+    "winogrande": "WinoGrande",
+}
 
 
 def measure_throughput(model, seq_len: int) -> dict:
@@ -41,21 +46,42 @@ def report(payload: dict) -> str:
     for task, label in (("wikitext2", "WikiText-2 (test)"), ("ptb", "PTB (test)")):
         if task in results:
             r = results[task]
-            rows.append([label, "perplexity", f"{r['perplexity']:.2f}",
-                         f"{r['tokens']:,} tokens, {r['windows']} x {r['seq_len']}"])
+            rows.append(
+                [
+                    label,
+                    "perplexity",
+                    f"{r['perplexity']:.2f}",
+                    f"{r['tokens']:,} tokens, {r['windows']} x {r['seq_len']}",
+                ]
+            )
     for task, label in TASK_NAMES.items():
         if task in results:
             r = results[task]
-            second = ("perplexity", f"{r['perplexity']:.1f}") if task == "lambada" else (
-                ("acc_norm", f"{r['acc_norm']:.3f}") if "acc_norm" in r else None)
-            rows.append([label, "acc" + (f" / {second[0]}" if second else ""),
-                         f"{r['acc']:.3f}" + (f" / {second[1]}" if second else ""), f"{r['n']} items"])
+            second = (
+                ("perplexity", f"{r['perplexity']:.1f}")
+                if task == "lambada"
+                else (("acc_norm", f"{r['acc_norm']:.3f}") if "acc_norm" in r else None)
+            )
+            rows.append(
+                [
+                    label,
+                    "acc" + (f" / {second[0]}" if second else ""),
+                    f"{r['acc']:.3f}" + (f" / {second[1]}" if second else ""),
+                    f"{r['n']} items",
+                ]
+            )
     if payload.get("zero_shot_average") is not None:
         rows.append(["zero-shot average", "acc", f"{payload['zero_shot_average']:.3f}", "six tasks"])
     if "throughput" in payload:
         t = payload["throughput"]
-        rows.append(["forward throughput", "tokens/s", f"{t['tokens_per_second']:.0f}",
-                     f"one {t['seq_len']}-token window, median of {t['repeats']}, 2 threads"])
+        rows.append(
+            [
+                "forward throughput",
+                "tokens/s",
+                f"{t['tokens_per_second']:.0f}",
+                f"one {t['seq_len']}-token window, median of {t['repeats']}, 2 threads",
+            ]
+        )
     return format_table(["task", "metric", "value", "on"], rows, markdown=True)
 
 
@@ -70,8 +96,7 @@ def plot_baseline(payload: dict, path) -> None:
     names = list(ZERO_SHOT_TASKS)
     left_pos = range(len(names))
     right.bar([p - 0.2 for p in left_pos], [results[t]["acc"] for t in names], width=0.4, label="acc")
-    right.bar([p + 0.2 for p in left_pos], [results[t].get("acc_norm", 0) for t in names], width=0.4,
-              label="acc_norm")
+    right.bar([p + 0.2 for p in left_pos], [results[t].get("acc_norm", 0) for t in names], width=0.4, label="acc_norm")
     right.set_xticks(list(left_pos), names)
     right.set_title(f"zero-shot, first {settings['limit']} items per task")
     right.legend()
@@ -98,14 +123,22 @@ def main() -> None:
         result = evaluate(loaded.model, loaded.tokenizer, replace(settings, tasks=(task,)))
         study.payload["weights_bytes"] = result["weights_bytes"]
         study.payload["seconds"] = study.payload.get("seconds", 0.0) + result["seconds"]
-        study.record("results", task, result["results"][task], summary=lambda metrics: ", ".join(
-            f"{key} {value:.4f}" for key, value in metrics.items() if key in ("perplexity", "acc", "acc_norm")))
+        study.record(
+            "results",
+            task,
+            result["results"][task],
+            summary=lambda metrics: ", ".join(
+                f"{key} {value:.4f}" for key, value in metrics.items() if key in ("perplexity", "acc", "acc_norm")
+            ),
+        )
         finished = study.rows("results")
         if all(t in finished for t in ZERO_SHOT_TASKS):
             study.set("zero_shot_average", sum(finished[t]["acc"] for t in ZERO_SHOT_TASKS) / len(ZERO_SHOT_TASKS))
     if study.pending("throughput"):
         study.set("throughput", measure_throughput(loaded.model, args.seq_len))
-        print(f"forward throughput at {args.seq_len} tokens: {study.payload['throughput']['tokens_per_second']:.0f} tok/s")
+        print(
+            f"forward throughput at {args.seq_len} tokens: {study.payload['throughput']['tokens_per_second']:.0f} tok/s"
+        )
     print(report(study.payload))
     print(f"wrote {study.path}")
 

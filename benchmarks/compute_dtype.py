@@ -1,4 +1,4 @@
-"""Compute dtype (issue 24, item 4): what bfloat16 costs in accuracy and gives in speed and memory, beside float32
+"""Compute dtype: what bfloat16 costs in accuracy and gives in speed and memory, beside float32
 (the reference), on this CPU: for the float model (every weight and activation in bfloat16) and for an NF4 + DQ
 checkpoint (its token embedding and output head held in bfloat16; its 4-bit layers compute as before).
 `--dtype auto` (the default of `leanlm chat` and `leanlm serve`) picks bfloat16 where the CPU has native bf16
@@ -41,8 +41,12 @@ from leanlm.report import format_table, save_figure  # noqa: E402
 
 NF4 = ["--method", "kbit", "--double-quant"]
 # row -> (the NF4 + DQ checkpoint or the float model, dtype)
-ROWS = {"float32": (False, "float32"), "bfloat16": (False, "bfloat16"),
-        "nf4-dq, float32 embedding + head": (True, "float32"), "nf4-dq, bfloat16 embedding + head": (True, "bfloat16")}
+ROWS = {
+    "float32": (False, "float32"),
+    "bfloat16": (False, "bfloat16"),
+    "nf4-dq, float32 embedding + head": (True, "float32"),
+    "nf4-dq, bfloat16 embedding + head": (True, "bfloat16"),
+}
 PROMPT_TOKENS, PREFILL_TOKENS = 32, 512
 
 
@@ -52,8 +56,11 @@ def target(row: str, args) -> str:
         return args.model
     checkpoint = args.workdir / f"{args.model.replace('/', '_')}-nf4-dq"
     if not (checkpoint / "leanlm_quant.json").exists():
-        subprocess.run([sys.executable, "-m", "leanlm.cli.main", "quantize", args.model, *NF4, "--out",
-                        str(checkpoint)], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "leanlm.cli.main", "quantize", args.model, *NF4, "--out", str(checkpoint)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return str(checkpoint)
 
 
@@ -61,17 +68,32 @@ def accuracy(model: str, dtype: str, tasks: str, max_tokens: int | None) -> dict
     """`leanlm eval` in its own process: its JSON (perplexity, tokens/s, peak RSS)."""
     with tempfile.TemporaryDirectory() as work:
         path = os.path.join(work, "eval.json")
-        arguments = ["eval", model, "--dtype", dtype, "--tasks", tasks,
-                     *(["--max-tokens", str(max_tokens)] if max_tokens else [])]
-        result = subprocess.run([sys.executable, "-m", "leanlm.cli.main", *arguments, "--json", path],
-                                capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+        arguments = [
+            "eval",
+            model,
+            "--dtype",
+            dtype,
+            "--tasks",
+            tasks,
+            *(["--max-tokens", str(max_tokens)] if max_tokens else []),
+        ]
+        result = subprocess.run(
+            [sys.executable, "-m", "leanlm.cli.main", *arguments, "--json", path],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TQDM_DISABLE": "1"},
+        )
         if result.returncode != 0:
             raise SystemExit(f"leanlm eval --dtype {dtype} failed:\n{result.stderr[-3000:]}")
         with open(path) as handle:
             payload = json.load(handle)
-    return {"command": " ".join(["leanlm", *arguments]), "results": payload["results"],
-            "peak_rss_bytes": payload["peak_rss_bytes"], "weights_bytes": payload["weights_bytes"],
-            "seconds": payload["seconds"]}
+    return {
+        "command": " ".join(["leanlm", *arguments]),
+        "results": payload["results"],
+        "peak_rss_bytes": payload["peak_rss_bytes"],
+        "weights_bytes": payload["weights_bytes"],
+        "seconds": payload["seconds"],
+    }
 
 
 def speed(args) -> dict:
@@ -98,18 +120,26 @@ def speed(args) -> dict:
     def prefill(row):
         models[row](input_ids=long_prompt, use_cache=False, logits_to_keep=1)
 
-    timings = time_interleaved({**{f"decode {row}": (lambda row=row: decode(row)) for row in ROWS},
-                                **{f"prefill {row}": (lambda row=row: prefill(row)) for row in ROWS}},
-                               warmup=1, repeats=rounds)
+    timings = time_interleaved(
+        {
+            **{f"decode {row}": (lambda row=row: decode(row)) for row in ROWS},
+            **{f"prefill {row}": (lambda row=row: prefill(row)) for row in ROWS},
+        },
+        warmup=1,
+        repeats=rounds,
+    )
     result = {}
     for row, (quantized, _) in ROWS.items():
         reference = produced["nf4-dq, float32 embedding + head" if quantized else "float32"]
-        result[row] = {"decode_tokens_per_second": decode_tokens / timings[f"decode {row}"].median,
-                       "decode_ms_per_token": timings[f"decode {row}"].median * 1e3 / decode_tokens,
-                       "prefill_tokens_per_second": PREFILL_TOKENS / timings[f"prefill {row}"].median,
-                       # greedy tokens equal to its float32 counterpart's before the first that differs
-                       "greedy_agreement": next((i for i, (a, b) in enumerate(zip(reference, produced[row])) if a != b),
-                                                decode_tokens)}
+        result[row] = {
+            "decode_tokens_per_second": decode_tokens / timings[f"decode {row}"].median,
+            "decode_ms_per_token": timings[f"decode {row}"].median * 1e3 / decode_tokens,
+            "prefill_tokens_per_second": PREFILL_TOKENS / timings[f"prefill {row}"].median,
+            # greedy tokens equal to its float32 counterpart's before the first that differs
+            "greedy_agreement": next(
+                (i for i, (a, b) in enumerate(zip(reference, produced[row])) if a != b), decode_tokens
+            ),
+        }
     return {"rows": result, "decode_tokens": decode_tokens, "rounds": rounds, "load_average": list(os.getloadavg())}
 
 
@@ -123,20 +153,43 @@ def report(payload: dict) -> str:
         reference = accuracy_rows.get("nf4-dq, float32 embedding + head" if quantized else "float32", {})
         base = reference.get("results", {}).get("wikitext2", {}).get("perplexity")
         fast = timed_rows.get(row, {})
-        rows.append([row, f"{wikitext['perplexity']:.3f}" if wikitext else "", str(wikitext.get("tokens", "")),
-                     f"{wikitext['perplexity'] / base - 1:+.2%}" if wikitext and base else "",
-                     f"{wikitext['tokens_per_second']:.0f}" if wikitext else "",
-                     f"{fast['prefill_tokens_per_second']:.0f}" if fast else "",
-                     f"{fast['decode_tokens_per_second']:.1f}" if fast else "",
-                     f"{fast['greedy_agreement']}" if fast else "",
-                     f"{measured['weights_bytes'] / 2**20:,.0f}" if measured else "",
-                     f"{measured['peak_rss_bytes'] / 2**20:,.0f}" if measured else ""])
-    lines = [format_table(["row", "WikiText-2 ppl", "tokens", "against its float32", "scoring tokens/s",
-                           "prefill 512 tokens/s", "decode tokens/s", "greedy tokens as float32's",
-                           "weights MiB", "peak RSS MiB (eval)"], rows, markdown=True)]
+        rows.append(
+            [
+                row,
+                f"{wikitext['perplexity']:.3f}" if wikitext else "",
+                str(wikitext.get("tokens", "")),
+                f"{wikitext['perplexity'] / base - 1:+.2%}" if wikitext and base else "",
+                f"{wikitext['tokens_per_second']:.0f}" if wikitext else "",
+                f"{fast['prefill_tokens_per_second']:.0f}" if fast else "",
+                f"{fast['decode_tokens_per_second']:.1f}" if fast else "",
+                f"{fast['greedy_agreement']}" if fast else "",
+                f"{measured['weights_bytes'] / 2**20:,.0f}" if measured else "",
+                f"{measured['peak_rss_bytes'] / 2**20:,.0f}" if measured else "",
+            ]
+        )
+    lines = [
+        format_table(
+            [
+                "row",
+                "WikiText-2 ppl",
+                "tokens",
+                "against its float32",
+                "scoring tokens/s",
+                "prefill 512 tokens/s",
+                "decode tokens/s",
+                "greedy tokens as float32's",
+                "weights MiB",
+                "peak RSS MiB (eval)",
+            ],
+            rows,
+            markdown=True,
+        )
+    ]
     if timed:
-        lines.append(f"{timed['rounds']} interleaved rounds, {timed['decode_tokens']} decoded tokens each; load "
-                     f"average at the end {', '.join(f'{x:.2f}' for x in timed['load_average'])}")
+        lines.append(
+            f"{timed['rounds']} interleaved rounds, {timed['decode_tokens']} decoded tokens each; load "
+            f"average at the end {', '.join(f'{x:.2f}' for x in timed['load_average'])}"
+        )
     lines.append(f"CPU: {payload.get('cpu')}; --dtype auto computes in {payload.get('auto_dtype')} here")
     return "\n".join(lines)
 
@@ -152,10 +205,18 @@ def plot(payload: dict, path) -> None:
     if timed:
         names = list(timed)
         x = range(len(names))
-        axes[1].bar([i - 0.2 for i in x], [timed[r]["prefill_tokens_per_second"] / 10 for r in names], width=0.4,
-                    label="prefill tokens/s / 10")
-        axes[1].bar([i + 0.2 for i in x], [timed[r]["decode_tokens_per_second"] for r in names], width=0.4,
-                    label="decode tokens/s")
+        axes[1].bar(
+            [i - 0.2 for i in x],
+            [timed[r]["prefill_tokens_per_second"] / 10 for r in names],
+            width=0.4,
+            label="prefill tokens/s / 10",
+        )
+        axes[1].bar(
+            [i + 0.2 for i in x],
+            [timed[r]["decode_tokens_per_second"] for r in names],
+            width=0.4,
+            label="decode tokens/s",
+        )
         axes[1].set_xticks(list(x), names, rotation=15, ha="right", fontsize=7)
         axes[1].legend()
     save_figure(fig, path, titled(payload, f"compute dtype on {payload.get('cpu')}"))
@@ -172,16 +233,31 @@ def main() -> None:
     name = results_name("compute_dtype", args.model)
     if args.report:
         return print_report(name, report)
-    study = Study(name, {"model": args.model, "tasks": args.tasks, "max_tokens": args.max_tokens,
-                         "decode_tokens": args.decode_tokens, "rounds": args.rounds}, args, plot=plot)
+    study = Study(
+        name,
+        {
+            "model": args.model,
+            "tasks": args.tasks,
+            "max_tokens": args.max_tokens,
+            "decode_tokens": args.decode_tokens,
+            "rounds": args.rounds,
+        },
+        args,
+        plot=plot,
+    )
     study.payload["cpu"] = cpu_description()
     study.payload["auto_dtype"] = dtype_name(compute_dtype("auto"))
     args.workdir.mkdir(parents=True, exist_ok=True)
     for row in study.todo("accuracy", ROWS):
         started = time.perf_counter()
-        study.record("accuracy", row, accuracy(target(row, args), ROWS[row][1], args.tasks, args.max_tokens),
-                     summary=lambda value: f"perplexity {value['results']['wikitext2']['perplexity']:.3f} "
-                                           f"({time.perf_counter() - started:.0f} s)")
+        study.record(
+            "accuracy",
+            row,
+            accuracy(target(row, args), ROWS[row][1], args.tasks, args.max_tokens),
+            summary=lambda value: (
+                f"perplexity {value['results']['wikitext2']['perplexity']:.3f} ({time.perf_counter() - started:.0f} s)"
+            ),
+        )
     if study.pending("speed"):
         study.set("speed", speed(args))
     print(report(study.payload))

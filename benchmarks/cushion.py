@@ -24,11 +24,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_dir, results_name, study_arguments, titled  # noqa: E402
+from leanlm.cache.prefix import load_cushion, save_cushion  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import ZERO_SHOT_TASKS, EvalSettings, evaluate  # noqa: E402
 from leanlm.evaluation.outliers import block_input_magnitudes  # noqa: E402
 from leanlm.methods import Calibration, SmoothQuantConfig, W8A8Config  # noqa: E402
-from leanlm.cache.prefix import load_cushion, save_cushion  # noqa: E402
 from leanlm.methods.cushion import CushionConfig, cushioned_copy, search_cushion, tune_cushion  # noqa: E402
 from leanlm.report import format_table, plot_training_curves, save_figure  # noqa: E402
 
@@ -42,7 +42,9 @@ def plot_results(payload: dict, path) -> None:
     groups = [f"{base} {level}" for base in ("naive", "SmoothQuant") for level in LEVELS]
     for offset, cushion in enumerate(CUSHIONS):
         heights = [rows.get(f"{group} / {cushion}", {}).get("wikitext2", float("nan")) for group in groups]
-        axis.bar([i + 0.27 * (offset - 1) for i in range(len(groups))], heights, width=0.27, label=f"cushion: {cushion}")
+        axis.bar(
+            [i + 0.27 * (offset - 1) for i in range(len(groups))], heights, width=0.27, label=f"cushion: {cushion}"
+        )
     fp32 = rows.get("FP32 / none", {}).get("wikitext2")
     if fp32:
         axis.axhline(fp32, color="black", linestyle="--", linewidth=0.8, label="FP32")
@@ -57,8 +59,11 @@ def report(payload: dict) -> str:
     the share of the perplexity gap to FP32 (without a cushion) each cushion closes."""
     rows = payload.get("rows", {})
     fp32 = rows.get("FP32 / none", {}).get("wikitext2")
-    groups = {"FP32": "FP32"} | {f"{base} {level_name}": f"{'naive W8A8' if base == 'naive' else base} {level_name} "
-                                 f"({level})" for base in ("naive", "SmoothQuant") for level_name, level in LEVELS.items()}
+    groups = {"FP32": "FP32"} | {
+        f"{base} {level_name}": f"{'naive W8A8' if base == 'naive' else base} {level_name} ({level})"
+        for base in ("naive", "SmoothQuant")
+        for level_name, level in LEVELS.items()
+    }
     table = []
     for group, label in groups.items():
         cells = [rows.get(f"{group} / {kind}") for kind in CUSHIONS]
@@ -68,10 +73,24 @@ def report(payload: dict) -> str:
         if group != "FP32" and fp32 and all(cells):
             gap = cells[0]["wikitext2"] - fp32
             closed = " / ".join(f"{100 * (cells[0]['wikitext2'] - cell['wikitext2']) / gap:.0f}%" for cell in cells[1:])
-        table.append([label, *(f"{cell['wikitext2']:.3f} / {cell['zero_shot_average']:.3f}" if cell else None
-                               for cell in cells), closed])
-    return format_table(["setting", "no cushion", "searched cushion", "searched + tuned",
-                         "perplexity gap to FP32 closed (searched / tuned)"], table, markdown=True)
+        table.append(
+            [
+                label,
+                *(f"{cell['wikitext2']:.3f} / {cell['zero_shot_average']:.3f}" if cell else None for cell in cells),
+                closed,
+            ]
+        )
+    return format_table(
+        [
+            "setting",
+            "no cushion",
+            "searched cushion",
+            "searched + tuned",
+            "perplexity gap to FP32 closed (searched / tuned)",
+        ],
+        table,
+        markdown=True,
+    )
 
 
 def int8_steps(base: str | None, level: str | None) -> list | None:
@@ -96,12 +115,21 @@ def main() -> None:
     if args.report:
         return print_report(name, report)
 
-    settings = EvalSettings(tasks=("wikitext2", *ZERO_SHOT_TASKS), limit=args.limit, max_tokens=args.max_tokens,
-                            seq_len=args.seq_len)
-    config = CushionConfig(candidates=args.candidates, max_length=args.max_length, min_improvement=args.min_improvement,
-                           tune_steps=args.tune_steps)
-    study = Study(name, {**vars(settings), "cushion": vars(config), "calibration_samples": args.calib_samples}, args,
-                  plot=plot_results)
+    settings = EvalSettings(
+        tasks=("wikitext2", *ZERO_SHOT_TASKS), limit=args.limit, max_tokens=args.max_tokens, seq_len=args.seq_len
+    )
+    config = CushionConfig(
+        candidates=args.candidates,
+        max_length=args.max_length,
+        min_improvement=args.min_improvement,
+        tune_steps=args.tune_steps,
+    )
+    study = Study(
+        name,
+        {**vars(settings), "cushion": vars(config), "calibration_samples": args.calib_samples},
+        args,
+        plot=plot_results,
+    )
     loaded = study.load_model(args.model)
     calibration = Calibration(loaded.tokenizer, samples=args.calib_samples, seq_len=512)
     title = titled(study.payload, "W8A8 with CushionCache")
@@ -119,17 +147,29 @@ def main() -> None:
             return cushions[kind]
         if kind == "search+tune" and cushion("search").length == 0:
             raise SystemExit("the search found no token that cuts the error by --min-improvement; nothing to tune")
-        found = (search_cushion(loaded.model, loaded.tokenizer, config) if kind == "search"
-                 else tune_cushion(loaded.model, loaded.tokenizer, cushion("search"), config))
+        found = (
+            search_cushion(loaded.model, loaded.tokenizer, config)
+            if kind == "search"
+            else tune_cushion(loaded.model, loaded.tokenizer, cushion("search"), config)
+        )
         directory.mkdir(parents=True, exist_ok=True)
         save_cushion(found, directory)
         if "tuning" in found.record:
             curve = found.record["tuning"]["curve"]
-            plot_training_curves({key: [point[key] for point in curve] for key in curve[0]},
-                                 results_dir() / f"{name}_tuning.png", f"{title}: prefix tuning")
-        study.record("cushions", kind, {k: v for k, v in found.record.items() if k != "config"},
-                     summary=lambda r: f"{r['text']!r}, search {r['search_seconds']:.0f} s"
-                     + (f", tuning {r['tuning']['seconds']:.0f} s" if "tuning" in r else ""))
+            plot_training_curves(
+                {key: [point[key] for point in curve] for key in curve[0]},
+                results_dir() / f"{name}_tuning.png",
+                f"{title}: prefix tuning",
+            )
+        study.record(
+            "cushions",
+            kind,
+            {k: v for k, v in found.record.items() if k != "config"},
+            summary=lambda r: (
+                f"{r['text']!r}, search {r['search_seconds']:.0f} s"
+                + (f", tuning {r['tuning']['seconds']:.0f} s" if "tuning" in r else "")
+            ),
+        )
         cushions[kind] = found
         return found
 
@@ -139,17 +179,29 @@ def main() -> None:
         study.record("last_block_input", kind, block_input_magnitudes(model, probe)[-1])
 
     plans = {f"FP32 / {kind}": (None, None, kind) for kind in CUSHIONS} | {
-        f"{base} {level_name} / {kind}": (base, level, kind) for base in ("naive", "SmoothQuant")
-        for level_name, level in LEVELS.items() for kind in CUSHIONS}
+        f"{base} {level_name} / {kind}": (base, level, kind)
+        for base in ("naive", "SmoothQuant")
+        for level_name, level in LEVELS.items()
+        for kind in CUSHIONS
+    }
     for row in study.todo("rows", plans):
         base, level, kind = plans[row]
         model, record = cushioned_copy(loaded.model, cushion(kind), int8_steps(base, level), calibration)
         result = evaluate(model, loaded.tokenizer, settings)
-        study.record("rows", row, {"wikitext2": result["results"]["wikitext2"]["perplexity"],
-                                   "zero_shot_average": result["zero_shot_average"], "results": result["results"],
-                                   "level": level, "base": base, "cushion": kind,
-                                   "quantization": {k: v for k, v in record.items() if k != "cushion"}},
-                     summary=lambda r: f"wikitext2 {r['wikitext2']:.3f}, zero-shot {r['zero_shot_average']:.4f}")
+        study.record(
+            "rows",
+            row,
+            {
+                "wikitext2": result["results"]["wikitext2"]["perplexity"],
+                "zero_shot_average": result["zero_shot_average"],
+                "results": result["results"],
+                "level": level,
+                "base": base,
+                "cushion": kind,
+                "quantization": {k: v for k, v in record.items() if k != "cushion"},
+            },
+            summary=lambda r: f"wikitext2 {r['wikitext2']:.3f}, zero-shot {r['zero_shot_average']:.4f}",
+        )
     print(report(study.payload))
     print(f"wrote {study.path}")
 

@@ -24,11 +24,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_dir, results_name, study_arguments, titled  # noqa: E402
+from leanlm.cache.prefix import Cushion, cushion_keys_values, load_cushion  # noqa: E402
 from leanlm.data import calibration_batches  # noqa: E402
 from leanlm.evaluation import EvalSettings, evaluate  # noqa: E402
 from leanlm.evaluation.outliers import block_input_magnitudes  # noqa: E402
 from leanlm.methods import Calibration, W8A8Config  # noqa: E402
-from leanlm.cache.prefix import Cushion, cushion_keys_values, load_cushion  # noqa: E402
 from leanlm.methods.cushion import CushionConfig, cushioned_copy, search_cushion, tune_cushion  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
@@ -73,14 +73,30 @@ def report(payload: dict) -> str:
     """The prefix-length and lambda ablations, as the README shows them."""
     out = []
     if payload.get("length"):
-        out.append(format_table(["cushion length", "text", "O3 wikitext2"],
-                                [[n, repr(r["text"]), r["O3"]] for n, r in payload["length"].items()], markdown=True))
+        out.append(
+            format_table(
+                ["cushion length", "text", "O3 wikitext2"],
+                [[n, repr(r["text"]), r["O3"]] for n, r in payload["length"].items()],
+                markdown=True,
+            )
+        )
     if payload.get("lambda"):
-        out.append(format_table(
-            ["tuning", "O3 ppl", "O2 ppl", "quantization error", "cross-entropy"],
-            [[f"lambda = {key}", r["O3"], r["O2"], "{:.4f} -> {:.4f}".format(*r["quantization_error_first_last10"]),
-              "{:.3f} -> {:.3f}".format(*r["cross_entropy_first_last10"])] for key, r in payload["lambda"].items()],
-            markdown=True))
+        out.append(
+            format_table(
+                ["tuning", "O3 ppl", "O2 ppl", "quantization error", "cross-entropy"],
+                [
+                    [
+                        f"lambda = {key}",
+                        r["O3"],
+                        r["O2"],
+                        "{:.4f} -> {:.4f}".format(*r["quantization_error_first_last10"]),
+                        "{:.3f} -> {:.3f}".format(*r["cross_entropy_first_last10"]),
+                    ]
+                    for key, r in payload["lambda"].items()
+                ],
+                markdown=True,
+            )
+        )
     if "fp32" in payload:
         out.append(f"FP32 {payload['fp32']:.3f}")
     return "\n\n".join(out)
@@ -108,12 +124,23 @@ def main() -> None:
     if missing:
         raise SystemExit(f"no saved cushion in {', '.join(missing)}: run `python benchmarks/cushion.py` first")
     searched, tuned = load_cushion(saved["search"]), load_cushion(saved["search_tune"])
-    base_config = CushionConfig(**{k: tuple(v) if isinstance(v, list) else v
-                                   for k, v in searched.record["config"].items()})
+    base_config = CushionConfig(
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in searched.record["config"].items()}
+    )
     settings = EvalSettings(tasks=("wikitext2",), max_tokens=args.max_tokens, seq_len=args.seq_len)
-    study = Study(name, {**vars(settings), "max_length": args.max_length, "candidates": args.candidates,
-                         "tune_steps": args.tune_steps, "calibration_samples": args.calib_samples,
-                         "searched_tokens": searched.tokens}, args, plot=plot_ablations)
+    study = Study(
+        name,
+        {
+            **vars(settings),
+            "max_length": args.max_length,
+            "candidates": args.candidates,
+            "tune_steps": args.tune_steps,
+            "calibration_samples": args.calib_samples,
+            "searched_tokens": searched.tokens,
+        },
+        args,
+        plot=plot_ablations,
+    )
     loaded = study.load_model(args.model)
     calibration = Calibration(loaded.tokenizer, samples=args.calib_samples, seq_len=512)
 
@@ -131,34 +158,68 @@ def main() -> None:
         model, _ = cushioned_copy(loaded.model, kinds[kind])
         study.record("layers", kind, block_input_magnitudes(model, probe))
     if len(study.rows("layers")) == len(kinds):
-        plot_layers(study.payload["layers"], results_dir() / f"{results_name('cushion_layers', args.model)}.png",
-                    titled(study.payload, "CushionCache ablations: |x| entering each block"))
+        plot_layers(
+            study.payload["layers"],
+            results_dir() / f"{results_name('cushion_layers', args.model)}.png",
+            titled(study.payload, "CushionCache ablations: |x| entering each block"),
+        )
 
     if "longer_search" not in study.payload or study.pending("longer_search"):
-        config = replace(base_config, initial=tuple(searched.tokens), max_length=args.max_length,
-                         candidates=args.candidates, min_improvement=float("-inf"))  # lengths forced
+        config = replace(
+            base_config,
+            initial=tuple(searched.tokens),
+            max_length=args.max_length,
+            candidates=args.candidates,
+            min_improvement=float("-inf"),
+        )  # lengths forced
         longer = search_cushion(loaded.model, loaded.tokenizer, config)
-        study.set("longer_search", {"tokens": longer.tokens, "text": longer.record["text"],
-                                    "seconds": longer.record["search_seconds"], "history": longer.record["history"]})
+        study.set(
+            "longer_search",
+            {
+                "tokens": longer.tokens,
+                "text": longer.record["text"],
+                "seconds": longer.record["search_seconds"],
+                "history": longer.record["history"],
+            },
+        )
     longer_tokens = study.payload.get("longer_search", {}).get("tokens", [])
     for length in study.todo("length", [str(n) for n in range(len(longer_tokens) + 1)]):
-        prefix = longer_tokens[:int(length)]
+        prefix = longer_tokens[: int(length)]
         cushion = Cushion(prefix, *cushion_keys_values(loaded.model, prefix)) if prefix else None
-        study.record("length", length, {"O3": wikitext(cushion, "O3"), "text": loaded.tokenizer.decode(prefix)},
-                     summary=lambda r: f"O3 {r['O3']:.3f}")
+        study.record(
+            "length",
+            length,
+            {"O3": wikitext(cushion, "O3"), "text": loaded.tokenizer.decode(prefix)},
+            summary=lambda r: f"O3 {r['O3']:.3f}",
+        )
 
     for key in study.todo("lambda", [f"{weight:g}" for weight in args.lambdas]):
-        cushion = tune_cushion(loaded.model, loaded.tokenizer, searched,
-                               replace(base_config, tune_steps=args.tune_steps, tune_lambda=float(key)))
+        cushion = tune_cushion(
+            loaded.model,
+            loaded.tokenizer,
+            searched,
+            replace(base_config, tune_steps=args.tune_steps, tune_lambda=float(key)),
+        )
         curve = cushion.record["tuning"]["curve"]
         tail = curve[-10:]
-        study.record("lambda", key, {
-            "O3": wikitext(cushion, "O3"), "O2": wikitext(cushion, "O2"),
-            "tuning_seconds": cushion.record["tuning"]["seconds"],
-            "cross_entropy_first_last10": [curve[0]["cross_entropy"], sum(p["cross_entropy"] for p in tail) / len(tail)],
-            "quantization_error_first_last10": [curve[0]["quantization_error"],
-                                                sum(p["quantization_error"] for p in tail) / len(tail)]},
-            summary=lambda r: f"O3 {r['O3']:.3f}, O2 {r['O2']:.3f}")
+        study.record(
+            "lambda",
+            key,
+            {
+                "O3": wikitext(cushion, "O3"),
+                "O2": wikitext(cushion, "O2"),
+                "tuning_seconds": cushion.record["tuning"]["seconds"],
+                "cross_entropy_first_last10": [
+                    curve[0]["cross_entropy"],
+                    sum(p["cross_entropy"] for p in tail) / len(tail),
+                ],
+                "quantization_error_first_last10": [
+                    curve[0]["quantization_error"],
+                    sum(p["quantization_error"] for p in tail) / len(tail),
+                ],
+            },
+            summary=lambda r: f"O3 {r['O3']:.3f}, O2 {r['O2']:.3f}",
+        )
 
     study.save()  # again, so that a --resume with nothing left to run still redraws the plots
     print(report(study.payload))

@@ -1,4 +1,4 @@
-"""Batch-1 decode and prefill speed and resident memory, leanlm beside llama.cpp on the same model (issue 27).
+"""Batch-1 decode and prefill speed and resident memory, leanlm beside llama.cpp on the same model.
 
 Every system runs in its own worker process (so that its peak RSS is its own), all loaded at once and driven
 round by round in a rotated order (interleaved rounds, so that a slow spell of this shared machine falls on all
@@ -38,8 +38,8 @@ from leanlm.bench import Study, print_report, results_name, study_arguments, tit
 from leanlm.bench.harness import cpu_description, process_peak_rss_bytes  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
-
 # ---- the worker side: one system, commands on stdin, one JSON line per answer on stdout ----
+
 
 class LeanlmSystem:
     """`load_any(source, dtype, head)`, decoded through transformers' eager forward (what `leanlm serve --no-fused` runs) or
@@ -55,8 +55,11 @@ class LeanlmSystem:
         torch.set_num_threads(2)
         self.torch = torch
         self.model = load_any(source, dtype, head).model
-        self.fused = (FusedDecoder(self.model, capacity=context, compact_constants=decoder == "fused-compact")
-                      if decoder.startswith("fused") else None)
+        self.fused = (
+            FusedDecoder(self.model, capacity=context, compact_constants=decoder == "fused-compact")
+            if decoder.startswith("fused")
+            else None
+        )
 
     def decode(self, prompt: list[int], new_tokens: int) -> float:
         """Seconds for `new_tokens` greedy steps after the prompt."""
@@ -71,8 +74,9 @@ class LeanlmSystem:
             return time.perf_counter() - started
         with torch.inference_mode():
             cache = DynamicCache()
-            logits = self.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True,
-                                logits_to_keep=1).logits
+            logits = self.model(
+                input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1
+            ).logits
             started = time.perf_counter()
             for _ in range(new_tokens):
                 token = logits[0, -1].argmax().view(1, 1)
@@ -100,8 +104,12 @@ class LeanlmSystem:
                 steps = [self.fused.prefill(ids[:1])] + [self.fused.step(token) for token in ids[1:-1]]
             else:
                 cache = DynamicCache()
-                steps = [self.model(input_ids=torch.tensor([[token]]), past_key_values=cache,
-                                    use_cache=True).logits[0, -1].float() for token in ids[:-1]]
+                steps = [
+                    self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+                    .logits[0, -1]
+                    .float()
+                    for token in ids[:-1]
+                ]
         nll = torch.nn.functional.cross_entropy
         return {"prefill": nll(whole, targets).item(), "decode": nll(torch.stack(steps), targets).item()}
 
@@ -110,8 +118,15 @@ class LlamaCppSystem:
     def __init__(self, path: str, context: int):
         from leanlm.bench.llama_cpp import llama_cpp_module
 
-        self.model = llama_cpp_module().Llama(model_path=path, n_ctx=context, n_batch=context, n_ubatch=context,
-                                              n_threads=2, n_threads_batch=2, verbose=False)
+        self.model = llama_cpp_module().Llama(
+            model_path=path,
+            n_ctx=context,
+            n_batch=context,
+            n_ubatch=context,
+            n_threads=2,
+            n_threads_batch=2,
+            verbose=False,
+        )
 
     def decode(self, prompt: list[int], new_tokens: int) -> float:
         import numpy as np
@@ -149,12 +164,18 @@ def worker(kind: str, spec: str, context: int) -> None:
 
 # ---- the driver ----
 
+
 class Worker:
     def __init__(self, kind: str, spec: str, context: int, log: Path):
         with open(log, "ab") as output:
-            self.process = subprocess.Popen([sys.executable, __file__, "--worker", kind, spec, "--context",
-                                             str(context)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=output, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+            self.process = subprocess.Popen(
+                [sys.executable, __file__, "--worker", kind, spec, "--context", str(context)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=output,
+                text=True,
+                env={**os.environ, "TQDM_DISABLE": "1"},
+            )
         self._answer()
 
     def ask(self, **command) -> dict:
@@ -177,28 +198,30 @@ def systems(model: str, work: Path) -> dict[str, tuple[str, str]]:
     """Row name -> (kind, spec) of its worker; llama.cpp rows only where its bindings are installed."""
     nf4, int8 = work / "nf4", work / "int8"
     # (source, --dtype, decoder, --head)
-    leanlm = {"FP32": (model, "float32", "eager", "float"),
-              "BF16": (model, "bfloat16", "eager", "float"),
-              "NF4+DQ": (nf4, "float32", "eager", "float"),
-              "SmoothQuant O3": (work / "sq-o3", "float32", "eager", "float"),
-              "LLM.int8()": (work / "llm-int8", "float32", "eager", "float"),
-              "FP32 fused": (model, "float32", "fused", "float"),
-              "BF16 weights fused": (model, "bfloat16", "fused", "float"),
-              "NF4+DQ fused": (nf4, "float32", "fused", "float"),
-              "NF4+DQ fused, BF16 head": (nf4, "auto", "fused", "float"),
-              "NF4+DQ fused, int8 head": (nf4, "auto", "fused", "int8"),
-              # the step's constants as stored (decoded per row: 0.5 bits a weight less resident, more work)
-              "NF4+DQ fused, 8-bit constants, int8 head": (nf4, "auto", "fused-compact", "int8"),
-              # float32 block constants (4.5 bits a weight, Q4_0's size): no double-quantized constant to decode
-              "NF4 fused, int8 head": (work / "nf4-plain", "auto", "fused", "int8"),
-              "int8 blocks fused, int8 head": (int8, "auto", "fused", "int8"),
-              "SmoothQuant O3 fused, int8 head": (work / "sq-o3", "auto", "fused", "int8"),
-              "LLM.int8() fused, int8 head": (work / "llm-int8", "auto", "fused", "int8"),
-              "GPTQ fused, int8 head": (work / "gptq", "auto", "fused", "int8"),
-              # 3 bits through the 3-bit kernel (codes in the planes layout), k-bit and SpQR's default recipe
-              "NF3+DQ": (work / "nf3", "float32", "eager", "float"),
-              "NF3+DQ fused, int8 head": (work / "nf3", "auto", "fused", "int8"),
-              "SpQR 3-bit fused, int8 head": (work / "spqr", "auto", "fused", "int8")}
+    leanlm = {
+        "FP32": (model, "float32", "eager", "float"),
+        "BF16": (model, "bfloat16", "eager", "float"),
+        "NF4+DQ": (nf4, "float32", "eager", "float"),
+        "SmoothQuant O3": (work / "sq-o3", "float32", "eager", "float"),
+        "LLM.int8()": (work / "llm-int8", "float32", "eager", "float"),
+        "FP32 fused": (model, "float32", "fused", "float"),
+        "BF16 weights fused": (model, "bfloat16", "fused", "float"),
+        "NF4+DQ fused": (nf4, "float32", "fused", "float"),
+        "NF4+DQ fused, BF16 head": (nf4, "auto", "fused", "float"),
+        "NF4+DQ fused, int8 head": (nf4, "auto", "fused", "int8"),
+        # the step's constants as stored (decoded per row: 0.5 bits a weight less resident, more work)
+        "NF4+DQ fused, 8-bit constants, int8 head": (nf4, "auto", "fused-compact", "int8"),
+        # float32 block constants (4.5 bits a weight, Q4_0's size): no double-quantized constant to decode
+        "NF4 fused, int8 head": (work / "nf4-plain", "auto", "fused", "int8"),
+        "int8 blocks fused, int8 head": (int8, "auto", "fused", "int8"),
+        "SmoothQuant O3 fused, int8 head": (work / "sq-o3", "auto", "fused", "int8"),
+        "LLM.int8() fused, int8 head": (work / "llm-int8", "auto", "fused", "int8"),
+        "GPTQ fused, int8 head": (work / "gptq", "auto", "fused", "int8"),
+        # 3 bits through the 3-bit kernel (codes in the planes layout), k-bit and SpQR's default recipe
+        "NF3+DQ": (work / "nf3", "float32", "eager", "float"),
+        "NF3+DQ fused, int8 head": (work / "nf3", "auto", "fused", "int8"),
+        "SpQR 3-bit fused, int8 head": (work / "spqr", "auto", "fused", "int8"),
+    }
     rows = {f"leanlm {name}": ("leanlm", "|".join(map(str, spec))) for name, spec in leanlm.items()}
     if importlib.util.find_spec("llama_cpp") is not None:
         for name in ("F32", "Q8_0", "Q4_0"):
@@ -214,6 +237,7 @@ def systems(model: str, work: Path) -> dict[str, tuple[str, str]]:
 def chosen_systems(model: str, work: Path, names: list[str] | None) -> dict[str, tuple[str, str]]:
     """The rows of `systems` whose name contains one of `names` (all when None); the "leanlm RTN blocks" rows only
     when a text names them ("RTN"), so that the runs of the tables before them keep their rows."""
+
     def chosen(name: str) -> bool:
         if "RTN blocks" in name:
             return any("RTN" in text and text in name for text in names or [])
@@ -225,18 +249,22 @@ def chosen_systems(model: str, work: Path, names: list[str] | None) -> dict[str,
 def prepare(model: str, work: Path, rows: dict[str, tuple[str, str]]) -> None:
     """The checkpoints and GGUF files `rows` load (made once, kept in the work directory)."""
     specs = [spec for _, spec in rows.values()]
-    recipes = {"nf4": ["--method", "kbit", "--double-quant"],
-               "nf4-plain": ["--method", "kbit"],
-               "int8": ["--method", "kbit", "--dtype", "int", "--bits", "8"],  # blocks of 64: Q8_0's kind
-               "sq-o3": ["--method", "smoothquant", "--level", "O3", "--no-bmm", "--calib-samples", "64"],
-               "llm-int8": ["--method", "llm-int8"],
-               "gptq": ["--method", "gptq", "--calib-samples", "64"],  # groups of 128, act-order
-               "nf3": ["--method", "kbit", "--bits", "3", "--double-quant"],
-               "spqr": ["--method", "spqr", "--calib-samples", "64"]}  # 3-bit base, beta1 = beta2 = 16
+    recipes = {
+        "nf4": ["--method", "kbit", "--double-quant"],
+        "nf4-plain": ["--method", "kbit"],
+        "int8": ["--method", "kbit", "--dtype", "int", "--bits", "8"],  # blocks of 64: Q8_0's kind
+        "sq-o3": ["--method", "smoothquant", "--level", "O3", "--no-bmm", "--calib-samples", "64"],
+        "llm-int8": ["--method", "llm-int8"],
+        "gptq": ["--method", "gptq", "--calib-samples", "64"],  # groups of 128, act-order
+        "nf3": ["--method", "kbit", "--bits", "3", "--double-quant"],
+        "spqr": ["--method", "spqr", "--calib-samples", "64"],
+    }  # 3-bit base, beta1 = beta2 = 16
     for name, recipe in recipes.items():
         if not (work / name).exists() and any(spec.startswith(f"{work / name}|") for spec in specs):
-            subprocess.run([sys.executable, "-m", "leanlm.cli.main", "quantize", model, *recipe, "--out",
-                            str(work / name)], check=True)
+            subprocess.run(
+                [sys.executable, "-m", "leanlm.cli.main", "quantize", model, *recipe, "--out", str(work / name)],
+                check=True,
+            )
     from leanlm.bench.llama_cpp import quantize_gguf
     from leanlm.export import export_gguf
 
@@ -245,9 +273,26 @@ def prepare(model: str, work: Path, rows: dict[str, tuple[str, str]]) -> None:
         if f"rtn-{kind}.gguf" in files and not (work / f"rtn-{kind}.gguf").exists():
             checkpoint = work / f"rtn-{bits}bit-g32"
             if not checkpoint.exists():
-                subprocess.run([sys.executable, "-m", "leanlm.cli.main", "quantize", model, "--method", "rtn",
-                                "--bits", str(bits), "--grid", "symmetric", "--group-size", "32", "--out",
-                                str(checkpoint)], check=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "leanlm.cli.main",
+                        "quantize",
+                        model,
+                        "--method",
+                        "rtn",
+                        "--bits",
+                        str(bits),
+                        "--grid",
+                        "symmetric",
+                        "--group-size",
+                        "32",
+                        "--out",
+                        str(checkpoint),
+                    ],
+                    check=True,
+                )
             export_gguf(checkpoint, work / f"rtn-{kind}.gguf", "q8_0")
     if not files & {"f32.gguf", "q8_0.gguf", "q4_0.gguf"}:
         return
@@ -264,12 +309,14 @@ def measure(model: str, work: Path, args) -> dict:
     from leanlm.models import load_tokenizer
 
     ids = encode(load_tokenizer(model), datasets.wikitext2_test_text()[:20_000])
-    prompt, prefill_ids = ids[:args.prompt_tokens], ids[:args.prefill_tokens]
-    quality_ids = ids[:args.quality_tokens]
+    prompt, prefill_ids = ids[: args.prompt_tokens], ids[: args.prefill_tokens]
+    quality_ids = ids[: args.quality_tokens]
     context = max(args.prompt_tokens + args.new_tokens + args.prefill_tokens, args.quality_tokens) + 8
     load_before = os.getloadavg()
-    workers = {name: Worker(kind, spec, context, work / "workers.log") for name, (kind, spec) in
-               chosen_systems(model, work, args.systems).items()}
+    workers = {
+        name: Worker(kind, spec, context, work / "workers.log")
+        for name, (kind, spec) in chosen_systems(model, work, args.systems).items()
+    }
     samples = {name: {"decode": [], "prefill": []} for name in workers}
     try:
         names = list(workers)
@@ -280,25 +327,37 @@ def measure(model: str, work: Path, args) -> dict:
             shift = round_index % len(names)
             for name in names[shift:] + names[:shift]:
                 samples[name]["decode"].append(
-                    workers[name].ask(do="decode", prompt=prompt, new_tokens=args.new_tokens)["seconds"])
+                    workers[name].ask(do="decode", prompt=prompt, new_tokens=args.new_tokens)["seconds"]
+                )
                 samples[name]["prefill"].append(workers[name].ask(do="prefill", ids=prefill_ids)["seconds"])
             print(f"round {round_index + 1}/{args.rounds}", flush=True)
         rows = {}
         for name, worker_ in workers.items():
             decode, prefill = statistics.median(samples[name]["decode"]), statistics.median(samples[name]["prefill"])
-            rows[name] = {"decode_tokens_per_second": args.new_tokens / decode,
-                          "decode_ms_per_token": 1e3 * decode / args.new_tokens,
-                          "prefill_tokens_per_second": args.prefill_tokens / prefill,
-                          "peak_rss_bytes": worker_.ask(do="rss")["peak_rss_bytes"], "samples": samples[name]}
+            rows[name] = {
+                "decode_tokens_per_second": args.new_tokens / decode,
+                "decode_ms_per_token": 1e3 * decode / args.new_tokens,
+                "prefill_tokens_per_second": args.prefill_tokens / prefill,
+                "peak_rss_bytes": worker_.ask(do="rss")["peak_rss_bytes"],
+                "samples": samples[name],
+            }
             if name.startswith("leanlm"):  # after the RSS: a whole window's logits would raise the peak
                 rows[name]["nll"] = worker_.ask(do="nll", ids=quality_ids)
-            print(f"{name}: decode {rows[name]['decode_tokens_per_second']:.1f} tok/s, prefill "
-                  f"{rows[name]['prefill_tokens_per_second']:.0f} tok/s, {rows[name].get('nll', '')}", flush=True)
+            print(
+                f"{name}: decode {rows[name]['decode_tokens_per_second']:.1f} tok/s, prefill "
+                f"{rows[name]['prefill_tokens_per_second']:.0f} tok/s, {rows[name].get('nll', '')}",
+                flush=True,
+            )
     finally:
         for worker_ in workers.values():
             worker_.close()
-    return {"rows": rows, "cpu": cpu_description(), "load_average_before": load_before,
-            "load_average_after": os.getloadavg(), "llama_cpp_build": llama_cpp_build()}
+    return {
+        "rows": rows,
+        "cpu": cpu_description(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "llama_cpp_build": llama_cpp_build(),
+    }
 
 
 def llama_cpp_build() -> str | None:
@@ -313,24 +372,48 @@ def llama_cpp_build() -> str | None:
 def report(payload: dict) -> str:
     run = payload["run"]
     settings = payload["settings"]
-    head = (f"{run['cpu']}, 2 threads each, load average {run['load_average_before'][0]:.1f} before / "
-            f"{run['load_average_after'][0]:.1f} after; decode of {settings['new_tokens']} tokens after "
-            f"{settings['prompt_tokens']}, prefill of {settings['prefill_tokens']}, medians of {settings['rounds']} "
-            f"interleaved rounds; perplexity of the first {settings['quality_tokens']} WikiText-2 test tokens read in "
-            "one forward and token by token through the row's decoder")
+    head = (
+        f"{run['cpu']}, 2 threads each, load average {run['load_average_before'][0]:.1f} before / "
+        f"{run['load_average_after'][0]:.1f} after; decode of {settings['new_tokens']} tokens after "
+        f"{settings['prompt_tokens']}, prefill of {settings['prefill_tokens']}, medians of {settings['rounds']} "
+        f"interleaved rounds; perplexity of the first {settings['quality_tokens']} WikiText-2 test tokens read in "
+        "one forward and token by token through the row's decoder"
+    )
 
     def perplexity(row: dict, path: str) -> str:
         return f"{math.exp(row['nll'][path]):.2f}" if "nll" in row else "-"
 
-    table = [[name, f"{row['decode_tokens_per_second']:.1f}", f"{row['decode_ms_per_token']:.1f}",
-              f"{row['prefill_tokens_per_second']:.0f}", f"{row['peak_rss_bytes'] / 2**20:,.0f}",
-              perplexity(row, "prefill"), perplexity(row, "decode")]
-             for name, row in run["rows"].items()]
+    table = [
+        [
+            name,
+            f"{row['decode_tokens_per_second']:.1f}",
+            f"{row['decode_ms_per_token']:.1f}",
+            f"{row['prefill_tokens_per_second']:.0f}",
+            f"{row['peak_rss_bytes'] / 2**20:,.0f}",
+            perplexity(row, "prefill"),
+            perplexity(row, "decode"),
+        ]
+        for name, row in run["rows"].items()
+    ]
     if run.get("llama_cpp_build"):
         head += f"; llama.cpp built with {run['llama_cpp_build']}"
-    return head + "\n\n" + format_table(["system", "decode tokens/s", "ms per token", "prefill tokens/s",
-                                         "peak RSS MiB", "ppl, one forward", "ppl, token by token"], table,
-                                        markdown=True)
+    return (
+        head
+        + "\n\n"
+        + format_table(
+            [
+                "system",
+                "decode tokens/s",
+                "ms per token",
+                "prefill tokens/s",
+                "peak RSS MiB",
+                "ppl, one forward",
+                "ppl, token by token",
+            ],
+            table,
+            markdown=True,
+        )
+    )
 
 
 def plot(payload: dict, path) -> None:
@@ -356,11 +439,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--systems", nargs="+", default=None, metavar="TEXT",
-                        help="only the rows whose name contains one of these (a larger model's workers may not "
-                             "all fit in memory at once)")
-    parser.add_argument("--quality-tokens", type=int, default=512,
-                        help="WikiText-2 tokens scored in one forward and token by token (leanlm rows)")
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=None,
+        metavar="TEXT",
+        help="only the rows whose name contains one of these (a larger model's workers may not "
+        "all fit in memory at once)",
+    )
+    parser.add_argument(
+        "--quality-tokens",
+        type=int,
+        default=512,
+        help="WikiText-2 tokens scored in one forward and token by token (leanlm rows)",
+    )
     parser.add_argument("--context", type=int, default=1024, help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-decode")
@@ -370,9 +462,19 @@ def main() -> None:
     name = results_name("decode", args.model, args.tag)
     if args.report:
         return print_report(name, report)
-    study = Study(name, {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                         "prefill_tokens": args.prefill_tokens, "rounds": args.rounds,
-                         "quality_tokens": args.quality_tokens, "systems": args.systems}, args, plot=plot)
+    study = Study(
+        name,
+        {
+            "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens,
+            "prefill_tokens": args.prefill_tokens,
+            "rounds": args.rounds,
+            "quality_tokens": args.quality_tokens,
+            "systems": args.systems,
+        },
+        args,
+        plot=plot,
+    )
     study.payload["model"] = args.model
     work = args.workdir / Path(args.model).name  # a model directory's own name, not its whole path
     work.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""leanlm's GGUF exports measured inside llama.cpp, beside llama.cpp's own quantizer (issue 25): WikiText-2
+"""leanlm's GGUF exports measured inside llama.cpp, beside llama.cpp's own quantizer: WikiText-2
 perplexity computed by llama.cpp on exactly the windows `leanlm eval` scores (leanlm's token ids, one fresh
 context per window), each file's size and tensor types, and for every leanlm row leanlm's own perplexity of the
 same checkpoint. (llama.cpp's scoring speed is saved too but not reported: files of the same tensor types run the
@@ -68,16 +68,24 @@ def rows(calibration_samples: int) -> dict:
         "llama.cpp Q4_0": ("llama.cpp", "q4_0", False),
         "llama.cpp Q4_0 + imatrix": ("llama.cpp", "q4_0", True),
         "leanlm RTN Q4_0": RTNConfig(bits=4, **grid),
-        "leanlm RTN Q4_0, imatrix": RTNConfig(bits=4, scale_search=True, imatrix=True,
-                                              calibration_samples=calibration_samples, **grid),
+        "leanlm RTN Q4_0, imatrix": RTNConfig(
+            bits=4, scale_search=True, imatrix=True, calibration_samples=calibration_samples, **grid
+        ),
         "leanlm GPTQ Q4_0": GPTQConfig(bits=4, act_order=False, calibration_samples=calibration_samples, **grid),
-        "leanlm GPTQ Q4_0, act-order": GPTQConfig(bits=4, static_groups=True, calibration_samples=calibration_samples,
-                                                  **grid),
+        "leanlm GPTQ Q4_0, act-order": GPTQConfig(
+            bits=4, static_groups=True, calibration_samples=calibration_samples, **grid
+        ),
         "leanlm GPTQ Q4_0, act-order, scale search": GPTQConfig(
-            bits=4, static_groups=True, scale_search=True, calibration_samples=calibration_samples, **grid),
+            bits=4, static_groups=True, scale_search=True, calibration_samples=calibration_samples, **grid
+        ),
         "leanlm GPTQ Q4_0, shrunk Hessian": GPTQConfig(
-            bits=4, static_groups=True, scale_search=True, hessian_shrinkage=0.5,
-            calibration_samples=calibration_samples, **grid),
+            bits=4,
+            static_groups=True,
+            scale_search=True,
+            hessian_shrinkage=0.5,
+            calibration_samples=calibration_samples,
+            **grid,
+        ),
     }
 
 
@@ -102,8 +110,11 @@ def importance_matrix(model, batches: torch.Tensor) -> dict[str, torch.Tensor]:
 def describe_file(path: Path) -> dict:
     reader = gguf.GGUFReader(path)
     types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
-    return {"file_bytes": path.stat().st_size, "tensor_types": dict(Counter(types.values())),
-            "token_embd_type": types["token_embd.weight"]}
+    return {
+        "file_bytes": path.stat().st_size,
+        "tensor_types": dict(Counter(types.values())),
+        "token_embd_type": types["token_embd.weight"],
+    }
 
 
 def report(payload: dict) -> str:
@@ -115,20 +126,41 @@ def report(payload: dict) -> str:
         engine = row["llama_cpp"]
         ours = row.get("leanlm")
         emulated = (ours or {}).get("with_q8_0_activations")
-        lines.append([
-            name, f"{engine['perplexity']:.3f}",
-            f"{100 * (engine['perplexity'] / float_ppl - 1):+.1f}%" if float_ppl else "",
-            f"{ours['perplexity']:.3f}" if ours else "",
-            f"{emulated:.3f}" if emulated else "",
-            f"{100 * (engine['perplexity'] / ours['perplexity'] - 1):+.2f}%" if ours else "",
-            f"{row['file_bytes'] / 2**20:.1f}", ", ".join(f"{k} {v}" for k, v in sorted(row["tensor_types"].items())),
-        ])
+        lines.append(
+            [
+                name,
+                f"{engine['perplexity']:.3f}",
+                f"{100 * (engine['perplexity'] / float_ppl - 1):+.1f}%" if float_ppl else "",
+                f"{ours['perplexity']:.3f}" if ours else "",
+                f"{emulated:.3f}" if emulated else "",
+                f"{100 * (engine['perplexity'] / ours['perplexity'] - 1):+.2f}%" if ours else "",
+                f"{row['file_bytes'] / 2**20:.1f}",
+                ", ".join(f"{k} {v}" for k, v in sorted(row["tensor_types"].items())),
+            ]
+        )
     windows = settings["windows"] or "all"
-    head = (f"WikiText-2 test, {windows} windows of {settings['seq_len']} tokens, scored by llama.cpp "
-            f"{payload.get('llama_cpp_version', '')} ({settings['threads']} threads)")
-    return head + "\n\n" + format_table(
-        ["file", "llama.cpp ppl", "vs F32", "leanlm ppl", "leanlm, Q8_0 inputs", "llama.cpp vs leanlm", "MiB",
-         "tensor types"], lines, markdown=True)
+    head = (
+        f"WikiText-2 test, {windows} windows of {settings['seq_len']} tokens, scored by llama.cpp "
+        f"{payload.get('llama_cpp_version', '')} ({settings['threads']} threads)"
+    )
+    return (
+        head
+        + "\n\n"
+        + format_table(
+            [
+                "file",
+                "llama.cpp ppl",
+                "vs F32",
+                "leanlm ppl",
+                "leanlm, Q8_0 inputs",
+                "llama.cpp vs leanlm",
+                "MiB",
+                "tensor types",
+            ],
+            lines,
+            markdown=True,
+        )
+    )
 
 
 def plot_rows(payload: dict, path: Path) -> None:
@@ -140,8 +172,13 @@ def plot_rows(payload: dict, path: Path) -> None:
     values = [table[name]["llama_cpp"]["perplexity"] for name in names]
     ax.barh(names, values, color=["tab:blue" if name.startswith("leanlm") else "tab:gray" for name in names])
     for index, name in enumerate(names):
-        ax.text(values[index], index, f" {values[index]:.2f}  ({table[name]['file_bytes'] / 2**20:.0f} MiB)",
-                va="center", fontsize=8)
+        ax.text(
+            values[index],
+            index,
+            f" {values[index]:.2f}  ({table[name]['file_bytes'] / 2**20:.0f} MiB)",
+            va="center",
+            fontsize=8,
+        )
     ax.set_xlim(min(values) * 0.9, max(values) * 1.15)
     ax.set_xlabel("WikiText-2 perplexity, computed by llama.cpp")
     save_figure(fig, path, titled(payload, "GGUF files in llama.cpp"))
@@ -154,18 +191,30 @@ def main() -> None:
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-q8-inputs", action="store_true",
-                        help="skip the 'leanlm, Q8_0 inputs' column (a second leanlm evaluation of every quantized "
-                             "row: a full-test-set run is about 16 min shorter without it)")
-    parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-gguf",
-                        help="where the GGUF files and checkpoints are written (not kept in results)")
+    parser.add_argument(
+        "--no-q8-inputs",
+        action="store_true",
+        help="skip the 'leanlm, Q8_0 inputs' column (a second leanlm evaluation of every quantized "
+        "row: a full-test-set run is about 16 min shorter without it)",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-gguf",
+        help="where the GGUF files and checkpoints are written (not kept in results)",
+    )
     args = parser.parse_args()
     name = results_name("gguf_llama_cpp", args.model) + ("" if args.windows == 8 else f"_windows{args.windows}")
     if args.report:
         return print_report(name, report)
 
-    settings = {"windows": args.windows, "seq_len": args.seq_len, "calibration_samples": args.calib_samples,
-                "calibration_seq_len": args.calib_seq_len, "threads": args.threads}
+    settings = {
+        "windows": args.windows,
+        "seq_len": args.seq_len,
+        "calibration_samples": args.calib_samples,
+        "calibration_seq_len": args.calib_seq_len,
+        "threads": args.threads,
+    }
     if args.no_q8_inputs:  # recorded only when set, so that the runs before the flag keep their settings
         settings["q8_inputs"] = False
     study = Study(name, settings, args, plot=plot_rows)
@@ -201,8 +250,13 @@ def main() -> None:
             elif isinstance(recipe, tuple):
                 _, kind, weighted = recipe
                 importance = importance_matrix(loaded.model, calibration.batches()) if weighted else None
-                path = quantize_gguf(float_file, work / f"{row.replace(' ', '_')}.gguf", kind, threads=args.threads,
-                                     importance=importance)
+                path = quantize_gguf(
+                    float_file,
+                    work / f"{row.replace(' ', '_')}.gguf",
+                    kind,
+                    threads=args.threads,
+                    importance=importance,
+                )
             else:
                 model = copy.deepcopy(loaded.model)
                 record = quantize_(model, recipe, calibration=calibration)
@@ -219,8 +273,16 @@ def main() -> None:
         value = {**describe_file(path), "llama_cpp": scored, "peak_rss_bytes": memory.peak_bytes}
         if ours is not None:
             value["leanlm"] = ours
-        study.record("rows", row, value, summary=lambda v: f"llama.cpp {v['llama_cpp']['perplexity']:.3f}" + (
-            f", leanlm {v['leanlm']['perplexity']:.3f}" if "leanlm" in v else "") + f", {v['file_bytes']:,} bytes")
+        study.record(
+            "rows",
+            row,
+            value,
+            summary=lambda v: (
+                f"llama.cpp {v['llama_cpp']['perplexity']:.3f}"
+                + (f", leanlm {v['leanlm']['perplexity']:.3f}" if "leanlm" in v else "")
+                + f", {v['file_bytes']:,} bytes"
+            ),
+        )
     print(report(study.payload))
     print(f"wrote {study.path}")
 

@@ -50,16 +50,17 @@ def rows(calibration: dict) -> dict[str, RTNConfig | GPTQConfig | SpQRConfig | N
         # tau 0.2: about 4.06 bits, below GPTQ 4-bit's 4.34), and larger groups with almost no outliers (about
         # 3.4 bits, beside GPTQ 3-bit's 3.34).
         "SpQR 3-bit base, tau 0.3": SpQRConfig(bits=3, beta1=16, beta2=16, outlier_threshold=0.3, **calibration),
-        "SpQR 3-bit base, beta 32, tau 1": SpQRConfig(bits=3, beta1=32, beta2=32, outlier_threshold=1.0,
-                                                       **calibration),
+        "SpQR 3-bit base, beta 32, tau 1": SpQRConfig(bits=3, beta1=32, beta2=32, outlier_threshold=1.0, **calibration),
         # SmolLM2's weights are de-quantized Q4_1: 4-bit min-max codes in blocks of 32 consecutive inputs, so a
         # 4-bit base in groups of 32 taken in column order sits on their own grid, and 8-bit statistics keep the
         # grid almost exactly (about 4.6 bits). The act-order row beside it separates that grid from the
         # statistics' extra bits; Gemma (mostly Q5_0, plus Q4_K with searched scales and Q6_K) is the control.
         "SpQR 4-bit base, beta 32, 8-bit statistics, tau 1": SpQRConfig(
-            bits=4, beta1=32, beta2=32, outlier_threshold=1.0, statistic_bits=8, **calibration),
+            bits=4, beta1=32, beta2=32, outlier_threshold=1.0, statistic_bits=8, **calibration
+        ),
         "SpQR 4-bit base, beta 32, 8-bit statistics, tau 1, column order": SpQRConfig(
-            bits=4, beta1=32, beta2=32, outlier_threshold=1.0, statistic_bits=8, act_order=False, **calibration),
+            bits=4, beta1=32, beta2=32, outlier_threshold=1.0, statistic_bits=8, act_order=False, **calibration
+        ),
     }
 
 
@@ -93,8 +94,11 @@ def bench_speed(repeats: int) -> dict:
     hessian = 2 * inputs.T @ inputs / len(inputs)
     settings = SolverSettings(bits=4, group_size=16, statistic_bits=3, outlier_threshold=0.2, damping=1.0)
     quantized = SpQRLinear.from_solved(solve(linear.weight, hessian, settings), settings, None)
-    results = {"outlier_rate": quantized.outlier_count / linear.weight.numel(),
-               "bits_per_weight": quantized.bits_per_weight(), "cpu": cpu_description()}
+    results = {
+        "outlier_rate": quantized.outlier_count / linear.weight.numel(),
+        "bits_per_weight": quantized.bits_per_weight(),
+        "cpu": cpu_description(),
+    }
     for m in (1, 512):
         x = torch.randn(m, 4096)
         exact = linear(x).detach()
@@ -123,32 +127,63 @@ def plot_results(payload: dict, path) -> None:
 def report(payload: dict) -> str:
     rows = payload.get("table", {})
     fp32 = rows.get("FP32", {}).get("wikitext2")
-    table = [[n, r["avg_bits"] or 32.0, None if r["outlier_rate"] is None else f"{100 * r['outlier_rate']:.2f}%",
-              r["wikitext2"], f"{100 * (r['wikitext2'] / fp32 - 1):+.1f}%" if fp32 and r["avg_bits"] else None, r["ptb"],
-              None if r["quantize_seconds"] is None else f"{r['quantize_seconds']:.0f} s"] for n, r in rows.items()]
-    out = format_table(["method", "avg bits (measured)", "outlier rate", "WikiText-2 ppl", "vs FP32", "PTB ppl",
-                        "quantization wall time"], table, markdown=True)
+    table = [
+        [
+            n,
+            r["avg_bits"] or 32.0,
+            None if r["outlier_rate"] is None else f"{100 * r['outlier_rate']:.2f}%",
+            r["wikitext2"],
+            f"{100 * (r['wikitext2'] / fp32 - 1):+.1f}%" if fp32 and r["avg_bits"] else None,
+            r["ptb"],
+            None if r["quantize_seconds"] is None else f"{r['quantize_seconds']:.0f} s",
+        ]
+        for n, r in rows.items()
+    ]
+    out = format_table(
+        [
+            "method",
+            "avg bits (measured)",
+            "outlier rate",
+            "WikiText-2 ppl",
+            "vs FP32",
+            "PTB ppl",
+            "quantization wall time",
+        ],
+        table,
+        markdown=True,
+    )
     speed = payload.get("speed_4096", {})
     if "bf16" in speed.get("1", {}):  # measured with the bf16 reference
-        out += (f"\n\nSpQRLinear, 4096 x 4096, {speed['bits_per_weight']:.2f} bits per weight, on {speed['cpu']}: ms "
-                "(speed-up over the best float path)\n\n" + speed_table({m: speed[m] for m in ("1", "512")}, extra={
-                    "rel. error": lambda row: f"{row['leanlm spqr']['relative_error']:.3f}"}))
+        out += (
+            f"\n\nSpQRLinear, 4096 x 4096, {speed['bits_per_weight']:.2f} bits per weight, on {speed['cpu']}: ms "
+            "(speed-up over the best float path)\n\n"
+            + speed_table(
+                {m: speed[m] for m in ("1", "512")},
+                extra={"rel. error": lambda row: f"{row['leanlm spqr']['relative_error']:.3f}"},
+            )
+        )
     return out
 
 
 def table_row(result: dict, record) -> dict:
     record = record or {}
-    return {"wikitext2": result["wikitext2"]["perplexity"], "ptb": result["ptb"]["perplexity"],
-            "avg_bits": record.get("avg_bits"), "outlier_rate": record.get("outlier_rate"),
-            "quantize_seconds": record.get("seconds"),
-            "config": {k: v for k, v in record.items() if k not in ("avg_bits", "outlier_rate", "seconds")} or None,
-            "results": result}
+    return {
+        "wikitext2": result["wikitext2"]["perplexity"],
+        "ptb": result["ptb"]["perplexity"],
+        "avg_bits": record.get("avg_bits"),
+        "outlier_rate": record.get("outlier_rate"),
+        "quantize_seconds": record.get("seconds"),
+        "config": {k: v for k, v in record.items() if k not in ("avg_bits", "outlier_rate", "seconds")} or None,
+        "results": result,
+    }
 
 
 def summary(row: dict) -> str:
-    return (f"wikitext2 {row['wikitext2']:.3f}, ptb {row['ptb']:.3f}"
-            + (f", {row['avg_bits']:.3f} bits, {100 * row['outlier_rate']:.2f}% outliers, "
-               f"{row['quantize_seconds']:.0f} s" if row["avg_bits"] is not None else ""))
+    return f"wikitext2 {row['wikitext2']:.3f}, ptb {row['ptb']:.3f}" + (
+        f", {row['avg_bits']:.3f} bits, {100 * row['outlier_rate']:.2f}% outliers, {row['quantize_seconds']:.0f} s"
+        if row["avg_bits"] is not None
+        else ""
+    )
 
 
 def main() -> None:
@@ -166,17 +201,31 @@ def main() -> None:
     settings = EvalSettings(tasks=("wikitext2", "ptb"), max_tokens=args.max_tokens, seq_len=args.seq_len)
     calibration = dict(calibration_samples=args.calib_samples)
     # The kernel's speed and the grid alignment do not depend on the evaluation settings.
-    study = Study(name, {**vars(settings), **calibration, "calibration_seq_len": args.calib_seq_len}, args,
-                  plot=plot_results, independent=("speed_4096", "grid_alignment"))
+    study = Study(
+        name,
+        {**vars(settings), **calibration, "calibration_seq_len": args.calib_seq_len},
+        args,
+        plot=plot_results,
+        independent=("speed_4096", "grid_alignment"),
+    )
     loaded = study.load_model(args.model)
 
     data = Calibration(loaded.tokenizer, samples=args.calib_samples, seq_len=args.calib_seq_len)
-    study.quantized_rows("table", loaded.model, rows(calibration), lambda model, record: table_row(
-        evaluate(model, loaded.tokenizer, settings)["results"], record), calibration=data, summary=summary)
+    study.quantized_rows(
+        "table",
+        loaded.model,
+        rows(calibration),
+        lambda model, record: table_row(evaluate(model, loaded.tokenizer, settings)["results"], record),
+        calibration=data,
+        summary=summary,
+    )
     if study.pending("grid_alignment"):
         study.set("grid_alignment", {"bits": 4, "relative_error_by_group": grid_alignment(loaded.model)})
-        print(f"4-bit min-max rounding, relative weight error by group size: "
-              f"{study.payload['grid_alignment']['relative_error_by_group']}", flush=True)
+        print(
+            f"4-bit min-max rounding, relative weight error by group size: "
+            f"{study.payload['grid_alignment']['relative_error_by_group']}",
+            flush=True,
+        )
     if study.pending("speed_4096"):
         study.set("speed_4096", bench_speed(args.repeats))
     print(report(study.payload))

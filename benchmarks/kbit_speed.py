@@ -6,7 +6,7 @@ decode tokens/s in FP32, BF16 and with every block linear in leanlm NF4 + DQ. Sp
 path at each M. NF4 without double quantization is no row of its own: the kernel reads the same float32 block
 constants either way (double quantization is decoded once, when the layer first runs), so it would time the same
 code on the same inputs twice.
-Then, in a child process, the same linear as a CPU without AVX512-BF16 runs it (the brief's AVX2 machine):
+Then, in a child process, the same linear as a CPU without AVX512-BF16 runs it (an AVX2-only machine):
 bitsandbytes with that feature hidden from it (it then de-quantizes and calls FP32 `linear`) beside leanlm's
 AVX2 kernel. And each 3-, 4- and 8-bit kernel's batch-1 streaming speed beside the machine's read bandwidth (the
 `bandwidth` part), with the whole-weight de-quantization 3-bit layers ran before they had a kernel. Writes benchmarks/results/kbit_speed.json + .png.
@@ -88,8 +88,14 @@ def hide_avx512bf16_from_bitsandbytes() -> None:
 def bitsandbytes_nf4(linear: nn.Linear) -> nn.Module:
     import bitsandbytes as bnb
 
-    module = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                               compute_dtype=torch.float32, quant_type="nf4", compress_statistics=True)
+    module = bnb.nn.Linear4bit(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        compute_dtype=torch.float32,
+        quant_type="nf4",
+        compress_statistics=True,
+    )
     module.load_state_dict(linear.state_dict())
     return module.to("cpu").eval()  # the move quantizes
 
@@ -110,16 +116,26 @@ def bench_linear(repeats: int, without_avx512bf16: bool = False) -> dict:
     linear = nn.Linear(4096, 4096, bias=False)
     if without_avx512bf16:
         # No bf16 column: on a CPU without bf16 instructions float32 is the best float path (bf16 is emulated).
-        modules = {"fp32": linear, "leanlm nf4+dq avx2": leanlm_nf4(linear, "avx2"),
-                   "bitsandbytes nf4": bitsandbytes_nf4(linear)}
+        modules = {
+            "fp32": linear,
+            "leanlm nf4+dq avx2": leanlm_nf4(linear, "avx2"),
+            "bitsandbytes nf4": bitsandbytes_nf4(linear),
+        }
         if modules["bitsandbytes nf4"].support_avx512bf16_for_cpu:
             raise RuntimeError("bitsandbytes still sees AVX512-BF16; the emulation did not take")
     else:
-        modules = {**float_paths(linear), "leanlm nf4+dq": leanlm_nf4(linear),
-                   "leanlm nf4+dq avx2": leanlm_nf4(linear, "avx2"), "bitsandbytes nf4": bitsandbytes_nf4(linear),
-                   "torchao nf4": TorchaoNF4Linear(linear)}
-    results = {"weight_bytes": {name: weight_bytes(m) for name, m in modules.items()}, "kernels": kernel_isas(),
-               "cpu": cpu_description()}
+        modules = {
+            **float_paths(linear),
+            "leanlm nf4+dq": leanlm_nf4(linear),
+            "leanlm nf4+dq avx2": leanlm_nf4(linear, "avx2"),
+            "bitsandbytes nf4": bitsandbytes_nf4(linear),
+            "torchao nf4": TorchaoNF4Linear(linear),
+        }
+    results = {
+        "weight_bytes": {name: weight_bytes(m) for name, m in modules.items()},
+        "kernels": kernel_isas(),
+        "cpu": cpu_description(),
+    }
     for m in ROWS:
         x = torch.randn(m, 4096)
         with torch.inference_mode():
@@ -130,8 +146,12 @@ def bench_linear(repeats: int, without_avx512bf16: bool = False) -> dict:
                 if f"{peer} nf4" in entry:
                     entry[name][f"speedup_vs_{peer}"] = entry[f"{peer} nf4"]["median_ms"] / entry[name]["median_ms"]
         results[str(m)] = entry
-        print(f"M={m}: " + ", ".join(f"{n} {v['median_ms']:.2f} ms ({v['speedup_vs_best_float']:.2f}x)"
-                                     for n, v in entry.items()), file=sys.stderr, flush=True)
+        print(
+            f"M={m}: "
+            + ", ".join(f"{n} {v['median_ms']:.2f} ms ({v['speedup_vs_best_float']:.2f}x)" for n, v in entry.items()),
+            file=sys.stderr,
+            flush=True,
+        )
     return results
 
 
@@ -164,8 +184,7 @@ def read_bandwidth(array: torch.Tensor) -> float:
     return array.numel() * array.element_size() / (time.perf_counter() - started)
 
 
-def _streamed_layer(weight: torch.Tensor, kind: str, isa: str, double_quant: bool, bits: int, block: int,
-                    built: dict):
+def _streamed_layer(weight: torch.Tensor, kind: str, isa: str, double_quant: bool, bits: int, block: int, built: dict):
     """(a one-token call through the variant's kernel, the bytes it reads: codes and constants); one layer per
     format, shared by the variants that differ only in the kernel."""
     key = (kind, double_quant, bits, block)
@@ -183,12 +202,13 @@ def _streamed_layer(weight: torch.Tensor, kind: str, isa: str, double_quant: boo
     def run(x):
         layer.backend, layer.kernel_isa = ("reference", "auto") if isa == "reference" else ("avx2", isa)
         return layer(x)
+
     return run, layer.bits_per_weight() * layer.in_features * layer.out_features / 8
 
 
 def bench_bandwidth(repeats: int) -> dict:
     """Batch-1 speed of each 3-, 4- and 8-bit kernel (and the one-token W8A8 kernel) as bytes of weight read per second,
-    beside the machine's read bandwidth (issue 27 asks >= 70% of it): BANDWIDTH_LAYERS weights of BANDWIDTH_SHAPE
+    beside the machine's read bandwidth (the share of it the kernel reaches): BANDWIDTH_LAYERS weights of BANDWIDTH_SHAPE
     run in turn, so every call reads its weight from memory; the read bandwidth is a two-thread torch.sum of a
     256 MB float32 array, timed in the same rounds (interleaved), medians over `repeats` rounds."""
     torch.manual_seed(0)
@@ -214,13 +234,15 @@ def bench_bandwidth(repeats: int) -> dict:
                     samples[name].append(sum(stored for _, stored in layers[name]) / seconds)
             if round_index:
                 samples["read bandwidth"].append(read)
-    result = {name: {"bytes_per_second": statistics.median(values), "samples": values}
-              for name, values in samples.items()}
+    result = {
+        name: {"bytes_per_second": statistics.median(values), "samples": values} for name, values in samples.items()
+    }
     weights = BANDWIDTH_LAYERS * BANDWIDTH_SHAPE[0] * BANDWIDTH_SHAPE[1]
     for name in variants:
         stored = sum(stored for _, stored in layers[name])
-        result[name]["share_of_read_bandwidth"] = (result[name]["bytes_per_second"]
-                                                   / result["read bandwidth"]["bytes_per_second"])
+        result[name]["share_of_read_bandwidth"] = (
+            result[name]["bytes_per_second"] / result["read bandwidth"]["bytes_per_second"]
+        )
         result[name]["weights_per_second"] = result[name]["bytes_per_second"] * weights / stored
     result["cpu"] = cpu_description()
     return result
@@ -244,8 +266,11 @@ def bench_decode(model_name: str, new_tokens: int) -> dict:
     results = {}
     for name, model in {"fp32": loaded.model, "bf16": bf16, "leanlm nf4+dq": nf4}.items():
         tokens_per_second = decode_tokens_per_second(model, prompt, new_tokens)
-        results[name] = {"tokens_per_second": tokens_per_second, "ms_per_token": 1e3 / tokens_per_second,
-                         "weight_bytes": weight_bytes(model)}
+        results[name] = {
+            "tokens_per_second": tokens_per_second,
+            "ms_per_token": 1e3 / tokens_per_second,
+            "weight_bytes": weight_bytes(model),
+        }
         print(f"decode {name}: {tokens_per_second:.1f} tok/s", flush=True)
     add_speedups(results, "ms_per_token")
     results["note"] = loaded.weights_note
@@ -262,33 +287,79 @@ def report(payload: dict) -> str:
     out = []
     if "linear_4096" in payload:
         entries = payload["linear_4096"]
-        out += [f"4096 x 4096 linear on {entries.get('cpu', 'this CPU')}, ms (speed-up over the best float path, "
-                "or over fp32 where no bf16 was measured):",
-                speed_table({m: entries[m] for m in map(str, ROWS)}, NAMES, extra={
-                    "leanlm nf4+dq / bitsandbytes": lambda row: f"{row['leanlm nf4+dq']['speedup_vs_bitsandbytes']:.2f}x"})]
+        out += [
+            f"4096 x 4096 linear on {entries.get('cpu', 'this CPU')}, ms (speed-up over the best float path, "
+            "or over fp32 where no bf16 was measured):",
+            speed_table(
+                {m: entries[m] for m in map(str, ROWS)},
+                NAMES,
+                extra={
+                    "leanlm nf4+dq / bitsandbytes": lambda row: (
+                        f"{row['leanlm nf4+dq']['speedup_vs_bitsandbytes']:.2f}x"
+                    )
+                },
+            ),
+        ]
     if "linear_4096_without_avx512bf16" in payload:
         entries = payload["linear_4096_without_avx512bf16"]
-        out += ["", "without AVX512-BF16 (bitsandbytes with the feature hidden; leanlm's AVX2 kernel):",
-                speed_table({m: entries[m] for m in map(str, ROWS)}, AVX2_NAMES, extra={
-                    "leanlm nf4+dq avx2 / bitsandbytes":
-                        lambda row: f"{row['leanlm nf4+dq avx2']['speedup_vs_bitsandbytes']:.2f}x"})]
+        out += [
+            "",
+            "without AVX512-BF16 (bitsandbytes with the feature hidden; leanlm's AVX2 kernel):",
+            speed_table(
+                {m: entries[m] for m in map(str, ROWS)},
+                AVX2_NAMES,
+                extra={
+                    "leanlm nf4+dq avx2 / bitsandbytes": lambda row: (
+                        f"{row['leanlm nf4+dq avx2']['speedup_vs_bitsandbytes']:.2f}x"
+                    )
+                },
+            ),
+        ]
     if "bandwidth" in payload:
         entries = payload["bandwidth"]
         read = entries["read bandwidth"]["bytes_per_second"]
-        rows = [[name, f"{entry['bytes_per_second'] / 1e9:.2f}", f"{100 * entry['share_of_read_bandwidth']:.0f}%",
-                 f"{entry['weights_per_second'] / 1e9:.2f}" if "weights_per_second" in entry else ""]
-                for name, entry in entries.items() if name not in ("cpu", "read bandwidth")]
-        out += ["", f"batch-1 streaming on {entries['cpu']}: {BANDWIDTH_LAYERS} weights of {BANDWIDTH_SHAPE[0]} x "
-                f"{BANDWIDTH_SHAPE[1]} in turn, GB of stored weight read per second; the machine reads "
-                f"{read / 1e9:.1f} GB/s (two-thread sum of 256 MB, same rounds):",
-                format_table(["kernel", "GB/s", "of read bandwidth", "G weights/s"], rows, markdown=True)]
+        rows = [
+            [
+                name,
+                f"{entry['bytes_per_second'] / 1e9:.2f}",
+                f"{100 * entry['share_of_read_bandwidth']:.0f}%",
+                f"{entry['weights_per_second'] / 1e9:.2f}" if "weights_per_second" in entry else "",
+            ]
+            for name, entry in entries.items()
+            if name not in ("cpu", "read bandwidth")
+        ]
+        out += [
+            "",
+            f"batch-1 streaming on {entries['cpu']}: {BANDWIDTH_LAYERS} weights of {BANDWIDTH_SHAPE[0]} x "
+            f"{BANDWIDTH_SHAPE[1]} in turn, GB of stored weight read per second; the machine reads "
+            f"{read / 1e9:.1f} GB/s (two-thread sum of 256 MB, same rounds):",
+            format_table(["kernel", "GB/s", "of read bandwidth", "G weights/s"], rows, markdown=True),
+        ]
     if "decode" in payload:
         decode = payload["decode"]
-        out += ["", "batch-1 greedy decode, tokens/s:", format_table(
-            ["model", *(name for name in decode if name != "note")],
-            [[payload["settings"]["model"], *(f"{entry['tokens_per_second']:.1f}" + (
-                "" if name in ("fp32", "bf16") else f" ({entry.get('speedup_vs_best_float', entry['speedup_vs_fp32']):.2f}x)")
-                for name, entry in decode.items() if name != "note")]], markdown=True)]
+        out += [
+            "",
+            "batch-1 greedy decode, tokens/s:",
+            format_table(
+                ["model", *(name for name in decode if name != "note")],
+                [
+                    [
+                        payload["settings"]["model"],
+                        *(
+                            f"{entry['tokens_per_second']:.1f}"
+                            + (
+                                ""
+                                if name in ("fp32", "bf16")
+                                else f" ({entry.get('speedup_vs_best_float', entry['speedup_vs_fp32']):.2f}x)"
+                            )
+                            for name, entry in decode.items()
+                            if name != "note"
+                        ),
+                    ]
+                ],
+                markdown=True,
+            ),
+        ]
     return "\n".join(out)
 
 
@@ -297,11 +368,20 @@ def plot(payload: dict, path) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
     decode = payload["decode"]
-    panels = [(payload["linear_4096"], NAMES, f"{payload['linear_4096']['cpu']}; {payload['settings']['model']} "
-               f"decode: fp32 {decode['fp32']['tokens_per_second']:.1f}, bf16 {decode['bf16']['tokens_per_second']:.1f}, "
-               f"leanlm nf4+dq {decode['leanlm nf4+dq']['tokens_per_second']:.1f} tok/s"),
-              (payload["linear_4096_without_avx512bf16"], AVX2_NAMES,
-               "without AVX512-BF16 (bitsandbytes with the feature hidden)")]
+    panels = [
+        (
+            payload["linear_4096"],
+            NAMES,
+            f"{payload['linear_4096']['cpu']}; {payload['settings']['model']} "
+            f"decode: fp32 {decode['fp32']['tokens_per_second']:.1f}, bf16 {decode['bf16']['tokens_per_second']:.1f}, "
+            f"leanlm nf4+dq {decode['leanlm nf4+dq']['tokens_per_second']:.1f} tok/s",
+        ),
+        (
+            payload["linear_4096_without_avx512bf16"],
+            AVX2_NAMES,
+            "without AVX512-BF16 (bitsandbytes with the feature hidden)",
+        ),
+    ]
     for ax, (entries, shown, title) in zip(axes, panels):
         for name in shown[1:]:
             ax.plot(ROWS, [entries[str(m)][name]["speedup_vs_best_float"] for m in ROWS], marker="o", label=name)
@@ -319,8 +399,11 @@ def main() -> None:
     parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--without-avx512bf16", action="store_true",
-                        help="only the linear as a CPU without AVX512-BF16 runs it; print its results as JSON")
+    parser.add_argument(
+        "--without-avx512bf16",
+        action="store_true",
+        help="only the linear as a CPU without AVX512-BF16 runs it; print its results as JSON",
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.without_avx512bf16:
@@ -328,8 +411,9 @@ def main() -> None:
         return
     if args.report:
         return print_report("kbit_speed", report)
-    study = Study("kbit_speed", {"model": args.model, "repeats": args.repeats, "new_tokens": args.new_tokens}, args,
-                  plot=plot)
+    study = Study(
+        "kbit_speed", {"model": args.model, "repeats": args.repeats, "new_tokens": args.new_tokens}, args, plot=plot
+    )
     if study.pending("linear_4096"):
         study.set("linear_4096", bench_linear(args.repeats))
     if study.pending("bandwidth"):
@@ -338,8 +422,12 @@ def main() -> None:
         study.set("decode", bench_decode(args.model, args.new_tokens))
     if study.pending("linear_4096_without_avx512bf16"):
         # Its own process: bitsandbytes decides at import which CPU kernels to register.
-        child = subprocess.run([sys.executable, __file__, "--without-avx512bf16", "--repeats", str(args.repeats)],
-                               stdout=subprocess.PIPE, check=True, text=True)
+        child = subprocess.run(
+            [sys.executable, __file__, "--without-avx512bf16", "--repeats", str(args.repeats)],
+            stdout=subprocess.PIPE,
+            check=True,
+            text=True,
+        )
         study.set("linear_4096_without_avx512bf16", json.loads(child.stdout))
     print(report(study.payload))
     print(f"wrote {study.path}")

@@ -1,11 +1,11 @@
-"""Bit-level scaling sweep (thesis ch. 3, Figs 3.2/3.3): WikiText-2 perplexity against total model bits for every
+"""Bit-level scaling sweep (Dettmers' thesis ch. 3, Figs 3.2/3.3): WikiText-2 perplexity against total model bits for every
 data type x bits 3..8 x block size {32, 64, 128, 256, per-row}, one model per run.
 
 Each configuration quantizes every block linear with `quantize_(model, KbitConfig(...))` (so the bits are the
 measured storage of the packed checkpoint) and is then evaluated with the de-quantized weights in plain float32
 linears (the same numbers the k-bit kernel computes, at FP32 speed, so the sweep's cost is the evaluation alone).
 Total model bits count the quantized linears at their measured bits and everything else (embeddings, norms,
-lm_head) at 16 bits, as the thesis does. Results are written after every configuration; `--resume` skips finished
+lm_head) at 16 bits, as Dettmers' thesis does. Results are written after every configuration; `--resume` skips finished
 ones.
 
     python benchmarks/kbit_sweep.py --resume                     # first 16384 WikiText-2 tokens per point
@@ -59,8 +59,11 @@ def total_bits(model: nn.Module, avg_bits: float | None) -> float:
 def type_by_bits_table(cells: dict[tuple[str, int], str]) -> str:
     """A markdown table with a row per data type and a column per width, of the (dtype, bits) cells given."""
     bits = sorted({b for _, b in cells})
-    rows = [[dtype, *(cells.get((dtype, b), "-") for b in bits)]
-            for dtype in DTYPES if any((dtype, b) in cells for b in bits)]
+    rows = [
+        [dtype, *(cells.get((dtype, b), "-") for b in bits)]
+        for dtype in DTYPES
+        if any((dtype, b) in cells for b in bits)
+    ]
     return format_table(["data type", *(f"{b}-bit" for b in bits)], rows, markdown=True)
 
 
@@ -76,16 +79,32 @@ def report(payload: dict) -> str:
         entry = point["zero_shot"]
         return f"{entry['average']:.4f}" + (f" ({entry['limit']} items)" if entry["limit"] != limit else "")
 
-    tables = [("perplexity @ bits per weight", fp32.get("perplexity"), ".3f", "perplexity",
-               lambda p: f"{p['perplexity']:.2f} @ {p['avg_bits']:.2f}"),
-              (f"zero-shot average, {limit} items per task", fp32_zero_shot.get("average"), ".4f", "zero_shot",
-               zero_shot_cell)]
+    tables = [
+        (
+            "perplexity @ bits per weight",
+            fp32.get("perplexity"),
+            ".3f",
+            "perplexity",
+            lambda p: f"{p['perplexity']:.2f} @ {p['avg_bits']:.2f}",
+        ),
+        (
+            f"zero-shot average, {limit} items per task",
+            fp32_zero_shot.get("average"),
+            ".4f",
+            "zero_shot",
+            zero_shot_cell,
+        ),
+    ]
     for block in BLOCKS:
         for title, reference, style, field, cell in tables:
             cells = {(p["dtype"], p["bits"]): cell(p) for p in points.values() if p["block"] == block and field in p}
             if cells:
-                out += [f"block {block}" + (f" (FP32 {reference:{style}})" if reference else "") + f": {title}", "",
-                        type_by_bits_table(cells), ""]
+                out += [
+                    f"block {block}" + (f" (FP32 {reference:{style}})" if reference else "") + f": {title}",
+                    "",
+                    type_by_bits_table(cells),
+                    "",
+                ]
     # Ten items per task make one block's zero-shot cell noisy (one item is 1.7 points); the mean over the block
     # sizes pools five such measurements per data type and width.
     pooled = {}
@@ -93,9 +112,13 @@ def report(payload: dict) -> str:
         if "zero_shot" in p and p["zero_shot"]["limit"] == limit:
             pooled.setdefault((p["dtype"], p["bits"]), []).append(p["zero_shot"]["average"])
     if pooled:
-        out += [f"mean over block sizes (FP32 {fp32_zero_shot['average']:.4f}): zero-shot average, {limit} items "
-                "per task (number of block sizes)", "",
-                type_by_bits_table({key: f"{sum(v) / len(v):.4f} ({len(v)})" for key, v in pooled.items()}), ""]
+        out += [
+            f"mean over block sizes (FP32 {fp32_zero_shot['average']:.4f}): zero-shot average, {limit} items "
+            "per task (number of block sizes)",
+            "",
+            type_by_bits_table({key: f"{sum(v) / len(v):.4f} ({len(v)})" for key, v in pooled.items()}),
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -112,18 +135,31 @@ def plot_sweep(payload: dict, png) -> None:
     limit = payload["zero_shot_limit"]
     metrics = ["perplexity"] + (["zero_shot_average"] if limit else [])
     fig, axes = plt.subplots(len(metrics), 2, figsize=(13, 4.5 * len(metrics)), squeeze=False)
-    panels = [(metric, f"{label}: {view}", keep, series)
-              for metric, label in zip(metrics, ["perplexity", f"zero-shot ({limit} items per task)"])
-              for view, keep, series in [("data types (block 64)", lambda p: p["block"] == "64", "dtype"),
-                                         ("block sizes (NF)", lambda p: p["dtype"] == "nf", "block")]]
+    panels = [
+        (metric, f"{label}: {view}", keep, series)
+        for metric, label in zip(metrics, ["perplexity", f"zero-shot ({limit} items per task)"])
+        for view, keep, series in [
+            ("data types (block 64)", lambda p: p["block"] == "64", "dtype"),
+            ("block sizes (NF)", lambda p: p["dtype"] == "nf", "block"),
+        ]
+    ]
     for ax, (metric, title, keep, series) in zip(axes.flat, panels):
-        for value in (DTYPES if series == "dtype" else BLOCKS):
-            points = sorted((p for p in payload.get("points", {}).values()
-                             if keep(p) and p[series] == value and measured(p, metric, limit) is not None),
-                            key=lambda p: p["total_bits"])
+        for value in DTYPES if series == "dtype" else BLOCKS:
+            points = sorted(
+                (
+                    p
+                    for p in payload.get("points", {}).values()
+                    if keep(p) and p[series] == value and measured(p, metric, limit) is not None
+                ),
+                key=lambda p: p["total_bits"],
+            )
             if points:
-                ax.plot([p["total_bits"] for p in points], [measured(p, metric, limit) for p in points], marker="o",
-                        label=value if series == "dtype" else f"block {value}")
+                ax.plot(
+                    [p["total_bits"] for p in points],
+                    [measured(p, metric, limit) for p in points],
+                    marker="o",
+                    label=value if series == "dtype" else f"block {value}",
+                )
         if measured(payload.get("fp32", {}), metric, limit) is not None:
             ax.axhline(measured(payload["fp32"], metric, limit), color="black", linestyle=":", label="fp32")
         ax.set_xscale("log")
@@ -144,8 +180,12 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--bits", nargs="*", type=int, default=[3, 4, 5, 6, 7, 8])
     parser.add_argument("--blocks", nargs="*", default=list(BLOCKS), choices=BLOCKS)
-    parser.add_argument("--zero-shot-limit", type=int, default=0,
-                        help="items per zero-shot task for the points of --zero-shot-blocks (0: perplexity only)")
+    parser.add_argument(
+        "--zero-shot-limit",
+        type=int,
+        default=0,
+        help="items per zero-shot task for the points of --zero-shot-blocks (0: perplexity only)",
+    )
     parser.add_argument("--zero-shot-blocks", nargs="*", default=["64"], choices=BLOCKS)
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -173,14 +213,19 @@ def main() -> None:
     fp32["total_bits"] = total_bits(loaded.model, None)
     study.set("fp32", evaluate_point(loaded.model, fp32, zero_shot is not None))
     # Block 64 first (the data-type comparison), so that a run stopped early has the most telling points.
-    plans = {f"{dtype}{bits}-{block}": (dtype, bits, block) for block in sorted(args.blocks, key=lambda b: b != "64")
-             for dtype in args.dtypes for bits in args.bits}
+    plans = {
+        f"{dtype}{bits}-{block}": (dtype, bits, block)
+        for block in sorted(args.blocks, key=lambda b: b != "64")
+        for dtype in args.dtypes
+        for bits in args.bits
+    }
     order = list(study.rows("points")) + [key for key in plans if key not in study.rows("points")]
 
     def done(point: dict) -> bool:  # a point needs its zero-shot average too where this run measures it
         wants_zero_shot = zero_shot is not None and point["block"] in args.zero_shot_blocks
-        return "perplexity" in point and (not wants_zero_shot
-                                          or measured(point, "zero_shot_average", args.zero_shot_limit) is not None)
+        return "perplexity" in point and (
+            not wants_zero_shot or measured(point, "zero_shot_average", args.zero_shot_limit) is not None
+        )
 
     for key in study.todo("points", order, done):
         if key not in plans:
@@ -190,12 +235,26 @@ def main() -> None:
         started = time.perf_counter()
         config = KbitConfig(dtype=dtype, bits=bits, block_size=None if block == "row" else int(block))
         model, record = dequantized_copy(loaded.model, config)
-        point.update({"dtype": dtype, "bits": bits, "block": block, "avg_bits": record["avg_bits"],
-                      "total_bits": total_bits(loaded.model, record["avg_bits"])})
+        point.update(
+            {
+                "dtype": dtype,
+                "bits": bits,
+                "block": block,
+                "avg_bits": record["avg_bits"],
+                "total_bits": total_bits(loaded.model, record["avg_bits"]),
+            }
+        )
         evaluate_point(model, point, zero_shot is not None and block in args.zero_shot_blocks)
         point["seconds"] = point.get("seconds", 0.0) + time.perf_counter() - started
-        study.record("points", key, point, summary=lambda p: f"{p['perplexity']:.3f} at {p['avg_bits']:.3f} bits/weight"
-                     + (f", zero-shot {p['zero_shot']['average']:.4f}" if "zero_shot" in p else ""))
+        study.record(
+            "points",
+            key,
+            point,
+            summary=lambda p: (
+                f"{p['perplexity']:.3f} at {p['avg_bits']:.3f} bits/weight"
+                + (f", zero-shot {p['zero_shot']['average']:.4f}" if "zero_shot" in p else "")
+            ),
+        )
     study.save()
     print(f"wrote {study.path}")
 

@@ -1,4 +1,4 @@
-"""LLM.int8() on one model: thesis Table 2.1's quantizers, the outlier-threshold sweep, and speed against
+"""LLM.int8() on one model: Dettmers' thesis Table 2.1's quantizers, the outlier-threshold sweep, and speed against
 bitsandbytes' Linear8bitLt (threshold 6.0, eval mode), side by side in one process.
 Writes benchmarks/results/llm_int8.json + .png.
 
@@ -55,9 +55,13 @@ def float_dims_share(model: nn.Module) -> float:
 def bench_linear(rows: list[int], repeats: int) -> dict:
     torch.manual_seed(0)
     linear = nn.Linear(4096, 4096, bias=False)
-    modules = {**float_paths(linear), "leanlm llm-int8": W8A8Linear.from_float(
-        linear.weight, None, "per_channel", activation="per_token", outlier_threshold=6.0),
-        "bitsandbytes llm-int8": bitsandbytes_int8_linear(linear, threshold=6.0)}
+    modules = {
+        **float_paths(linear),
+        "leanlm llm-int8": W8A8Linear.from_float(
+            linear.weight, None, "per_channel", activation="per_token", outlier_threshold=6.0
+        ),
+        "bitsandbytes llm-int8": bitsandbytes_int8_linear(linear, threshold=6.0),
+    }
     results = {"cpu": cpu_description()}
     for m in rows:
         x = torch.randn(m, 4096)
@@ -65,10 +69,14 @@ def bench_linear(rows: list[int], repeats: int) -> dict:
         exact = linear(x).detach()
         entry = time_modules(modules, x, exact, repeats)
         entry["leanlm llm-int8"]["speedup_vs_bitsandbytes"] = (
-            entry["bitsandbytes llm-int8"]["median_ms"] / entry["leanlm llm-int8"]["median_ms"])
+            entry["bitsandbytes llm-int8"]["median_ms"] / entry["leanlm llm-int8"]["median_ms"]
+        )
         results[str(m)] = entry
-        print(f"4096x4096 M={m}: " + ", ".join(
-            f"{n} {v['median_ms']:.2f} ms err {v['relative_error']:.4f}" for n, v in entry.items()), flush=True)
+        print(
+            f"4096x4096 M={m}: "
+            + ", ".join(f"{n} {v['median_ms']:.2f} ms err {v['relative_error']:.4f}" for n, v in entry.items()),
+            flush=True,
+        )
     return results
 
 
@@ -119,30 +127,79 @@ def report(payload: dict) -> str:
     out, table = [], payload.get("table", {})
     fp32 = table.get("FP32", {}).get("results", {}).get("wikitext2", {}).get("perplexity")
     if table:
-        out.append(format_table(
-            ["quantizer (thesis Table 2.1)", "WikiText-2 ppl", "vs FP32", "zero-shot avg", "input dims in float"],
-            [[name, row["results"]["wikitext2"]["perplexity"],
-              f"{100 * (row['results']['wikitext2']['perplexity'] / fp32 - 1):+.1f}%" if fp32 else None,
-              row["zero_shot_average"], f"{100 * row['float_dims_share']:.2f}%" if row["float_dims_share"] else "-"]
-             for name, row in table.items()], markdown=True))
+        out.append(
+            format_table(
+                [
+                    "quantizer (Dettmers' thesis Table 2.1)",
+                    "WikiText-2 ppl",
+                    "vs FP32",
+                    "zero-shot avg",
+                    "input dims in float",
+                ],
+                [
+                    [
+                        name,
+                        row["results"]["wikitext2"]["perplexity"],
+                        f"{100 * (row['results']['wikitext2']['perplexity'] / fp32 - 1):+.1f}%" if fp32 else None,
+                        row["zero_shot_average"],
+                        f"{100 * row['float_dims_share']:.2f}%" if row["float_dims_share"] else "-",
+                    ]
+                    for name, row in table.items()
+                ],
+                markdown=True,
+            )
+        )
     sweep = payload.get("threshold_sweep", {})
     if sweep:
         labels = [f"{float(key):g}" if key != "inf" else "inf (no decomposition)" for key in sweep]
-        out.append(format_table(["threshold", *labels], [
-            ["perplexity", *(row["perplexity"] for row in sweep.values())],
-            ["dims in float", *(f"{100 * row['float_dims_share']:.1f}%" if row["float_dims_share"] else "0"
-                                for row in sweep.values())]], markdown=True))
+        out.append(
+            format_table(
+                ["threshold", *labels],
+                [
+                    ["perplexity", *(row["perplexity"] for row in sweep.values())],
+                    [
+                        "dims in float",
+                        *(
+                            f"{100 * row['float_dims_share']:.1f}%" if row["float_dims_share"] else "0"
+                            for row in sweep.values()
+                        ),
+                    ],
+                ],
+                markdown=True,
+            )
+        )
     speed = {m: row for m, row in payload.get("speed_linear_4096", {}).items() if m != "cpu"}
     if speed:
         ours, theirs = "leanlm llm-int8", "bitsandbytes llm-int8"
-        out.append(speed_table(speed, extra={
-            "leanlm vs bitsandbytes": lambda row: f"{row[ours]['speedup_vs_bitsandbytes']:.2f}x",
-            "rel. error leanlm / bnb": lambda row: f"{row[ours]['relative_error']:.4f} / {row[theirs]['relative_error']:.4f}"}))
+        out.append(
+            speed_table(
+                speed,
+                extra={
+                    "leanlm vs bitsandbytes": lambda row: f"{row[ours]['speedup_vs_bitsandbytes']:.2f}x",
+                    "rel. error leanlm / bnb": lambda row: (
+                        f"{row[ours]['relative_error']:.4f} / {row[theirs]['relative_error']:.4f}"
+                    ),
+                },
+            )
+        )
     prefill = payload.get("speed_model_prefill_512", {})
     if "bf16" in prefill:
-        out.append(format_table(["prefill 512 tokens", *prefill], [["tokens/s", *(
-            f"{row['tokens_per_second']:.0f}" + ("" if name in ("fp32", "bf16") else f" ({row['speedup_vs_best_float']:.2f}x)")
-            for name, row in prefill.items())]], markdown=True))
+        out.append(
+            format_table(
+                ["prefill 512 tokens", *prefill],
+                [
+                    [
+                        "tokens/s",
+                        *(
+                            f"{row['tokens_per_second']:.0f}"
+                            + ("" if name in ("fp32", "bf16") else f" ({row['speedup_vs_best_float']:.2f}x)")
+                            for name, row in prefill.items()
+                        ),
+                    ]
+                ],
+                markdown=True,
+            )
+        )
     return "\n\n".join(out)
 
 
@@ -157,22 +214,43 @@ def main() -> None:
     if args.report:
         return print_report("llm_int8", report)
 
-    settings = EvalSettings(tasks=("wikitext2", *ZERO_SHOT_TASKS), limit=args.limit, max_tokens=args.max_tokens,
-                            seq_len=args.seq_len)
-    study = Study("llm_int8", {**vars(settings), "sweep_tokens": args.sweep_tokens}, args, plot=plot_results,
-                  independent=("speed_linear_4096",))
+    settings = EvalSettings(
+        tasks=("wikitext2", *ZERO_SHOT_TASKS), limit=args.limit, max_tokens=args.max_tokens, seq_len=args.seq_len
+    )
+    study = Study(
+        "llm_int8",
+        {**vars(settings), "sweep_tokens": args.sweep_tokens},
+        args,
+        plot=plot_results,
+        independent=("speed_linear_4096",),
+    )
     loaded = study.load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
 
-    study.quantized_rows("table", model, QUANTIZERS, lambda quantized, record: {
-        "config": record, "float_dims_share": float_dims_share(quantized), **evaluate(quantized, tokenizer, settings)},
-        summary=lambda row: f"wikitext2 {row['results']['wikitext2']['perplexity']:.3f}, "
-                            f"zero-shot {row['zero_shot_average']:.4f}")
+    study.quantized_rows(
+        "table",
+        model,
+        QUANTIZERS,
+        lambda quantized, record: {
+            "config": record,
+            "float_dims_share": float_dims_share(quantized),
+            **evaluate(quantized, tokenizer, settings),
+        },
+        summary=lambda row: (
+            f"wikitext2 {row['results']['wikitext2']['perplexity']:.3f}, zero-shot {row['zero_shot_average']:.4f}"
+        ),
+    )
     sweep = EvalSettings(tasks=("wikitext2",), max_tokens=args.sweep_tokens, seq_len=args.seq_len)
-    study.quantized_rows("threshold_sweep", model, THRESHOLDS, lambda quantized, record: {
-        "perplexity": evaluate(quantized, tokenizer, sweep)["results"]["wikitext2"]["perplexity"],
-        "float_dims_share": float_dims_share(quantized)},
-        summary=lambda row: f"{row['perplexity']:.3f}, {100 * row['float_dims_share']:.2f}% of dims in float")
+    study.quantized_rows(
+        "threshold_sweep",
+        model,
+        THRESHOLDS,
+        lambda quantized, record: {
+            "perplexity": evaluate(quantized, tokenizer, sweep)["results"]["wikitext2"]["perplexity"],
+            "float_dims_share": float_dims_share(quantized),
+        },
+        summary=lambda row: f"{row['perplexity']:.3f}, {100 * row['float_dims_share']:.2f}% of dims in float",
+    )
     if study.pending("speed_linear_4096"):
         study.set("speed_linear_4096", bench_linear([1, 16, 64, 512], args.repeats))
     if study.pending("speed_model_prefill_512"):

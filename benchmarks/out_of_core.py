@@ -1,4 +1,4 @@
-"""Out of core (issue 24): quantize and run a model larger than this machine's memory, measured.
+"""Out of core: quantize and run a model larger than this machine's memory, measured.
 
 A Llama-3-8B-shaped model (32 blocks, hidden 4096, intermediate 14336, 32 query / 8 key-value heads, untied
 output head) with SmolLM2's tokenizer and vocabulary (49,152: so it runs end to end on real text) and seeded
@@ -47,17 +47,31 @@ from leanlm.bench.harness import cpu_description, process_peak_rss_bytes  # noqa
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 NAME = "out_of_core_llama3-8b-shape"
-SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-             num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-             tie_word_embeddings=False)
+SHAPE = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 QUANTIZE_STEPS = {
     "nf4-dq": ["--method", "kbit", "--double-quant"],
     "nf4-dq-bf16-tables": ["--method", "kbit", "--double-quant", "--table-dtype", "bfloat16"],
     "w8a8-O2": ["--method", "w8a8", "--level", "O2"],
     "gptq-4bit": ["--method", "gptq", "--bits", "4", "--calib-samples", "16", "--calib-seq-len", "512"],
 }
-BUDGET_GIB = {"nf4-dq": 4, "nf4-dq-bf16-tables": 4, "w8a8-O2": 4, "gptq-4bit": 6,  # the issue's targets
-              "generate": 6, "qlora": 10}
+BUDGET_GIB = {
+    "nf4-dq": 4,
+    "nf4-dq-bf16-tables": 4,
+    "w8a8-O2": 4,
+    "gptq-4bit": 6,  # the issue's targets
+    "generate": 6,
+    "qlora": 10,
+}
 QLORA_STEPS = 5
 PROMPT = "The history of the city begins with"
 
@@ -74,14 +88,20 @@ def write_worker(directory: Path) -> dict:
     from leanlm.models.synthetic import write_random_model
 
     tokenizer = _tokenizer()
-    config = hf.LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                            eos_token_id=tokenizer.eos_token_id, **SHAPE)
+    config = hf.LlamaConfig(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **SHAPE
+    )
     started = time.perf_counter()
     write_random_model(config, directory, seed=0, tokenizer=tokenizer, shard_bytes=2 << 30)
     stored = sum(path.stat().st_size for path in directory.glob("*.safetensors"))
     parameters = json.loads((directory / "model.safetensors.index.json").read_text())["metadata"]["total_size"] // 2
-    return {"seconds": time.perf_counter() - started, "stored_bytes": stored, "parameters": parameters,
-            "float32_bytes": 4 * parameters, "peak_rss_bytes": process_peak_rss_bytes()}
+    return {
+        "seconds": time.perf_counter() - started,
+        "stored_bytes": stored,
+        "parameters": parameters,
+        "float32_bytes": 4 * parameters,
+        "peak_rss_bytes": process_peak_rss_bytes(),
+    }
 
 
 def generate_worker(checkpoint: Path, new_tokens: int) -> dict:
@@ -96,11 +116,16 @@ def generate_worker(checkpoint: Path, new_tokens: int) -> dict:
     ids = loaded.tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.inference_mode():
         started = time.perf_counter()
-        output = loaded.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        loaded.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         seconds = time.perf_counter() - started
-    return {"load_seconds": load_seconds, "prompt_tokens": ids.shape[1], "new_tokens": new_tokens,
-            "generate_seconds": seconds, "tokens_per_second": new_tokens / seconds,
-            "peak_rss_bytes": process_peak_rss_bytes()}
+    return {
+        "load_seconds": load_seconds,
+        "prompt_tokens": ids.shape[1],
+        "new_tokens": new_tokens,
+        "generate_seconds": seconds,
+        "tokens_per_second": new_tokens / seconds,
+        "peak_rss_bytes": process_peak_rss_bytes(),
+    }
 
 
 def qlora_worker(checkpoint: Path, out: Path) -> dict:
@@ -112,16 +137,39 @@ def qlora_worker(checkpoint: Path, out: Path) -> dict:
     data = out / "train.txt"
     data.write_text("\n".join(plain_text("lambada-dev").splitlines()[:150]) + "\n")
     started = time.perf_counter()
-    code = main(["finetune", str(checkpoint), "--method", "qlora", "--data", str(data), "--out", str(out / "adapter"),
-                 "--max-steps", str(QLORA_STEPS), "--batch-size", "1", "--seq-len", "256", "--gradient-checkpointing",
-                 "--json", str(out / "finetune.json")])
+    code = main(
+        [
+            "finetune",
+            str(checkpoint),
+            "--method",
+            "qlora",
+            "--data",
+            str(data),
+            "--out",
+            str(out / "adapter"),
+            "--max-steps",
+            str(QLORA_STEPS),
+            "--batch-size",
+            "1",
+            "--seq-len",
+            "256",
+            "--gradient-checkpointing",
+            "--json",
+            str(out / "finetune.json"),
+        ]
+    )
     if code != 0:
         raise SystemExit(f"leanlm finetune exited with {code}")
     record = json.loads((out / "finetune.json").read_text())
-    return {"seconds": time.perf_counter() - started, "steps": record["steps"],
-            "seconds_per_step": 256 / record["tokens_per_second"], "train_loss_first": record["train_loss_first"],
-            "train_loss_last": record["train_loss_last"], "trainable_parameters": record["trainable_parameters"],
-            "peak_rss_bytes": process_peak_rss_bytes()}
+    return {
+        "seconds": time.perf_counter() - started,
+        "steps": record["steps"],
+        "seconds_per_step": 256 / record["tokens_per_second"],
+        "train_loss_first": record["train_loss_first"],
+        "train_loss_last": record["train_loss_last"],
+        "trainable_parameters": record["trainable_parameters"],
+        "peak_rss_bytes": process_peak_rss_bytes(),
+    }
 
 
 def _run_worker(*worker: str) -> dict:
@@ -155,9 +203,24 @@ def quantize_step(source: Path, out: Path, flags: list[str], float_bytes: int, m
     with open(log, "w") as stderr:
         # SIGINT as the default action: a shell's background job would pass on an ignored one, and Ctrl-C would
         # not reach Python.
-        process = subprocess.Popen([sys.executable, "-m", "leanlm", "quantize", str(source), *flags, "--out",
-                                    str(out), "--resume", "--json", str(result_json)], stdout=subprocess.DEVNULL,
-                                   stderr=stderr, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "leanlm",
+                "quantize",
+                str(source),
+                *flags,
+                "--out",
+                str(out),
+                "--resume",
+                "--json",
+                str(result_json),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     peak, stopped = 0, False
     while process.poll() is None:
         try:
@@ -173,49 +236,76 @@ def quantize_step(source: Path, out: Path, flags: list[str], float_bytes: int, m
     if stopped and process.returncode == 130:
         written = sorted(staging.glob("block-*.safetensors"), key=lambda path: path.stat().st_mtime)
         times = [path.stat().st_mtime for path in written[done_before:]]
-        return {"partial": True, "blocks_done": len(written), "blocks": SHAPE["num_hidden_layers"],
-                "seconds": seconds, "peak_rss_bytes": peak,
-                "seconds_per_block": statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 1
-                else None}
+        return {
+            "partial": True,
+            "blocks_done": len(written),
+            "blocks": SHAPE["num_hidden_layers"],
+            "seconds": seconds,
+            "peak_rss_bytes": peak,
+            "seconds_per_block": statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else None,
+        }
     if process.returncode != 0:
         raise SystemExit(f"leanlm quantize {' '.join(flags)} failed:\n{error[-3000:]}")
     payload = json.loads(result_json.read_text())
     stored = sum(path.stat().st_size for path in out.glob("*.safetensors"))
-    return {"seconds": seconds, "quantize_seconds": payload["seconds"], "avg_bits": payload["avg_bits"],
-            "stored_bytes": stored, "peak_rss_bytes": max(peak, payload["peak_rss_bytes"]),
-            "resumed_after_blocks": done_before}
+    return {
+        "seconds": seconds,
+        "quantize_seconds": payload["seconds"],
+        "avg_bits": payload["avg_bits"],
+        "stored_bytes": stored,
+        "peak_rss_bytes": max(peak, payload["peak_rss_bytes"]),
+        "resumed_after_blocks": done_before,
+    }
 
 
 def report(payload: dict) -> str:
     steps = payload.get("steps", {})
     written = steps.get("write", {})
-    lines = [f"{payload.get('cpu', '')}, {payload.get('memory_bytes', 0) / 2**30:.1f} GiB of memory; "
-             f"{written.get('parameters', 0) / 1e9:.2f}B parameters, {written.get('float32_bytes', 0) / 2**30:.1f} GiB "
-             "in float32"]
+    lines = [
+        f"{payload.get('cpu', '')}, {payload.get('memory_bytes', 0) / 2**30:.1f} GiB of memory; "
+        f"{written.get('parameters', 0) / 1e9:.2f}B parameters, {written.get('float32_bytes', 0) / 2**30:.1f} GiB "
+        "in float32"
+    ]
     rows = []
     for step, value in steps.items():
         budget = BUDGET_GIB.get(step)
         if step == "generate":
-            what = (f"{value['tokens_per_second']:.2f} tok/s ({value['new_tokens']} tokens from the NF4 checkpoint; "
-                    f"load {value['load_seconds']:.0f} s)")
+            what = (
+                f"{value['tokens_per_second']:.2f} tok/s ({value['new_tokens']} tokens from the NF4 checkpoint; "
+                f"load {value['load_seconds']:.0f} s)"
+            )
         elif step == "qlora":
-            what = (f"{value['seconds_per_step']:.0f} s per step (batch 1 x 256 tokens, {value['steps']} steps, "
-                    f"{value['trainable_parameters'] / 1e6:.1f}M adapter weights); loss {value['train_loss_first']:.2f} "
-                    f"-> {value['train_loss_last']:.2f}")
+            what = (
+                f"{value['seconds_per_step']:.0f} s per step (batch 1 x 256 tokens, {value['steps']} steps, "
+                f"{value['trainable_parameters'] / 1e6:.1f}M adapter weights); loss {value['train_loss_first']:.2f} "
+                f"-> {value['train_loss_last']:.2f}"
+            )
         elif step == "write":
             what = "seeded random bf16 shards"
         elif value.get("partial"):
             per_block = value["seconds_per_block"]
-            what = (f"stopped at its time budget: {value['blocks_done']} of {value['blocks']} blocks written"
-                    + (f", {per_block / 60:.1f} min per block" if per_block else "") + "; --resume continues it")
+            what = (
+                f"stopped at its time budget: {value['blocks_done']} of {value['blocks']} blocks written"
+                + (f", {per_block / 60:.1f} min per block" if per_block else "")
+                + "; --resume continues it"
+            )
         else:
             what = f"{value['avg_bits']:.2f} bits/weight" if value.get("avg_bits") else "int8 weights"
         stored = f"{value['stored_bytes'] / 2**30:.2f}" if "stored_bytes" in value else ""
         seconds = value.get("seconds", value.get("load_seconds", 0) + value.get("generate_seconds", 0))
-        rows.append([step, stored, f"{value['peak_rss_bytes'] / 2**30:.2f}", f"<= {budget}" if budget else "",
-                     f"{seconds / 60:.1f}", what])
-    lines.append(format_table(["step", "stored GiB", "peak RSS GiB", "target GiB", "wall min", "result"], rows,
-                              markdown=True))
+        rows.append(
+            [
+                step,
+                stored,
+                f"{value['peak_rss_bytes'] / 2**30:.2f}",
+                f"<= {budget}" if budget else "",
+                f"{seconds / 60:.1f}",
+                what,
+            ]
+        )
+    lines.append(
+        format_table(["step", "stored GiB", "peak RSS GiB", "target GiB", "wall min", "result"], rows, markdown=True)
+    )
     return "\n\n".join(lines)
 
 
@@ -239,16 +329,22 @@ def plot(payload: dict, path: Path) -> None:
 def main() -> None:
     parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), model=False)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--step-minutes", type=float, help="stop a quantize step after this long (its blocks are "
-                        "kept; the next run continues it) and record how far it got")
+    parser.add_argument(
+        "--step-minutes",
+        type=float,
+        help="stop a quantize step after this long (its blocks are "
+        "kept; the next run continues it) and record how far it got",
+    )
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-out-of-core")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         kind, *rest = args.worker
-        workers = {"write": lambda: write_worker(Path(rest[0])),
-                   "generate": lambda: generate_worker(Path(rest[0]), int(rest[1])),
-                   "qlora": lambda: qlora_worker(Path(rest[0]), Path(rest[1]))}
+        workers = {
+            "write": lambda: write_worker(Path(rest[0])),
+            "generate": lambda: generate_worker(Path(rest[0]), int(rest[1])),
+            "qlora": lambda: qlora_worker(Path(rest[0]), Path(rest[1])),
+        }
         result = workers[kind]()
         print(json.dumps(result))
         return
@@ -270,12 +366,16 @@ def main() -> None:
             checkpoint = args.workdir / "nf4-dq"
             if not checkpoint.is_dir():
                 raise SystemExit(f"{checkpoint} is missing: run the nf4-dq step first (--only nf4-dq)")
-            value = (_run_worker("generate", str(checkpoint), str(args.new_tokens)) if step == "generate" else
-                     _run_worker("qlora", str(checkpoint), str(args.workdir / "qlora")))
+            value = (
+                _run_worker("generate", str(checkpoint), str(args.new_tokens))
+                if step == "generate"
+                else _run_worker("qlora", str(checkpoint), str(args.workdir / "qlora"))
+            )
         else:
             out = args.workdir / step
-            value = quantize_step(source, out, QUANTIZE_STEPS[step], study.rows("steps")["write"]["float32_bytes"],
-                                  args.step_minutes)
+            value = quantize_step(
+                source, out, QUANTIZE_STEPS[step], study.rows("steps")["write"]["float32_bytes"], args.step_minutes
+            )
             if step != "nf4-dq":  # only the NF4 checkpoint is used again
                 shutil.rmtree(out, ignore_errors=True)
         value["load_average"] = os.getloadavg()[0]  # a shared machine: what else ran, at the step's end

@@ -1,4 +1,4 @@
-"""QLoRA thesis Tables 5.2/5.3 at small scale: LoRA fine-tuning over a float32 base vs QLoRA over NF4 + double
+"""QLoRA Dettmers' thesis Tables 5.2/5.3 at small scale: LoRA fine-tuning over a float32 base vs QLoRA over NF4 + double
 quantization, NF4, FP4 (e2m1) and Int4 bases (blocks of 64), same seed, data, steps and adapters. Trains on the
 LAMBADA development text, evaluates perplexity on held-out LAMBADA test text and the zero-shot average on a
 stated --limit; records each run's peak memory (RSS during training, in its own process), model bytes and training
@@ -40,11 +40,21 @@ TRAIN_TEXT = "lambada/lambada_development_plain_text.txt"
 
 
 def held_out_and_zero_shot(model, tokenizer, args) -> dict:
-    held_out = perplexity(model, tokenizer, plain_text("lambada-test"), seq_len=args.seq_len,
-                          max_tokens=args.eval_tokens, desc="lambada-test")
+    held_out = perplexity(
+        model,
+        tokenizer,
+        plain_text("lambada-test"),
+        seq_len=args.seq_len,
+        max_tokens=args.eval_tokens,
+        desc="lambada-test",
+    )
     zero_shot = evaluate(model, tokenizer, EvalSettings(tasks=ZERO_SHOT_TASKS, limit=args.limit))
-    return {"lambada_test_perplexity": held_out.perplexity, "lambada_test_tokens": held_out.tokens,
-            "zero_shot_average": zero_shot["zero_shot_average"], "zero_shot": zero_shot["results"]}
+    return {
+        "lambada_test_perplexity": held_out.perplexity,
+        "lambada_test_tokens": held_out.tokens,
+        "zero_shot_average": zero_shot["zero_shot_average"],
+        "zero_shot": zero_shot["results"],
+    }
 
 
 def run(loaded, base: str, args) -> dict:
@@ -52,12 +62,39 @@ def run(loaded, base: str, args) -> dict:
     over the same base format (quantization is deterministic, so the base is rebuilt exactly)."""
     lora = LoRAConfig(base=base, rank=args.rank, alpha=args.lora_alpha, dropout=args.dropout)
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, "-m", "leanlm.cli.main", "finetune", args.model,
-                   "--method", lora.method, "--data", str(verified_path(TRAIN_TEXT)), "--out", out,
-                   "--max-steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-                   "--lr", str(args.lr), "--rank", str(args.rank), "--lora-alpha", str(args.lora_alpha),
-                   "--dropout", str(args.dropout), "--seed", str(args.seed), "--save-every", str(args.steps),
-                   "--json", str(Path(out) / "run.json")] + (["--base", base] if base != "float" else [])
+        command = [
+            sys.executable,
+            "-m",
+            "leanlm.cli.main",
+            "finetune",
+            args.model,
+            "--method",
+            lora.method,
+            "--data",
+            str(verified_path(TRAIN_TEXT)),
+            "--out",
+            out,
+            "--max-steps",
+            str(args.steps),
+            "--batch-size",
+            str(args.batch_size),
+            "--seq-len",
+            str(args.seq_len),
+            "--lr",
+            str(args.lr),
+            "--rank",
+            str(args.rank),
+            "--lora-alpha",
+            str(args.lora_alpha),
+            "--dropout",
+            str(args.dropout),
+            "--seed",
+            str(args.seed),
+            "--save-every",
+            str(args.steps),
+            "--json",
+            str(Path(out) / "run.json"),
+        ] + (["--base", base] if base != "float" else [])
         subprocess.run(command, check=True)
         record = json.loads((Path(out) / "run.json").read_text())
         model = copy.deepcopy(loaded.model)
@@ -86,15 +123,27 @@ def plot_results(payload: dict, path) -> None:
     names = list(runs)
     right.bar(names, [runs[n]["lambada_test_perplexity"] for n in names], color="tab:blue")
     if payload.get("before"):
-        right.axhline(payload["before"]["lambada_test_perplexity"], color="black", linestyle="--",
-                      linewidth=0.8, label="before fine-tuning")
+        right.axhline(
+            payload["before"]["lambada_test_perplexity"],
+            color="black",
+            linestyle="--",
+            linewidth=0.8,
+            label="before fine-tuning",
+        )
         right.legend()
     right.set_ylabel("held-out LAMBADA test perplexity")
     low = min(runs[n]["lambada_test_perplexity"] for n in names) if names else 0
     right.set_ylim(bottom=0.95 * low)
     settings = payload["settings"]
-    save_figure(fig, path, titled(payload, f"LoRA / QLoRA, {settings['steps']} steps x {settings['batch_size']} x "
-                                           f"{settings['seq_len']} tokens of LAMBADA dev"))
+    save_figure(
+        fig,
+        path,
+        titled(
+            payload,
+            f"LoRA / QLoRA, {settings['steps']} steps x {settings['batch_size']} x "
+            f"{settings['seq_len']} tokens of LAMBADA dev",
+        ),
+    )
 
 
 def report(payload: dict) -> str:
@@ -106,21 +155,59 @@ def report(payload: dict) -> str:
     def mean5(losses: list[float]) -> float:
         return sum(losses) / len(losses)
 
-    rows = [["before fine-tuning (float32)", None, None, payload["before"]["lambada_test_perplexity"], None,
-             payload["before"]["zero_shot_average"], None, None, None, None, None]] if payload.get("before") else []
+    rows = (
+        [
+            [
+                "before fine-tuning (float32)",
+                None,
+                None,
+                payload["before"]["lambada_test_perplexity"],
+                None,
+                payload["before"]["zero_shot_average"],
+                None,
+                None,
+                None,
+                None,
+                None,
+            ]
+        ]
+        if payload.get("before")
+        else []
+    )
     for name, row in runs.items():
         bits = row["base_quantization"].get("avg_bits") if row.get("base_quantization") else None
-        rows.append([name, f"{bits:.3f}" if bits else "32",
-                     f"{mean5(row['losses'][:5]):.3f} -> {mean5(row['losses'][-5:]):.3f}",
-                     row["lambada_test_perplexity"],
-                     f"{100 * (row['lambada_test_perplexity'] / lora - 1):+.2f}%" if lora else None,
-                     row["zero_shot_average"], f"{row['peak_memory_bytes'] / 2**20:.0f}",
-                     f"{row['model_bytes'] / 2**20:.0f}", f"{row['optimizer_state_bytes'] / 2**20:.1f}",
-                     f"{row['tokens_per_second']:.0f}", training_memory(row["settings"])])
-    return format_table(["run", "base bits/weight (measured)", "train loss first -> last (mean of 5)",
-                         "held-out LAMBADA-test ppl", "vs LoRA", f"zero-shot avg ({settings['limit']}/task)",
-                         "peak RSS MiB", "model MiB", "optimizer state MiB", "tokens/s", "training memory"], rows,
-                        markdown=True)
+        rows.append(
+            [
+                name,
+                f"{bits:.3f}" if bits else "32",
+                f"{mean5(row['losses'][:5]):.3f} -> {mean5(row['losses'][-5:]):.3f}",
+                row["lambada_test_perplexity"],
+                f"{100 * (row['lambada_test_perplexity'] / lora - 1):+.2f}%" if lora else None,
+                row["zero_shot_average"],
+                f"{row['peak_memory_bytes'] / 2**20:.0f}",
+                f"{row['model_bytes'] / 2**20:.0f}",
+                f"{row['optimizer_state_bytes'] / 2**20:.1f}",
+                f"{row['tokens_per_second']:.0f}",
+                training_memory(row["settings"]),
+            ]
+        )
+    return format_table(
+        [
+            "run",
+            "base bits/weight (measured)",
+            "train loss first -> last (mean of 5)",
+            "held-out LAMBADA-test ppl",
+            "vs LoRA",
+            f"zero-shot avg ({settings['limit']}/task)",
+            "peak RSS MiB",
+            "model MiB",
+            "optimizer state MiB",
+            "tokens/s",
+            "training memory",
+        ],
+        rows,
+        markdown=True,
+    )
 
 
 def training_memory(settings: dict) -> str:
@@ -128,7 +215,7 @@ def training_memory(settings: dict) -> str:
     (runs from before that setting existed left glibc to keep it)."""
     checkpointing = "checkpointing" if settings.get("gradient_checkpointing") else "no checkpointing"
     freed = "freed memory kept" if settings.get("keep_freed_memory", True) else "freed memory returned"
-    chunked = ", chunked loss" if "keep_freed_memory" in settings else ""  # both came in together (issue 24)
+    chunked = ", chunked loss" if "keep_freed_memory" in settings else ""  # both came in together
     return f"{checkpointing}, {freed}{chunked}"
 
 
@@ -155,14 +242,23 @@ def main() -> None:
     loaded = study.load_model(args.model)
     if study.pending("before"):
         study.set("before", held_out_and_zero_shot(loaded.model, loaded.tokenizer, args))
-        print(f"before fine-tuning: lambada-test ppl {study.payload['before']['lambada_test_perplexity']:.3f}, "
-              f"zero-shot {study.payload['before']['zero_shot_average']:.4f}", flush=True)
+        print(
+            f"before fine-tuning: lambada-test ppl {study.payload['before']['lambada_test_perplexity']:.3f}, "
+            f"zero-shot {study.payload['before']['zero_shot_average']:.4f}",
+            flush=True,
+        )
     labels = {"LoRA (float32 base)" if base == "float" else f"QLoRA ({base})": base for base in args.bases}
     for label in study.todo("runs", labels):
-        study.record("runs", label, run(loaded, labels[label], args), summary=lambda row: (
-            f"loss {row['train_loss_first']:.3f} -> {row['train_loss_last']:.3f}, lambada-test ppl "
-            f"{row['lambada_test_perplexity']:.3f}, zero-shot {row['zero_shot_average']:.4f}, peak "
-            f"{row['peak_memory_bytes'] / 2**20:.0f} MiB, {row['tokens_per_second']:.0f} tok/s"))
+        study.record(
+            "runs",
+            label,
+            run(loaded, labels[label], args),
+            summary=lambda row: (
+                f"loss {row['train_loss_first']:.3f} -> {row['train_loss_last']:.3f}, lambada-test ppl "
+                f"{row['lambada_test_perplexity']:.3f}, zero-shot {row['zero_shot_average']:.4f}, peak "
+                f"{row['peak_memory_bytes'] / 2**20:.0f} MiB, {row['tokens_per_second']:.0f} tok/s"
+            ),
+        )
     print(report(study.payload))
     print(f"wrote {study.path}")
 

@@ -1,4 +1,4 @@
-"""Resident memory of quantized checkpoints against their stored bytes (issue 24, items 2 and 3).
+"""Resident memory of quantized checkpoints against their stored bytes.
 
 Each checkpoint is written by `leanlm quantize` and then, in a fresh process per row, loaded with
 `load_any` (a quantized checkpoint loads straight into quantized modules: no float model first) and used to
@@ -71,9 +71,14 @@ def worker(model: str, new_tokens: int, keep_int8_copy: bool) -> dict:
         loaded.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         seconds = time.perf_counter() - started
     after = _rss()
-    return {"rss_after_imports_bytes": imports, "rss_after_load_bytes": after_load, "rss_after_generate_bytes": after,
-            "held_bytes": after - imports, "peak_rss_bytes": process_peak_rss_bytes(),
-            "tokens_per_second": new_tokens / seconds}
+    return {
+        "rss_after_imports_bytes": imports,
+        "rss_after_load_bytes": after_load,
+        "rss_after_generate_bytes": after,
+        "held_bytes": after - imports,
+        "peak_rss_bytes": process_peak_rss_bytes(),
+        "tokens_per_second": new_tokens / seconds,
+    }
 
 
 def _stored_bytes(directory: Path) -> int:
@@ -86,8 +91,11 @@ def measure(row: str, args, float_bytes: int) -> dict:
     if flags is not None:
         target = args.workdir / flags_name(flags)
         if not (target / "leanlm_quant.json").exists():
-            subprocess.run([sys.executable, "-m", "leanlm.cli.main", "quantize", args.model, *flags, "--out",
-                            str(target)], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [sys.executable, "-m", "leanlm.cli.main", "quantize", args.model, *flags, "--out", str(target)],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
         stored = _stored_bytes(target)
     command = [sys.executable, __file__, "--worker", str(target), str(args.new_tokens)]
     if row == KEEPS_INT8_COPY:
@@ -104,20 +112,43 @@ def flags_name(flags: list[str]) -> str:
 
 
 def summary(row: dict) -> str:
-    return (f"stored {row['stored_bytes'] / 2**20:.0f} MiB, held {row['held_bytes'] / 2**20:.0f} MiB, peak "
-            f"{row['peak_rss_bytes'] / 2**20:.0f} MiB")
+    return (
+        f"stored {row['stored_bytes'] / 2**20:.0f} MiB, held {row['held_bytes'] / 2**20:.0f} MiB, peak "
+        f"{row['peak_rss_bytes'] / 2**20:.0f} MiB"
+    )
 
 
 def report(payload: dict) -> str:
     mib = 2**20
-    rows = [[name, f"{row['stored_bytes'] / mib:.0f}", f"{row['rss_after_imports_bytes'] / mib:.0f}",
-             f"{row['rss_after_load_bytes'] / mib:.0f}", f"{row['rss_after_generate_bytes'] / mib:.0f}",
-             f"{row['held_bytes'] / mib:.0f}", f"{row['held_bytes'] / row['stored_bytes']:.2f}",
-             f"{row['peak_rss_bytes'] / mib:.0f}", f"{row['tokens_per_second']:.1f}"]
-            for name, row in payload.get("rows", {}).items()]
-    return format_table(["checkpoint", "stored MiB", "RSS after imports", "after load", "after generating",
-                         "held (generating - imports)", "held / stored", "peak RSS MiB", "tokens/s"], rows,
-                        markdown=True)
+    rows = [
+        [
+            name,
+            f"{row['stored_bytes'] / mib:.0f}",
+            f"{row['rss_after_imports_bytes'] / mib:.0f}",
+            f"{row['rss_after_load_bytes'] / mib:.0f}",
+            f"{row['rss_after_generate_bytes'] / mib:.0f}",
+            f"{row['held_bytes'] / mib:.0f}",
+            f"{row['held_bytes'] / row['stored_bytes']:.2f}",
+            f"{row['peak_rss_bytes'] / mib:.0f}",
+            f"{row['tokens_per_second']:.1f}",
+        ]
+        for name, row in payload.get("rows", {}).items()
+    ]
+    return format_table(
+        [
+            "checkpoint",
+            "stored MiB",
+            "RSS after imports",
+            "after load",
+            "after generating",
+            "held (generating - imports)",
+            "held / stored",
+            "peak RSS MiB",
+            "tokens/s",
+        ],
+        rows,
+        markdown=True,
+    )
 
 
 def plot(payload: dict, path) -> None:
@@ -126,8 +157,12 @@ def plot(payload: dict, path) -> None:
     fig, ax = plt.subplots(figsize=(10, 4))
     x = range(len(names))
     ax.bar([i - 0.2 for i in x], [rows[n]["stored_bytes"] / 2**20 for n in names], width=0.4, label="stored")
-    ax.bar([i + 0.2 for i in x], [rows[n]["held_bytes"] / 2**20 for n in names], width=0.4,
-           label="held in memory after generating")
+    ax.bar(
+        [i + 0.2 for i in x],
+        [rows[n]["held_bytes"] / 2**20 for n in names],
+        width=0.4,
+        label="held in memory after generating",
+    )
     ax.set_xticks(list(x), names, rotation=20, ha="right")
     ax.set_ylabel("MiB")
     ax.legend()
@@ -140,8 +175,9 @@ def main() -> None:
         return
     parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--workdir", type=Path,
-                        default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-resident-memory")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-resident-memory"
+    )
     args = parser.parse_args()
     name = results_name("resident_memory", args.model)
     if args.report:

@@ -1,4 +1,4 @@
-"""`leanlm serve` under load, beside llama.cpp's OpenAI server on the same model (issue 28): 1, 4 and 8 concurrent
+"""`leanlm serve` under load, beside llama.cpp's OpenAI server on the same model: 1, 4 and 8 concurrent
 streaming clients, the same prompts for every server, each server a subprocess on a free 127.0.0.1 port. All
 servers run at once and are loaded in a rotated order, round by round (medians over --rounds rounds).
 Per server and client count: aggregate tokens/s (streamed content chunks over wall time), time to first token
@@ -59,8 +59,13 @@ class Server:
         self.port = port
         # Its output goes to a file: a pipe nobody reads fills up and blocks a talkative server (llama.cpp's).
         with open(log, "wb") as output:
-            self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
-                                            env={**os.environ, "TQDM_DISABLE": "1"}, start_new_session=True)
+            self.process = subprocess.Popen(
+                command,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "TQDM_DISABLE": "1"},
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
@@ -71,7 +76,7 @@ class Server:
             except OSError:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"server did not answer within {timeout} s")
+                    raise RuntimeError(f"server did not answer within {timeout} s") from None
                 time.sleep(0.5)
 
     @property
@@ -97,8 +102,9 @@ def stream_once(client, model: str, messages: list[dict], tokens: int) -> dict:
     """One streamed chat completion: when each content chunk arrived."""
     started = time.perf_counter()
     arrivals, text = [], []
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=tokens, temperature=0,
-                                            stream=True)
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=tokens, temperature=0, stream=True
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             arrivals.append(time.perf_counter() - started)
@@ -112,8 +118,12 @@ def clients_round(client, model: str, tokens: int, clients: int, round_index: in
     results: list[dict] = [{} for _ in range(clients)]
 
     def run(index: int) -> None:
-        messages = [{"role": "user", "content": f"Story {round_index}.{index}: write a short story about "
-                                                f"{TOPICS[index % len(TOPICS)]}."}]
+        messages = [
+            {
+                "role": "user",
+                "content": f"Story {round_index}.{index}: write a short story about {TOPICS[index % len(TOPICS)]}.",
+            }
+        ]
         results[index] = stream_once(client, model, messages, tokens)
 
     started = time.perf_counter()
@@ -124,15 +134,20 @@ def clients_round(client, model: str, tokens: int, clients: int, round_index: in
         thread.join()
     wall = time.perf_counter() - started
     produced = sum(len(r["arrivals"]) for r in results)
-    return {"tokens_per_second": produced / wall, "tokens": produced, "seconds": wall,
-            "first": [r["arrivals"][0] for r in results if r["arrivals"]],
-            "gaps": [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])]}
+    return {
+        "tokens_per_second": produced / wall,
+        "tokens": produced,
+        "seconds": wall,
+        "first": [r["arrivals"][0] for r in results if r["arrivals"]],
+        "gaps": [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])],
+    }
 
 
 def long_prompt(round_index: int) -> str:
     """About 1,800 tokens, different from the first token on in every round (a cold prefill)."""
     return f"Document {round_index}. " + " ".join(
-        f"Sentence {i} of a long document about {TOPICS[(i + round_index) % len(TOPICS)]}." for i in range(150))
+        f"Sentence {i} of a long document about {TOPICS[(i + round_index) % len(TOPICS)]}." for i in range(150)
+    )
 
 
 def load_rounds(servers: dict[str, tuple], tokens: int, rounds: int) -> dict:
@@ -141,8 +156,10 @@ def load_rounds(servers: dict[str, tuple], tokens: int, rounds: int) -> dict:
     latency percentiles over every sample."""
     import openai
 
-    clients = {name: openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
-               for name, (url, _) in servers.items()}
+    clients = {
+        name: openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+        for name, (url, _) in servers.items()
+    }
     for name, (_, model) in servers.items():  # warm-up
         stream_once(clients[name], model, [{"role": "user", "content": "Hello"}], 4)
     samples = {name: {str(c): [] for c in CLIENTS} | {"long": []} for name in servers}
@@ -153,12 +170,16 @@ def load_rounds(servers: dict[str, tuple], tokens: int, rounds: int) -> dict:
             model = servers[name][1]
             for count in CLIENTS:
                 samples[name][str(count)].append(clients_round(clients[name], model, tokens, count, round_index))
-            long = stream_once(clients[name], model,
-                               [{"role": "user", "content": long_prompt(round_index) + " Summarise it."}], 8)
+            long = stream_once(
+                clients[name], model, [{"role": "user", "content": long_prompt(round_index) + " Summarise it."}], 8
+            )
             samples[name]["long"].append(long["arrivals"][0] if long["arrivals"] else None)
-        print(f"round {round_index + 1}/{rounds}: " + ", ".join(
-            f"{name} {samples[name]['8'][-1]['tokens_per_second']:.0f}" for name in names) + " tok/s at 8 clients",
-            flush=True)
+        print(
+            f"round {round_index + 1}/{rounds}: "
+            + ", ".join(f"{name} {samples[name]['8'][-1]['tokens_per_second']:.0f}" for name in names)
+            + " tok/s at 8 clients",
+            flush=True,
+        )
     rows = {}
     for name in names:
         row = {}
@@ -168,10 +189,13 @@ def load_rounds(servers: dict[str, tuple], tokens: int, rounds: int) -> dict:
             gaps = sorted(g for r in runs for g in r["gaps"])
             row[str(count)] = {
                 "aggregate_tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
-                "tokens": [r["tokens"] for r in runs], "seconds": [r["seconds"] for r in runs],
-                "ttft_p50_s": statistics.median(first), "ttft_max_s": max(first),
+                "tokens": [r["tokens"] for r in runs],
+                "seconds": [r["seconds"] for r in runs],
+                "ttft_p50_s": statistics.median(first),
+                "ttft_max_s": max(first),
                 "token_gap_p50_s": statistics.median(gaps) if gaps else None,
-                "token_gap_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None}
+                "token_gap_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None,
+            }
         row["long_prompt_ttft_s"] = statistics.median(t for t in samples[name]["long"] if t is not None)
         rows[name] = row
     return rows
@@ -188,8 +212,13 @@ def conversation(url: str, model: str, turns: int, tokens: int, rss) -> list[dic
         reply = client.chat.completions.create(model=model, messages=messages, max_tokens=tokens, temperature=0)
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
         usage = reply.usage
-        trace.append({"prompt_tokens": usage.prompt_tokens, "read_tokens": usage.prompt_tokens
-                      - usage.prompt_tokens_details.cached_tokens, "server_rss_bytes": rss()})
+        trace.append(
+            {
+                "prompt_tokens": usage.prompt_tokens,
+                "read_tokens": usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens,
+                "server_rss_bytes": rss(),
+            }
+        )
     return trace
 
 
@@ -204,25 +233,73 @@ def systems(args, work: Path) -> dict[str, list[str] | None]:
         "leanlm SmoothQuant O3": [*leanlm, str(work / "sq-o3"), *window],
         "leanlm NF4+DQ, transformers": [*leanlm, str(work / "nf4"), *window, "--no-fused"],
     }
-    have_llama = all(importlib.util.find_spec(name) is not None
-                     for name in ("llama_cpp", "starlette_context", "pydantic_settings", "sse_starlette"))
+    have_llama = all(
+        importlib.util.find_spec(name) is not None
+        for name in ("llama_cpp", "starlette_context", "pydantic_settings", "sse_starlette")
+    )
     for name, file in (("llama.cpp Q4_0", work / "q4_0.gguf"), ("llama.cpp F32", work / "f32.gguf")):
-        rows[name] = [sys.executable, "-m", "llama_cpp.server", "--model", str(file), "--n_threads", "2",
-                      "--n_ctx", "4096", "--model_alias", args.model,
-                      # By default a new request interrupts the one being generated: every stream but one would end
-                      # early. Here each request runs to its end, as leanlm's do.
-                      "--interrupt_requests", "False"] if have_llama else None
+        rows[name] = (
+            [
+                sys.executable,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                str(file),
+                "--n_threads",
+                "2",
+                "--n_ctx",
+                "4096",
+                "--model_alias",
+                args.model,
+                # By default a new request interrupts the one being generated: every stream but one would end
+                # early. Here each request runs to its end, as leanlm's do.
+                "--interrupt_requests",
+                "False",
+            ]
+            if have_llama
+            else None
+        )
     return rows
 
 
 def prepare(args, work: Path) -> None:
     """The checkpoints and GGUF files the servers load (made once, kept in the work directory)."""
     if not (work / "nf4").exists():
-        subprocess.run([sys.executable, "-m", "leanlm.cli.main", "quantize", args.model, "--method", "kbit",
-                        "--double-quant", "--out", str(work / "nf4")], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "leanlm.cli.main",
+                "quantize",
+                args.model,
+                "--method",
+                "kbit",
+                "--double-quant",
+                "--out",
+                str(work / "nf4"),
+            ],
+            check=True,
+        )
     if not (work / "sq-o3").exists():
-        subprocess.run([sys.executable, "-m", "leanlm.cli.main", "quantize", args.model, "--method", "smoothquant",
-                        "--level", "O3", "--no-bmm", "--calib-samples", "64", "--out", str(work / "sq-o3")], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "leanlm.cli.main",
+                "quantize",
+                args.model,
+                "--method",
+                "smoothquant",
+                "--level",
+                "O3",
+                "--no-bmm",
+                "--calib-samples",
+                "64",
+                "--out",
+                str(work / "sq-o3"),
+            ],
+            check=True,
+        )
     try:
         from leanlm.bench.llama_cpp import quantize_gguf
         from leanlm.export import export_gguf
@@ -240,28 +317,53 @@ def prepare(args, work: Path) -> None:
 def report(payload: dict) -> str:
     rows = payload.get("rows", {})
     load = payload.get("load_average")
-    out = [f"{payload.get('cpu', 'this CPU')}; {payload['settings']['tokens']} tokens per answer, greedy"
-           + (f"; load average {load[0]:.1f} before / {load[1]:.1f} after" if load else "")]
+    out = [
+        f"{payload.get('cpu', 'this CPU')}; {payload['settings']['tokens']} tokens per answer, greedy"
+        + (f"; load average {load[0]:.1f} before / {load[1]:.1f} after" if load else "")
+    ]
     table = []
     for name, row in rows.items():
-        table.append([name, *(f"{row[str(c)]['aggregate_tokens_per_second']:.1f}" for c in CLIENTS),
-                      *(f"{row[str(c)]['ttft_p50_s']:.2f}" for c in CLIENTS),
-                      f"{1e3 * row['8']['token_gap_p50_s']:.0f} / {1e3 * row['8']['token_gap_p99_s']:.0f}",
-                      f"{row['long_prompt_ttft_s']:.2f}", f"{row['peak_rss_bytes'] / 2**20:,.0f}"])
-    out.append(format_table(["server", *(f"tok/s, {c} clients" for c in CLIENTS),
-                             *(f"TTFT p50 s, {c}" for c in CLIENTS), "token gap p50 / p99 ms, 8 clients",
-                             "TTFT long prompt s", "peak RSS MiB"], table, markdown=True))
+        table.append(
+            [
+                name,
+                *(f"{row[str(c)]['aggregate_tokens_per_second']:.1f}" for c in CLIENTS),
+                *(f"{row[str(c)]['ttft_p50_s']:.2f}" for c in CLIENTS),
+                f"{1e3 * row['8']['token_gap_p50_s']:.0f} / {1e3 * row['8']['token_gap_p99_s']:.0f}",
+                f"{row['long_prompt_ttft_s']:.2f}",
+                f"{row['peak_rss_bytes'] / 2**20:,.0f}",
+            ]
+        )
+    out.append(
+        format_table(
+            [
+                "server",
+                *(f"tok/s, {c} clients" for c in CLIENTS),
+                *(f"TTFT p50 s, {c}" for c in CLIENTS),
+                "token gap p50 / p99 ms, 8 clients",
+                "TTFT long prompt s",
+                "peak RSS MiB",
+            ],
+            table,
+            markdown=True,
+        )
+    )
     trace = payload.get("conversation")
     if trace:
         window = payload["settings"]["window"]
         rss = [t["server_rss_bytes"] / 2**20 for t in trace]
         full = next((i for i, t in enumerate(trace) if t["prompt_tokens"] > window), None)
-        out.append(f"conversation of {len(trace)} turns against leanlm FP32 (window {window}): history "
-                   f"{trace[0]['prompt_tokens']} -> {trace[-1]['prompt_tokens']} tokens, tokens read per turn after the "
-                   f"first: max {max(t['read_tokens'] for t in trace[1:])}; server RSS turn 1 {rss[0]:,.0f} MiB"
-                   + (f", turn {full + 1} (history past the window) {rss[full]:,.0f} MiB, after it max "
-                      f"{max(rss[full:]):,.0f} MiB" if full is not None else "")
-                   + f", last {rss[-1]:,.0f} MiB")
+        out.append(
+            f"conversation of {len(trace)} turns against leanlm FP32 (window {window}): history "
+            f"{trace[0]['prompt_tokens']} -> {trace[-1]['prompt_tokens']} tokens, tokens read per turn after the "
+            f"first: max {max(t['read_tokens'] for t in trace[1:])}; server RSS turn 1 {rss[0]:,.0f} MiB"
+            + (
+                f", turn {full + 1} (history past the window) {rss[full]:,.0f} MiB, after it max "
+                f"{max(rss[full:]):,.0f} MiB"
+                if full is not None
+                else ""
+            )
+            + f", last {rss[-1]:,.0f} MiB"
+        )
     return "\n\n".join(out)
 
 
@@ -294,8 +396,12 @@ def main() -> None:
     name = results_name("serve", args.model, args.tag)
     if args.report:
         return print_report(name, report)
-    study = Study(name, {"tokens": args.tokens, "window": args.window, "turns": args.turns, "rounds": args.rounds},
-                  args, plot=plot)
+    study = Study(
+        name,
+        {"tokens": args.tokens, "window": args.window, "turns": args.turns, "rounds": args.rounds},
+        args,
+        plot=plot,
+    )
     study.payload.update(model=args.model, cpu=cpu_description())
     work = args.workdir / Path(args.model).name  # a model directory's own name, not its whole path
     work.mkdir(parents=True, exist_ok=True)
@@ -307,11 +413,17 @@ def main() -> None:
         try:
             for row, command in commands.items():
                 if command is not None:
-                    running[row] = Server(command + ["--port", str(port := free_port())], port,
-                                          work / f"{row.replace(' ', '_')}.log")
-            rows = load_rounds({row: (server.url, args.model if row.startswith("llama.cpp") else
-                                      _served_name(commands[row])) for row, server in running.items()},
-                               args.tokens, args.rounds)
+                    running[row] = Server(
+                        command + ["--port", str(port := free_port())], port, work / f"{row.replace(' ', '_')}.log"
+                    )
+            rows = load_rounds(
+                {
+                    row: (server.url, args.model if row.startswith("llama.cpp") else _served_name(commands[row]))
+                    for row, server in running.items()
+                },
+                args.tokens,
+                args.rounds,
+            )
             for row, server in running.items():
                 rows[row]["peak_rss_bytes"] = server.peak_rss()
         finally:
@@ -320,8 +432,7 @@ def main() -> None:
         study.payload["load_average"] = [load_before, os.getloadavg()[0]]  # a shared machine: before / after
         study.set("rows", rows)
     if study.pending("conversation"):
-        server = Server(commands["leanlm FP32"] + ["--port", str(port := free_port())], port,
-                        work / "conversation.log")
+        server = Server(commands["leanlm FP32"] + ["--port", str(port := free_port())], port, work / "conversation.log")
         try:
             study.set("conversation", conversation(server.url, args.model, args.turns, 16, server.rss))
         finally:

@@ -1,4 +1,4 @@
-"""Pre-training with a sink token, the thesis' Tables 4.3/4.4 study at tiny scale: three small Llama-style LMs
+"""Pre-training with a sink token, Xiao's thesis' Tables 4.3/4.4 study at tiny scale: three small Llama-style LMs
 with the same architecture, seed, data and steps, pre-trained as
   - vanilla (softmax attention),
   - zero sink (SoftMax-off-by-one attention),
@@ -39,15 +39,23 @@ from leanlm.report import format_table, save_figure  # noqa: E402
 from leanlm.training import PretrainSettings, as_transformers_tokenizer, pack_blocks, pretrain, train_bpe_tokenizer  # noqa: E402
 
 SINK_TOKEN = "<sink>"
-VARIANTS = {"vanilla": ("sdpa", None), "zero sink (softmax1)": (SOFTMAX_ONE, None),
-            "sink token": ("sdpa", SINK_TOKEN)}
+VARIANTS = {"vanilla": ("sdpa", None), "zero sink (softmax1)": (SOFTMAX_ONE, None), "sink token": ("sdpa", SINK_TOKEN)}
 
 
 def model_config(args, vocab_size: int) -> hf.LlamaConfig:
-    return hf.LlamaConfig(vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                          num_key_value_heads=args.heads, max_position_embeddings=args.seq_len,
-                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=0, pad_token_id=0)
+    return hf.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq_len,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
 
 
 def streaming_perplexities(model, tokenizer, args) -> dict:
@@ -79,31 +87,63 @@ def plot_results(payload: dict, path) -> None:
     names = list(models)
     configs = list(next(iter(models.values()))["streaming"]) if names else []
     for offset, config in enumerate(configs):
-        stream.bar([i + 0.27 * (offset - 1) for i in range(len(names))],
-                   [models[n]["streaming"][config] for n in names], width=0.27, label=config)
+        stream.bar(
+            [i + 0.27 * (offset - 1) for i in range(len(names))],
+            [models[n]["streaming"][config] for n in names],
+            width=0.27,
+            label=config,
+        )
     stream.set_xticks(range(len(names)), names, fontsize=8)
     stream.set_ylabel("streaming perplexity")
     stream.set_yscale("log")
     stream.legend(fontsize=8, title="sinks+window")
     settings = payload["settings"]
-    save_figure(fig, path, f"sink pre-training: {settings['layers']} layers x {settings['hidden']}, "
-                           f"{settings['steps']} steps x {settings['batch_size']} x {settings['seq_len']} tokens")
+    save_figure(
+        fig,
+        path,
+        f"sink pre-training: {settings['layers']} layers x {settings['hidden']}, "
+        f"{settings['steps']} steps x {settings['batch_size']} x {settings['seq_len']} tokens",
+    )
 
 
 def report(payload: dict) -> str:
     """Tables 4.3 and 4.4 as the README shows them."""
     models, settings = payload.get("models", {}), payload["settings"]
     configs = list(next(iter(models.values()))["streaming"]) if models else []
-    return "\n".join([
-        f"Table 4.3 structure (streaming perplexity, cache of {settings['cache']} tokens = sinks + window):", "",
-        format_table(["pre-training", *configs], [[n, *(f"{r['streaming'][c]:.1f}" for c in configs)]
-                                                  for n, r in models.items()], markdown=True),
-        "", "Table 4.4 structure (ordinary evaluation):", "",
-        format_table(["pre-training", "final train loss", "WikiText-2 ppl", f"zero-shot avg ({settings['limit']}/task)",
-                      "attention on the first token, by layer"],
-                     [[n, r["training"]["losses"][-1], f"{r['wikitext2_perplexity']:.1f}", r["zero_shot_average"],
-                       " / ".join(f"{mass:.2f}" for mass in r["first_token_attention"])]
-                      for n, r in models.items()], markdown=True)])
+    return "\n".join(
+        [
+            f"Table 4.3 structure (streaming perplexity, cache of {settings['cache']} tokens = sinks + window):",
+            "",
+            format_table(
+                ["pre-training", *configs],
+                [[n, *(f"{r['streaming'][c]:.1f}" for c in configs)] for n, r in models.items()],
+                markdown=True,
+            ),
+            "",
+            "Table 4.4 structure (ordinary evaluation):",
+            "",
+            format_table(
+                [
+                    "pre-training",
+                    "final train loss",
+                    "WikiText-2 ppl",
+                    f"zero-shot avg ({settings['limit']}/task)",
+                    "attention on the first token, by layer",
+                ],
+                [
+                    [
+                        n,
+                        r["training"]["losses"][-1],
+                        f"{r['wikitext2_perplexity']:.1f}",
+                        r["zero_shot_average"],
+                        " / ".join(f"{mass:.2f}" for mass in r["first_token_attention"]),
+                    ]
+                    for n, r in models.items()
+                ],
+                markdown=True,
+            ),
+        ]
+    )
 
 
 def main() -> None:
@@ -118,7 +158,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--cache", type=int, default=128, help="streaming cache size (sinks + window)")
     parser.add_argument("--stream-tokens", type=int, default=20000)
-    parser.add_argument("--eval-tokens", type=int, default=32768, help="first N WikiText-2 tokens, windows of --seq-len")
+    parser.add_argument(
+        "--eval-tokens", type=int, default=32768, help="first N WikiText-2 tokens, windows of --seq-len"
+    )
     parser.add_argument("--limit", type=int, default=100, help="items per zero-shot task")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -126,8 +168,12 @@ def main() -> None:
         return print_report("sink_pretraining", report)
 
     started = time.perf_counter()
-    study = Study("sink_pretraining", {k: v for k, v in vars(args).items()
-                                       if k not in ("resume", "only", "skip", "report")}, args, plot=plot_results)
+    study = Study(
+        "sink_pretraining",
+        {k: v for k, v in vars(args).items() if k not in ("resume", "only", "skip", "report")},
+        args,
+        plot=plot_results,
+    )
     texts = [line for line in plain_text("lambada-dev").splitlines() if line.strip()] + [plain_text("lee")]
     bpe = train_bpe_tokenizer(texts, args.vocab, extra_special=(SINK_TOKEN,))
     plain_tokenizer = as_transformers_tokenizer(bpe)
@@ -143,23 +189,38 @@ def main() -> None:
         model.config._attn_implementation = attention
         parameters = sum(p.numel() for p in model.parameters())
         training = pretrain(model, blocks, settings, bpe.token_to_id(prefix) if prefix else None, desc=name)
-        windowed = perplexity(model, tokenizer, wikitext2_test_text(), seq_len=args.seq_len,
-                              max_tokens=args.eval_tokens, desc="wikitext2")
+        windowed = perplexity(
+            model, tokenizer, wikitext2_test_text(), seq_len=args.seq_len, max_tokens=args.eval_tokens, desc="wikitext2"
+        )
         zero_shot = evaluate(model, tokenizer, EvalSettings(tasks=ZERO_SHOT_TASKS, limit=args.limit))
         probe_texts = [line for line in plain_text("lambada-test").splitlines()[:64] if line.strip()]
         study.payload["wall_seconds"] = study.payload.get("wall_seconds", 0.0) + time.perf_counter() - started
         started = time.perf_counter()
-        study.record("models", name, {
-            "parameters": parameters, "attention": attention, "prefix_token": prefix, "training": training,
-            "streaming": streaming_perplexities(model, tokenizer, args), "wikitext2_perplexity": windowed.perplexity,
-            "zero_shot_average": zero_shot["zero_shot_average"], "zero_shot": zero_shot["results"],
-            "first_token_attention": attention_sink_mass(model, tokenizer, probe_texts, length=64)},
-            summary=lambda row: f"{row['parameters'] / 1e6:.1f}M parameters, loss {row['training']['losses'][-1]:.3f}, "
-                                f"streaming {row['streaming']}, wikitext2 {row['wikitext2_perplexity']:.2f}, "
-                                f"zero-shot {row['zero_shot_average']:.4f}")
+        study.record(
+            "models",
+            name,
+            {
+                "parameters": parameters,
+                "attention": attention,
+                "prefix_token": prefix,
+                "training": training,
+                "streaming": streaming_perplexities(model, tokenizer, args),
+                "wikitext2_perplexity": windowed.perplexity,
+                "zero_shot_average": zero_shot["zero_shot_average"],
+                "zero_shot": zero_shot["results"],
+                "first_token_attention": attention_sink_mass(model, tokenizer, probe_texts, length=64),
+            },
+            summary=lambda row: (
+                f"{row['parameters'] / 1e6:.1f}M parameters, loss {row['training']['losses'][-1]:.3f}, "
+                f"streaming {row['streaming']}, wikitext2 {row['wikitext2_perplexity']:.2f}, "
+                f"zero-shot {row['zero_shot_average']:.4f}"
+            ),
+        )
     print(report(study.payload))
-    print(f"wall time {study.payload.get('wall_seconds', 0) / 60:.1f} min on this machine "
-          f"({environment().get('cpu', '')}); wrote {study.path}")
+    print(
+        f"wall time {study.payload.get('wall_seconds', 0) / 60:.1f} min on this machine "
+        f"({environment().get('cpu', '')}); wrote {study.path}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""StreamingLLM on one model, everything of thesis chapter 4 that fits a CPU, in one run:
+"""StreamingLLM on one model, everything of Xiao's thesis chapter 4 that fits a CPU, in one run:
 
 * the four strategies on a long stream (Figs 4.1/4.3; `leanlm stream`'s measurement): perplexity, per-token
   decode latency and memory, and the speed-up of StreamingLLM over sliding window with re-computation (Fig 4.8);
@@ -67,8 +67,12 @@ def plot_ablations(payload: dict, path) -> None:
     save_figure(fig, path, titled(payload, "StreamingLLM"))
 
 
-STRATEGY_LABELS = {"dense": "dense", "window": "window ({cache})", "recompute": "sliding window + re-computation "
-                   "(L = {cache})", "streaming": "StreamingLLM ({sinks} + {window})"}
+STRATEGY_LABELS = {
+    "dense": "dense",
+    "window": "window ({cache})",
+    "recompute": "sliding window + re-computation (L = {cache})",
+    "streaming": "StreamingLLM ({sinks} + {window})",
+}
 
 
 def report(payload: dict) -> str:
@@ -80,19 +84,52 @@ def report(payload: dict) -> str:
         rows = []
         for name, entry in stream.items():
             label = STRATEGY_LABELS[name].format(cache=cache, sinks=settings["sinks"], window=settings["window"])
-            tokens = f"{entry['tokens']:,}" + (f" (stopped at the trained context, {payload['stream']['trained_context']})"
-                                               if entry.get("stopped") else "")
-            kv = f"{entry['cache_bytes'] / 2**20:.0f}" + (f" at {entry['tokens'] + 1} tokens" if entry.get("stopped")
-                                                           else "")
-            rows.append([label, f"{entry['perplexity']:.2f}", tokens, f"{entry['perplexity_on_recompute_targets']:.2f}",
-                         f"{entry['ms_per_token']:.1f}", f"{entry['peak_memory_bytes'] / 2**20:.0f}", kv])
-        out += [format_table(["strategy", "perplexity", "tokens scored", f"ppl on tokens {start}-{stop - 1}",
-                              "ms per token (decode)", "peak RSS MiB", "KV cache MiB"], rows, markdown=True), "",
-                f"StreamingLLM vs re-computation: {stream['streaming']['speedup_vs_recompute']:.1f}x per token"]
+            tokens = f"{entry['tokens']:,}" + (
+                f" (stopped at the trained context, {payload['stream']['trained_context']})"
+                if entry.get("stopped")
+                else ""
+            )
+            kv = f"{entry['cache_bytes'] / 2**20:.0f}" + (
+                f" at {entry['tokens'] + 1} tokens" if entry.get("stopped") else ""
+            )
+            rows.append(
+                [
+                    label,
+                    f"{entry['perplexity']:.2f}",
+                    tokens,
+                    f"{entry['perplexity_on_recompute_targets']:.2f}",
+                    f"{entry['ms_per_token']:.1f}",
+                    f"{entry['peak_memory_bytes'] / 2**20:.0f}",
+                    kv,
+                ]
+            )
+        out += [
+            format_table(
+                [
+                    "strategy",
+                    "perplexity",
+                    "tokens scored",
+                    f"ppl on tokens {start}-{stop - 1}",
+                    "ms per token (decode)",
+                    "peak RSS MiB",
+                    "KV cache MiB",
+                ],
+                rows,
+                markdown=True,
+            ),
+            "",
+            f"StreamingLLM vs re-computation: {stream['streaming']['speedup_vs_recompute']:.1f}x per token",
+        ]
     for key in ("sinks_ablation", "cache_size_ablation"):
         if payload.get(key):
-            out += ["", format_table(["cache", *payload[key]], [[payload.get("model"), *(
-                f"{r['perplexity']:.2f}" for r in payload[key].values())]], markdown=True)]
+            out += [
+                "",
+                format_table(
+                    ["cache", *payload[key]],
+                    [[payload.get("model"), *(f"{r['perplexity']:.2f}" for r in payload[key].values())]],
+                    markdown=True,
+                ),
+            ]
     return "\n".join(out)
 
 
@@ -116,12 +153,22 @@ def main() -> None:
     started = time.perf_counter()
     # Parts: probe, stream (with its latencies; "latency" re-times those alone), sinks, sizes. The latency steps are
     # not a setting of the file: a re-timing keeps the perplexities.
-    study = Study(name, {k: v for k, v in vars(args).items()
-                         if k not in ("resume", "only", "skip", "report", "latency_steps")}, args, plot=plot_ablations)
+    study = Study(
+        name,
+        {k: v for k, v in vars(args).items() if k not in ("resume", "only", "skip", "report", "latency_steps")},
+        args,
+        plot=plot_ablations,
+    )
     loaded = study.load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
-    settings = StreamSettings(sinks=args.sinks, window=args.window, max_tokens=args.max_tokens, chunk=args.chunk,
-                              recompute_tokens=args.recompute_tokens, latency_steps=args.latency_steps)
+    settings = StreamSettings(
+        sinks=args.sinks,
+        window=args.window,
+        max_tokens=args.max_tokens,
+        chunk=args.chunk,
+        recompute_tokens=args.recompute_tokens,
+        latency_steps=args.latency_steps,
+    )
 
     def save():
         study.payload["seconds"] = time.perf_counter() - started
@@ -143,23 +190,34 @@ def main() -> None:
     if "stream" in study.payload:
         study.payload["latency_steps"] = args.latency_steps
         stream = study.payload["stream"]["settings"]
-        stream["streaming"]["speedup_vs_recompute"] = (stream["recompute"]["ms_per_token"]
-                                                       / stream["streaming"]["ms_per_token"])
-        plot_stream(study.payload["stream"], results_dir() / f"stream_{args.model.replace('/', '_')}.png",
-                    f"{titled(study.payload, '')}: {args.max_tokens}-token stream, cache {settings.cache_size}, "
-                    f"chunk {args.chunk}")
+        stream["streaming"]["speedup_vs_recompute"] = (
+            stream["recompute"]["ms_per_token"] / stream["streaming"]["ms_per_token"]
+        )
+        plot_stream(
+            study.payload["stream"],
+            results_dir() / f"stream_{args.model.replace('/', '_')}.png",
+            f"{titled(study.payload, '')}: {args.max_tokens}-token stream, cache {settings.cache_size}, "
+            f"chunk {args.chunk}",
+        )
         save()
 
     tokens = torch.tensor(long_text_tokens(tokenizer, args.ablation_tokens))
     cache = settings.cache_size
-    ablations = {"sinks_ablation": {f"{s}+{cache - s}": StreamingConfig(sinks=s, window=cache - s) for s in SINKS},
-                 "cache_size_ablation": {f"4+{c - 4}": StreamingConfig(sinks=4, window=c - 4) for c in CACHE_SIZES
-                                         if trained is None or c < trained}}
+    ablations = {
+        "sinks_ablation": {f"{s}+{cache - s}": StreamingConfig(sinks=s, window=cache - s) for s in SINKS},
+        "cache_size_ablation": {
+            f"4+{c - 4}": StreamingConfig(sinks=4, window=c - 4) for c in CACHE_SIZES if trained is None or c < trained
+        },
+    }
     for part, configs in ablations.items():
         for row in study.todo(part, configs):
             nll = cached_nll(model, tokens, sink_cache(model, configs[row]), args.chunk, row)
-            study.record(part, row, {"sinks": configs[row].sinks, "window": configs[row].window,
-                                     "perplexity": float(nll.mean().exp())}, summary=lambda r: f"{r['perplexity']:.3f}")
+            study.record(
+                part,
+                row,
+                {"sinks": configs[row].sinks, "window": configs[row].window, "perplexity": float(nll.mean().exp())},
+                summary=lambda r: f"{r['perplexity']:.3f}",
+            )
     save()
     print(report(study.payload))
     print(f"wrote {study.path} in {study.payload['seconds'] / 60:.1f} min")

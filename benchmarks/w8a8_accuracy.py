@@ -1,4 +1,4 @@
-"""W8A8 accuracy table (thesis Table 3.2 settings) and the alpha sweep (thesis Fig. 3.8), on one model.
+"""W8A8 accuracy table (Xiao's thesis Table 3.2 settings) and the alpha sweep (Xiao's thesis Fig. 3.8), on one model.
 
 Rows: FP32, naive W8A8 (per-tensor dynamic), ZeroQuant-style (per-token dynamic, group-wise weights),
 SmoothQuant O1 / O2 / O3 with per-tensor weights (the paper's setting) and with per-channel weights, the
@@ -33,7 +33,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 import torch  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_name, study_arguments, time_prefill, titled  # noqa: E402
@@ -59,23 +58,28 @@ def rows(alpha_by_level: dict[str, float]) -> dict[str, list]:
     for weights, extension in (("per_channel", True), ("per_channel", False), ("per_tensor", True)):
         for level in ("O1", "O2", "O3"):
             name = f"SmoothQuant-{level}{' +ext' if extension else ''} W:{weights}"
-            table[name] = [SmoothQuantConfig(alpha_by_level[level], extension, extension),
-                           W8A8Config(level=level, weight_granularity=weights)]
+            table[name] = [
+                SmoothQuantConfig(alpha_by_level[level], extension, extension),
+                W8A8Config(level=level, weight_granularity=weights),
+            ]
     return table
 
 
 def sweep_rows(level: str) -> dict[str, list]:
-    """The alpha sweep (thesis Fig. 3.8) at one level: SmoothQuant with per-channel weights at each alpha."""
-    return {str(alpha): [SmoothQuantConfig(alpha), W8A8Config(level=level, weight_granularity="per_channel")]
-            for alpha in ALPHAS}
+    """The alpha sweep (Xiao's thesis Fig. 3.8) at one level: SmoothQuant with per-channel weights at each alpha."""
+    return {
+        str(alpha): [SmoothQuantConfig(alpha), W8A8Config(level=level, weight_granularity="per_channel")]
+        for alpha in ALPHAS
+    }
 
 
 def fp32_perplexity(payload: dict) -> float | None:
     return payload["rows"].get("FP32", {}).get("results", {}).get("wikitext2", {}).get("perplexity")
 
 
-def measure_runtime(loaded, rows_by_name: dict[str, list], calibration: Calibration,
-                    seq_len: int, repeats: int) -> dict:
+def measure_runtime(
+    loaded, rows_by_name: dict[str, list], calibration: Calibration, seq_len: int, repeats: int
+) -> dict:
     """Speed and resident memory of each row's configuration (see the module's docstring)."""
     runtime = {"tokens": seq_len, "cpu": cpu_description(), "threads": torch.get_num_threads(), "rows": {}}
     models = {"fp32": loaded.model, "bf16": load_any(loaded.name).model.to(torch.bfloat16)}
@@ -89,13 +93,32 @@ def measure_runtime(loaded, rows_by_name: dict[str, list], calibration: Calibrat
                 del quantized
             out = Path(work) / f"row{index}.json"
             # A fresh process per row: its peak resident memory is what evaluating this row costs a user.
-            subprocess.run([sys.executable, "-m", "leanlm.cli.main", "eval", str(source), "--tasks", "wikitext2",
-                            "--max-tokens", str(seq_len), "--seq-len", str(seq_len), "--json", str(out)],
-                           check=True, stdout=subprocess.DEVNULL, env={**os.environ, "TQDM_DISABLE": "1"})
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "leanlm.cli.main",
+                    "eval",
+                    str(source),
+                    "--tasks",
+                    "wikitext2",
+                    "--max-tokens",
+                    str(seq_len),
+                    "--seq-len",
+                    str(seq_len),
+                    "--json",
+                    str(out),
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                env={**os.environ, "TQDM_DISABLE": "1"},
+            )
             evaluated = json.loads(out.read_text())
-            runtime["rows"][name] = {"peak_rss_bytes": evaluated["peak_rss_bytes"],
-                                     "weights_bytes": evaluated["weights_bytes"],
-                                     "perplexity_first_window": evaluated["results"]["wikitext2"]["perplexity"]}
+            runtime["rows"][name] = {
+                "peak_rss_bytes": evaluated["peak_rss_bytes"],
+                "weights_bytes": evaluated["weights_bytes"],
+                "perplexity_first_window": evaluated["results"]["wikitext2"]["perplexity"],
+            }
             models[name] = load_any(source).model
             print(f"runtime {name}: peak RSS {evaluated['peak_rss_bytes'] / 2**20:.0f} MiB", flush=True)
         ids = torch.randint(0, loaded.tokenizer.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
@@ -114,18 +137,34 @@ def report(payload: dict) -> str:
         line = [name, ppl, f"{100 * (ppl / fp32 - 1):+.1f}%" if fp32 else "-", row["zero_shot_average"]]
         if runtime:
             run = runtime["rows"][name]
-            line += [f"{run['tokens_per_second']:.0f} ({run['speedup_vs_best_float']:.2f}x)",
-                     f"{run['peak_rss_bytes'] / 2**20:.0f}", f"{run['weights_bytes'] / 2**20:.0f}"]
+            line += [
+                f"{run['tokens_per_second']:.0f} ({run['speedup_vs_best_float']:.2f}x)",
+                f"{run['peak_rss_bytes'] / 2**20:.0f}",
+                f"{run['weights_bytes'] / 2**20:.0f}",
+            ]
         table.append(line)
     header = ["setting", "wikitext2 ppl", "vs FP32", "zero-shot avg"]
     if not runtime:
-        return format_table(header, table, markdown=True)
+        return format_table(header, table, markdown=True) + _alpha_sweep_table(payload)
     floats = runtime["float_paths"]
     header += [f"tokens/s, {runtime['tokens']}-token forward (vs best float)", "peak RSS MiB", "stored MiB"]
-    return (f"Forward of one {runtime['tokens']}-token window on {runtime['cpu']}, {runtime['threads']} threads; "
-            f"the float model runs {floats['fp32']['tokens_per_second']:.0f} tokens/s in float32 and "
-            f"{floats['bf16']['tokens_per_second']:.0f} in bfloat16 in the same interleaved rounds.\n\n"
-            + format_table(header, table, markdown=True))
+    return (
+        f"Forward of one {runtime['tokens']}-token window on {runtime['cpu']}, {runtime['threads']} threads; "
+        f"the float model runs {floats['fp32']['tokens_per_second']:.0f} tokens/s in float32 and "
+        f"{floats['bf16']['tokens_per_second']:.0f} in bfloat16 in the same interleaved rounds.\n\n"
+        + format_table(header, table, markdown=True)
+        + _alpha_sweep_table(payload)
+    )
+
+
+def _alpha_sweep_table(payload: dict) -> str:
+    """WikiText-2 perplexity of each level at each alpha (the sweep's tokens), one row per level."""
+    sweep = payload.get("alpha_sweep", {})
+    if not sweep:
+        return ""
+    alphas = list(next(iter(sweep.values())))
+    rows = [[level, *(f"{points[alpha]:.2f}" for alpha in alphas)] for level, points in sweep.items()]
+    return "\n\n" + format_table(["level", *alphas], rows, markdown=True)
 
 
 def plot_accuracy(payload: dict, path) -> None:
@@ -156,8 +195,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--limit", type=int, default=500, help="items per zero-shot task")
     parser.add_argument("--calib-samples", type=int, default=128)
-    parser.add_argument("--alpha", type=float, nargs=3, default=(0.5, 0.7, 0.7), metavar=("O1", "O2", "O3"),
-                        help="migration strength per level (from the sweep)")
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        nargs=3,
+        default=(0.5, 0.7, 0.7),
+        metavar=("O1", "O2", "O3"),
+        help="migration strength per level (from the sweep)",
+    )
     parser.add_argument("--sweep-tokens", type=int, default=8192, help="WikiText-2 tokens per alpha of the sweep")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds of the runtime part")
     args = parser.parse_args()
@@ -165,11 +210,22 @@ def main() -> None:
     if args.report:
         return print_report(name, report)
 
-    settings = EvalSettings(tasks=("wikitext2", *ZERO_SHOT_TASKS), limit=args.limit, max_tokens=args.max_tokens,
-                            seq_len=args.seq_len)
+    settings = EvalSettings(
+        tasks=("wikitext2", *ZERO_SHOT_TASKS), limit=args.limit, max_tokens=args.max_tokens, seq_len=args.seq_len
+    )
     alpha_by_level = dict(zip(("O1", "O2", "O3"), args.alpha))
-    study = Study(name, {**vars(settings), "calibration_samples": args.calib_samples, "calibration_seq_len": 512,
-                         "alpha_by_level": alpha_by_level, "sweep_tokens": args.sweep_tokens}, args, plot=plot_accuracy)
+    study = Study(
+        name,
+        {
+            **vars(settings),
+            "calibration_samples": args.calib_samples,
+            "calibration_seq_len": 512,
+            "alpha_by_level": alpha_by_level,
+            "sweep_tokens": args.sweep_tokens,
+        },
+        args,
+        plot=plot_accuracy,
+    )
     loaded = study.load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
 
@@ -180,12 +236,17 @@ def main() -> None:
     calibration = Calibration(tokenizer, samples=args.calib_samples, int8_stats=stats)
 
     if study.pending("runtime"):
-        study.set("runtime", measure_runtime(loaded, rows(alpha_by_level), calibration, args.seq_len,
-                                             args.repeats))
-    study.quantized_rows("rows", model, rows(alpha_by_level), lambda quantized, record: {
-        "config": record, **evaluate(quantized, tokenizer, settings)}, calibration=calibration,
-        summary=lambda row: f"wikitext2 {row['results']['wikitext2']['perplexity']:.3f}, "
-                            f"zero-shot {row['zero_shot_average']:.4f}")
+        study.set("runtime", measure_runtime(loaded, rows(alpha_by_level), calibration, args.seq_len, args.repeats))
+    study.quantized_rows(
+        "rows",
+        model,
+        rows(alpha_by_level),
+        lambda quantized, record: {"config": record, **evaluate(quantized, tokenizer, settings)},
+        calibration=calibration,
+        summary=lambda row: (
+            f"wikitext2 {row['results']['wikitext2']['perplexity']:.3f}, zero-shot {row['zero_shot_average']:.4f}"
+        ),
+    )
 
     sweep_settings = EvalSettings(tasks=("wikitext2",), max_tokens=args.sweep_tokens, seq_len=args.seq_len)
 
@@ -195,8 +256,14 @@ def main() -> None:
     if study.pending("alpha_sweep_fp32"):  # the sweep's own FP32 reference, on its tokens
         study.set("alpha_sweep_fp32", sweep_perplexity(model, None))
     for level in ("O1", "O3"):
-        study.quantized_rows(("alpha_sweep", level), model, sweep_rows(level), sweep_perplexity,
-                             calibration=calibration, summary=lambda ppl: f"{ppl:.3f}")
+        study.quantized_rows(
+            ("alpha_sweep", level),
+            model,
+            sweep_rows(level),
+            sweep_perplexity,
+            calibration=calibration,
+            summary=lambda ppl: f"{ppl:.3f}",
+        )
     print(report(study.payload))
 
 

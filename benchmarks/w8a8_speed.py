@@ -50,8 +50,9 @@ def peer_linears(linear: nn.Linear) -> dict[str, nn.Module]:
     modules: dict[str, nn.Module] = float_paths(linear)
     for level, (activation, static_scale) in LEVEL_ACTIVATION.items():
         scale = torch.tensor(static_scale) if static_scale else None
-        modules[f"leanlm {level}"] = W8A8Linear.from_float(linear.weight, linear.bias, "per_tensor",
-                                                           activation=activation, input_scale=scale)
+        modules[f"leanlm {level}"] = W8A8Linear.from_float(
+            linear.weight, linear.bias, "per_tensor", activation=activation, input_scale=scale
+        )
     modules["bitsandbytes int8"] = bitsandbytes_int8_linear(linear, threshold=0.0)
     modules["torchao int8 dyn"] = torchao_int8_dynamic_(nn.Sequential(copy.deepcopy(linear)))
     return modules
@@ -70,9 +71,13 @@ def bench_linear(in_features: int, out_features: int, rows: list[int], repeats: 
         for level in LEVEL_ACTIVATION:
             timings[f"leanlm {level}"]["speedup_vs_bitsandbytes"] = bnb_ms / timings[f"leanlm {level}"]["median_ms"]
         results["by_m"][str(m)] = timings
-        print(f"{out_features}x{in_features} M={m}: " + ", ".join(
-            f"{name} {t['median_ms']:.2f} ms ({t['speedup_vs_best_float']:.2f}x)" for name, t in timings.items()),
-            flush=True)
+        print(
+            f"{out_features}x{in_features} M={m}: "
+            + ", ".join(
+                f"{name} {t['median_ms']:.2f} ms ({t['speedup_vs_best_float']:.2f}x)" for name, t in timings.items()
+            ),
+            flush=True,
+        )
     bytes_fp32 = linear.weight.numel() * 4
     results["weight_bytes_ratio"] = {
         name: weight_bytes(module) / bytes_fp32 for name, module in modules.items() if name not in ("fp32", "bf16")
@@ -90,23 +95,28 @@ def bench_rounding(in_features: int, out_features: int, m: int, repeats: int) ->
     gemm = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
     torch.manual_seed(0)
     x = torch.randn(m, in_features) * 2
-    packed = pack_weight(torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8),
-                         torch.rand(out_features) * 0.01 + 1e-3)
+    packed = pack_weight(
+        torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8), torch.rand(out_features) * 0.01 + 1e-3
+    )
     results = {}
     for granularity in ("per_tensor", "per_token"):
         scale = x.abs().amax(dim=1, keepdim=True) / 127 if granularity == "per_token" else x.abs().amax() / 127
         per_tensor = granularity == "per_tensor"
 
         fns = {
-            ROUNDINGS[0]: (lambda: gemm(x, float(scale), 128, packed.params)) if per_tensor else
-            (lambda: gemm(x / scale, 1.0, 128, packed.params).mul_(scale)),
+            ROUNDINGS[0]: (lambda: gemm(x, float(scale), 128, packed.params))
+            if per_tensor
+            else (lambda: gemm(x / scale, 1.0, 128, packed.params).mul_(scale)),
             ROUNDINGS[1]: lambda: int8_linear(x, scale, None, None, None, "fbgemm", packed, compiled_rounding=False),
             ROUNDINGS[2]: lambda: int8_linear(x, scale, None, None, None, "fbgemm", packed),
         }
         timings = time_interleaved(fns, warmup=2, repeats=repeats)
         results[granularity] = {name: t.median * 1e3 for name, t in timings.items()}
-        print(f"rounding {out_features}x{in_features} M={m} {granularity}: " + ", ".join(
-            f"{name} {ms:.3f} ms" for name, ms in results[granularity].items()), flush=True)
+        print(
+            f"rounding {out_features}x{in_features} M={m} {granularity}: "
+            + ", ".join(f"{name} {ms:.3f} ms" for name, ms in results[granularity].items()),
+            flush=True,
+        )
     return results
 
 
@@ -116,8 +126,11 @@ def model_variants(loaded) -> dict[str, nn.Module]:
     stats = calibrate(float_model, calibration_batches(loaded.tokenizer, n_samples=4, seq_len=256))
     for level in LEVEL_ACTIVATION:
         model = copy.deepcopy(float_model)
-        quantize_(model, [SmoothQuantConfig(0.5), W8A8Config(level=level, quantize_bmm=False)],
-                  calibration=Calibration(int8_stats=stats))
+        quantize_(
+            model,
+            [SmoothQuantConfig(0.5), W8A8Config(level=level, quantize_bmm=False)],
+            calibration=Calibration(int8_stats=stats),
+        )
         variants[f"leanlm {level}"] = model
     separate = copy.deepcopy(variants["leanlm O1"])
     share_input_gemms_(separate, share=False)
@@ -139,9 +152,14 @@ def bench_model(lengths: list[int], repeats: int) -> dict:
             timed = {name: model for name, model in variants.items() if keep == 0 or "separate" not in name}
             timings = time_prefill(timed, ids, repeats, logits_to_keep=keep)
             results[key][str(length)] = timings
-            print(f"prefill {length} ({'last' if keep else 'all'} logits): " + ", ".join(
-                f"{name} {t['tokens_per_second']:.0f} tok/s ({t['speedup_vs_best_float']:.2f}x)"
-                for name, t in timings.items()), flush=True)
+            print(
+                f"prefill {length} ({'last' if keep else 'all'} logits): "
+                + ", ".join(
+                    f"{name} {t['tokens_per_second']:.0f} tok/s ({t['speedup_vs_best_float']:.2f}x)"
+                    for name, t in timings.items()
+                ),
+                flush=True,
+            )
     # What the FP32 lm_head costs of a prefill, and what an int8 lm_head would take instead.
     hidden = torch.randn(lengths[0], loaded.model.config.hidden_size)
     head = loaded.model.lm_head
@@ -155,10 +173,13 @@ def bench_model(lengths: list[int], repeats: int) -> dict:
         "share_of_fp32_prefill": head_fp32 / results["by_length"][str(lengths[0])]["fp32"]["median_s"],
         "share_of_leanlm_O1_prefill": head_fp32 / results["by_length"][str(lengths[0])]["leanlm O1"]["median_s"],
     }
-    linear_bytes = {name: sum(weight_bytes(m) for _, m in iter_quantizable_linears(model))
-                    for name, model in variants.items()}
+    linear_bytes = {
+        name: sum(weight_bytes(m) for _, m in iter_quantizable_linears(model)) for name, model in variants.items()
+    }
     results["block_linear_bytes_ratio"] = {name: b / linear_bytes["fp32"] for name, b in linear_bytes.items()}
-    results["model_weight_bytes"] = {name: t["weight_bytes"] for name, t in results["by_length"][str(lengths[0])].items()}
+    results["model_weight_bytes"] = {
+        name: t["weight_bytes"] for name, t in results["by_length"][str(lengths[0])].items()
+    }
     return results
 
 
@@ -179,14 +200,23 @@ def report(payload: dict) -> str:
     out = []
     linear = payload.get("linear_4096", {})
     if linear:
-        out.append(f"4096 x 4096 linear on {linear.get('cpu', 'this CPU')}, ms (speed-up over the best float path, "
-                   "or over fp32 where no bf16 was measured):")
-        out.append(speed_table(linear["by_m"], extra={
-            "leanlm O1 vs bitsandbytes": lambda row: f"{row['leanlm O1']['speedup_vs_bitsandbytes']:.2f}x"}))
+        out.append(
+            f"4096 x 4096 linear on {linear.get('cpu', 'this CPU')}, ms (speed-up over the best float path, "
+            "or over fp32 where no bf16 was measured):"
+        )
+        out.append(
+            speed_table(
+                linear["by_m"],
+                extra={"leanlm O1 vs bitsandbytes": lambda row: f"{row['leanlm O1']['speedup_vs_bitsandbytes']:.2f}x"},
+            )
+        )
     shapes = payload.get("smollm2_shapes_m512", {})
     if shapes:
-        out.append(speed_table({shape: entry["by_m"]["512"] for shape, entry in shapes.items()},
-                               first="shape (out x in), M = 512"))
+        out.append(
+            speed_table(
+                {shape: entry["by_m"]["512"] for shape, entry in shapes.items()}, first="shape (out x in), M = 512"
+            )
+        )
     rounding = payload.get("rounding", {})
     if rounding:
         rows = []
@@ -195,18 +225,44 @@ def report(payload: dict) -> str:
             shape = f"{out_features}x{in_features}"
             for granularity, ms in entry.items():
                 first = ms[ROUNDINGS[0]]
-                rows.append([shape, m, granularity.replace("_", "-"), f"{first:.3f}",
-                             *(f"{ms[name]:.3f} ({ms[name] / first:.2f}x)" for name in ROUNDINGS[1:])])
-        out.append("The int8 GEMM with its input codes rounded three ways, ms (time against fbgemm's own rounding):\n\n"
-                   + format_table(["shape (out x in)", "M", "activations", *ROUNDINGS], rows, markdown=True))
+                rows.append(
+                    [
+                        shape,
+                        m,
+                        granularity.replace("_", "-"),
+                        f"{first:.3f}",
+                        *(f"{ms[name]:.3f} ({ms[name] / first:.2f}x)" for name in ROUNDINGS[1:]),
+                    ]
+                )
+        out.append(
+            "The int8 GEMM with its input codes rounded three ways, ms (time against fbgemm's own rounding):\n\n"
+            + format_table(["shape (out x in)", "M", "activations", *ROUNDINGS], rows, markdown=True)
+        )
     for key in ("by_length", "by_length_last_logits"):
         prefill = payload.get("model_prefill", {}).get(key, {})
         if prefill:
             names = list(next(iter(prefill.values())))
-            out.append(format_table(["tokens", *names], [
-                [length, *(f"{row[n]['tokens_per_second']:.0f}" + ("" if n in ("fp32", "bf16") else
-                           f" ({row[n].get('speedup_vs_best_float', row[n]['speedup_vs_fp32']):.2f}x)")
-                           for n in names)] for length, row in prefill.items()], markdown=True))
+            out.append(
+                format_table(
+                    ["tokens", *names],
+                    [
+                        [
+                            length,
+                            *(
+                                f"{row[n]['tokens_per_second']:.0f}"
+                                + (
+                                    ""
+                                    if n in ("fp32", "bf16")
+                                    else f" ({row[n].get('speedup_vs_best_float', row[n]['speedup_vs_fp32']):.2f}x)"
+                                )
+                                for n in names
+                            ),
+                        ]
+                        for length, row in prefill.items()
+                    ],
+                    markdown=True,
+                )
+            )
     return "\n\n".join(out)
 
 
@@ -219,8 +275,12 @@ def plot(payload: dict, path) -> None:
     ms = list(linear)
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        left.bar([j + i * width for j in range(len(ms))], [linear[m][name]["speedup_vs_best_float"] for m in ms],
-                 width=width, label=name)
+        left.bar(
+            [j + i * width for j in range(len(ms))],
+            [linear[m][name]["speedup_vs_best_float"] for m in ms],
+            width=width,
+            label=name,
+        )
     left.axhline(1.0, color="black", linewidth=0.8)
     left.set_xticks([j + 0.4 - width / 2 for j in range(len(ms))], [f"M={m}" for m in ms])
     left.set_yscale("log")
@@ -228,8 +288,9 @@ def plot(payload: dict, path) -> None:
     left.set_title("4096x4096 linear")
     left.legend(fontsize=8)
     colors = {name: f"C{i}" for i, name in enumerate(next(iter(payload["model_prefill"]["by_length"].values())))}
-    for axis, (key, logits) in zip(prefill_axes, (("by_length", "every position's logits"),
-                                                  ("by_length_last_logits", "last position's logits"))):
+    for axis, (key, logits) in zip(
+        prefill_axes, (("by_length", "every position's logits"), ("by_length_last_logits", "last position's logits"))
+    ):
         prefill = payload["model_prefill"].get(key)
         if not prefill:
             continue
@@ -237,9 +298,13 @@ def plot(payload: dict, path) -> None:
         names = list(next(iter(prefill.values())))
         width = 0.8 / len(names)
         for i, name in enumerate(names):
-            axis.bar([j + i * width for j in range(len(lengths))],
-                     [prefill[n][name]["tokens_per_second"] for n in lengths], width=width, label=name,
-                     color=colors.get(name))
+            axis.bar(
+                [j + i * width for j in range(len(lengths))],
+                [prefill[n][name]["tokens_per_second"] for n in lengths],
+                width=width,
+                label=name,
+                color=colors.get(name),
+            )
         axis.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))], [f"{n} tokens" for n in lengths])
         axis.set_ylabel("prefill tokens / s")
         axis.set_title(f"SmolLM2-135M prefill, {logits} (lm_head FP32)")
@@ -263,7 +328,8 @@ def main() -> None:
         study.record("smollm2_shapes_m512", shape, bench_linear(in_features, out_features, [512], repeats))
     # SmolLM2's four single shapes at M = 512 and the 4096 x 4096 linear at M = 1 and 512
     rounding_rows = [rounding_row(shape, 512) for shape in SMOLLM2_SHAPES[:4]] + [
-        rounding_row((4096, 4096), m) for m in (1, 512)]
+        rounding_row((4096, 4096), m) for m in (1, 512)
+    ]
     for row in study.todo("rounding", rounding_rows):
         (out_features, in_features), m = rounding_row_shape(row)
         study.record("rounding", row, bench_rounding(in_features, out_features, m, 101 if not args.quick else 9))

@@ -14,5 +14,8 @@ def leanlm_process(*argv: str, **popen) -> subprocess.Popen:
     installs no KeyboardInterrupt handler, so a test sending SIGINT would wait for nothing. CI runs in the
     foreground, a suite started with `&` does not: restoring the default makes the tests independent of that.
     """
-    return subprocess.Popen([sys.executable, "-m", "leanlm.cli.main", *argv],
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "leanlm.cli.main", *argv],
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        **popen,
+    )

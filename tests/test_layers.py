@@ -34,7 +34,7 @@ def test_no_import_cycles():
 
     def visit(name, trail):
         if name in trail:
-            cycles.append(trail[trail.index(name):] + [name])
+            cycles.append(trail[trail.index(name) :] + [name])
             return
         if name in done:
             return

@@ -7,12 +7,28 @@ def test_every_method_has_a_row_and_quantized_rows_are_smaller(tiny_llama_dir, m
     monkeypatch.setattr("leanlm.showcase.SHOWCASE_CALIBRATION_SAMPLES", 2)
     settings = EvalSettings(tasks=("wikitext2", "piqa"), limit=2, max_tokens=256, seq_len=64)
     monkeypatch.setattr("leanlm.showcase.QLORA_STEPS", 2)
-    monkeypatch.setattr("leanlm.showcase.STREAM", StreamSettings(window=28, max_tokens=200, strategies=("streaming",),
-                                                                 latency_steps=4, recompute_tokens=4))
+    monkeypatch.setattr(
+        "leanlm.showcase.STREAM",
+        StreamSettings(window=28, max_tokens=200, strategies=("streaming",), latency_steps=4, recompute_tokens=4),
+    )
     payload = run_showcase(str(tiny_llama_dir), settings)
-    assert list(payload["rows"]) == [row.name for row in ROWS] == [
-        "fp32", "w8a8-O2", "smoothquant-O1", "smoothquant-O3", "cushion+smoothquant-O3", "llm-int8", "nf4-dq",
-        "gptq-4bit", "spqr", "streaming", "qlora"]
+    assert (
+        list(payload["rows"])
+        == [row.name for row in ROWS]
+        == [
+            "fp32",
+            "w8a8-O2",
+            "smoothquant-O1",
+            "smoothquant-O3",
+            "cushion+smoothquant-O3",
+            "llm-int8",
+            "nf4-dq",
+            "gptq-4bit",
+            "spqr",
+            "streaming",
+            "qlora",
+        ]
+    )
     fp32 = payload["rows"]["fp32"]["weights_bytes"]
     for name, row in payload["rows"].items():
         assert row["results"]["wikitext2"]["perplexity"] > 1

@@ -33,10 +33,13 @@ def test_an_empty_existing_directory_is_replaced(tmp_path):
     assert (tmp_path / "result" / "a.txt").is_file()
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: p.write_text("x"), "is an existing file"),
-    (lambda p: (p.mkdir(), (p / "f").write_text("x")), "exists and is not empty"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p.write_text("x"), "is an existing file"),
+        (lambda p: (p.mkdir(), (p / "f").write_text("x")), "exists and is not empty"),
+    ],
+)
 def test_unusable_destinations_are_named(tmp_path, make, message):
     make(tmp_path / "out")
     with pytest.raises(ConfigError, match=message):

@@ -22,8 +22,9 @@ def tiny_config(model_type: str, vocab_size: int = 128, layers: int = 2):
     if model_type == "opt":
         return hf.OPTConfig(**common, hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64)
     if model_type == "gpt2":
-        return hf.GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=layers, n_head=4, n_positions=256,
-                             bos_token_id=0, eos_token_id=0)
+        return hf.GPT2Config(
+            vocab_size=vocab_size, n_embd=64, n_layer=layers, n_head=4, n_positions=256, bos_token_id=0, eos_token_id=0
+        )
     if model_type == "gpt_neox":
         return hf.GPTNeoXConfig(**common, hidden_size=64, intermediate_size=128, num_attention_heads=4, rotary_pct=0.25)
     raise ValueError(model_type)

@@ -42,8 +42,19 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'leanlm' has no attribute {name!r}")
 
 
-_METHOD_API = ("quantize_", "Calibration", "QuantRecord", "KbitConfig", "RTNConfig", "GPTQConfig", "SpQRConfig",
-               "W8A8Config", "SmoothQuantConfig", "LLMInt8Config", "CushionConfig")
+_METHOD_API = (
+    "quantize_",
+    "Calibration",
+    "QuantRecord",
+    "KbitConfig",
+    "RTNConfig",
+    "GPTQConfig",
+    "SpQRConfig",
+    "W8A8Config",
+    "SmoothQuantConfig",
+    "LLMInt8Config",
+    "CushionConfig",
+)
 
 __all__ = [
     "ConfigError",

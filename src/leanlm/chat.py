@@ -1,4 +1,4 @@
-"""A multi-round chat that never runs out of context (thesis section 4.4.3): every turn is appended to one
+"""A multi-round chat that never runs out of context (Xiao's thesis section 4.4.3): every turn is appended to one
 StreamingLLM cache, so the conversation can go on for ever at a constant cost per token; what scrolls out of
 the window is forgotten, the attention sinks (the first tokens: the chat template's system prompt) stay.
 
@@ -12,13 +12,13 @@ later token, the later turns' included, by the fused step, one call per token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from leanlm.errors import ConfigError
 from leanlm.decoding import FusedDecoder, read_in_chunks
+from leanlm.errors import ConfigError
 from leanlm.evaluation.tokens import encode
 from leanlm.methods.streaming import StreamingConfig, sink_cache
 from leanlm.settings import option
@@ -26,13 +26,18 @@ from leanlm.settings import option
 
 @dataclass(frozen=True)
 class ChatSettings:
-    streaming: StreamingConfig = option(StreamingConfig(sinks=4, window=2000), "the cache (the reference chat "
-                                        "demo's sizes)", cli=False)
+    streaming: StreamingConfig = option(
+        StreamingConfig(sinks=4, window=2000), "the cache (the reference chat demo's sizes)", cli=False
+    )
     max_new_tokens: int = option(256, "tokens an answer may take at most")
     temperature: float = option(0.0, "sampling temperature; 0 = greedy")
     seed: int = option(0, "seed of the sampling")
-    fused: bool = option(True, "decode through leanlm's fused C++ step where the model allows it (else, and with "
-                               "--no-fused, through transformers' forward)", flag="--no-fused")
+    fused: bool = option(
+        True,
+        "decode through leanlm's fused C++ step where the model allows it (else through transformers' forward)",
+        flag="--no-fused",
+        off="decode through transformers' forward",
+    )
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -59,9 +64,11 @@ class StreamingChat:
         # Chat templates only append, so the new turn is a suffix of the rendering; if one ever rewrites earlier
         # turns, the rendering of this turn alone is fed instead.
         if rendered.startswith(self.fed_text):
-            new_text = rendered[len(self.fed_text):]
+            new_text = rendered[len(self.fed_text) :]
         else:
-            new_text = self.tokenizer.apply_chat_template(self.messages[-1:], tokenize=False, add_generation_prompt=True)
+            new_text = self.tokenizer.apply_chat_template(
+                self.messages[-1:], tokenize=False, add_generation_prompt=True
+            )
         logits = self._feed(encode(self.tokenizer, new_text))
         self.fed_text = rendered
         generated: list[int] = []
@@ -74,12 +81,12 @@ class StreamingChat:
                 generated.append(token)
                 text = self.tokenizer.decode(generated, skip_special_tokens=True)
                 if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                    on_text(text[len(shown):])
+                    on_text(text[len(shown) :])
                     shown = text
                 logits = self._feed([token])
         answer = self.tokenizer.decode(generated, skip_special_tokens=True)
         if answer != shown:
-            on_text(answer[len(shown):])
+            on_text(answer[len(shown) :])
         self.messages.append({"role": "assistant", "content": answer})
         self.fed_text += answer
         return answer

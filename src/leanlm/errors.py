@@ -39,7 +39,7 @@ class MissingExtraError(ConfigError):
     adds it."""
 
     def __init__(self, what: str, module: str, extra: str):
-        super().__init__(f"{what} needs {module}, which is not installed: pip install \"leanlm[{extra}]\"")
+        super().__init__(f'{what} needs {module}, which is not installed: pip install "leanlm[{extra}]"')
 
 
 # Optional dependencies (top-level module -> the extra of pyproject.toml that installs it).

@@ -38,8 +38,9 @@ def save_figure(fig, path, title: str | None = None) -> None:
     plt.close(fig)
 
 
-def plot_training_curves(series: dict[str, list[float]], path, title: str, ylabel: str = "loss",
-                         reference: dict[str, float] | None = None) -> None:
+def plot_training_curves(
+    series: dict[str, list[float]], path, title: str, ylabel: str = "loss", reference: dict[str, float] | None = None
+) -> None:
     """Per-step curves (raw, faint) with a moving mean over 1/20 of the steps, and dashed reference levels: the
     loss curves of fine-tuning and of CushionCache's prefix tuning."""
     import matplotlib
@@ -50,10 +51,10 @@ def plot_training_curves(series: dict[str, list[float]], path, title: str, ylabe
     fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 3.6), squeeze=False)
     for axis, (name, values) in zip(axes[0], series.items()):
         steps = range(1, len(values) + 1)
-        line, = axis.plot(steps, values, linewidth=0.8, alpha=0.4, label=name)
+        (line,) = axis.plot(steps, values, linewidth=0.8, alpha=0.4, label=name)
         window = max(1, len(values) // 20)
         if len(values) >= window > 1:
-            means = [sum(values[i - window:i]) / window for i in range(window, len(values) + 1)]
+            means = [sum(values[i - window : i]) / window for i in range(window, len(values) + 1)]
             axis.plot(range(window, len(values) + 1), means, color=line.get_color(), label=f"mean of {window}")
         for label, level in (reference or {}).items():
             axis.axhline(level, color="black", linestyle="--", linewidth=0.8, label=label)

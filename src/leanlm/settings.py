@@ -7,10 +7,21 @@ from __future__ import annotations
 from dataclasses import field
 
 
-def option(default, help: str, *, flag: str | None = None, none_word: str | None = None, choices: tuple = (),
-           cli: bool = True):
+def option(
+    default,
+    help: str,
+    *,
+    flag: str | None = None,
+    none_word: str | None = None,
+    choices: tuple = (),
+    cli: bool = True,
+    off: str | None = None,
+):
     """A field with its default and help text. `flag` is the command line's spelling where it is not
     `--field-name`; `none_word` is how the command line says None (`row` for one block per row); `choices` the
-    values a string field takes; `cli=False` keeps a field off the command line."""
-    return field(default=default, metadata={"help": help, "flag": flag, "none_word": none_word, "choices": choices,
-                                            "cli": cli})
+    values a string field takes; `cli=False` keeps a field off the command line; `off`, for a setting that is on
+    by default, what its `--no-...` flag does."""
+    if default is True and cli and not off:
+        raise TypeError(f"an option on by default needs `off`, what its --no- flag does ({help!r})")
+    metadata = {"help": help, "flag": flag, "none_word": none_word, "choices": choices, "cli": cli, "off": off}
+    return field(default=default, metadata=metadata)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import gc
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Callable
 
 import torch
 
@@ -43,8 +43,9 @@ from leanlm.report import format_table
 
 SHOWCASE_CALIBRATION_SAMPLES = 8  # x 512 tokens: the methods' own defaults are 128 (GPTQ) to 512 (SmoothQuant)
 QLORA_STEPS = 16  # batch 2 x 256 tokens of LAMBADA development text
-STREAM = StreamSettings(sinks=4, window=252, max_tokens=2048, strategies=("streaming",), latency_steps=32,
-                        recompute_tokens=16)
+STREAM = StreamSettings(
+    sinks=4, window=252, max_tokens=2048, strategies=("streaming",), latency_steps=32, recompute_tokens=16
+)
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,18 @@ class ShowcaseRow:
 def _streaming(loaded: LoadedModel, settings: EvalSettings) -> dict:
     """The float model through a sink cache: a stream longer than the cache, in constant memory."""
     entry = stream_evaluate(loaded.model, loaded.tokenizer, STREAM)["settings"]["streaming"]
-    return {"results": {"wikitext2": {"perplexity": entry["perplexity"], "tokens": entry["tokens"],
-                                      "tokens_per_second": 1000 / entry["ms_per_token"]}},
-            "zero_shot_average": None, "weights_bytes": weight_bytes(loaded.model),
-            "note": f"stream of {entry['tokens']} tokens (WikiText-2 test) in a cache of {STREAM.cache_size}"}
+    return {
+        "results": {
+            "wikitext2": {
+                "perplexity": entry["perplexity"],
+                "tokens": entry["tokens"],
+                "tokens_per_second": 1000 / entry["ms_per_token"],
+            }
+        },
+        "zero_shot_average": None,
+        "weights_bytes": weight_bytes(loaded.model),
+        "note": f"stream of {entry['tokens']} tokens (WikiText-2 test) in a cache of {STREAM.cache_size}",
+    }
 
 
 def _qlora(loaded: LoadedModel, settings: EvalSettings) -> dict:
@@ -77,31 +86,47 @@ def _qlora(loaded: LoadedModel, settings: EvalSettings) -> dict:
     documents = plain_text("lambada-dev").splitlines()[:400]
     with tempfile.TemporaryDirectory() as out:
         record = finetune(loaded.model, loaded.tokenizer, documents, training, lora, out, loaded.name, progress=False)
-    return {**evaluate(loaded.model, loaded.tokenizer, settings),
-            "note": f"train loss {record['train_loss_first']:.2f} -> {record['train_loss_last']:.2f}"}
+    return {
+        **evaluate(loaded.model, loaded.tokenizer, settings),
+        "note": f"train loss {record['train_loss_first']:.2f} -> {record['train_loss_last']:.2f}",
+    }
 
 
 ROWS: tuple[ShowcaseRow, ...] = (
     ShowcaseRow("fp32", "float32 weights and activations (the reference)"),
-    ShowcaseRow("w8a8-O2", "naive int8: per-tensor weights, per-tensor dynamic activations",
-                (W8A8Config(level="O2"),)),
-    ShowcaseRow("smoothquant-O1", "SmoothQuant a=0.5, per-channel weights, per-token dynamic activations",
-                (SmoothQuantConfig(0.5), W8A8Config(level="O1", weight_granularity="per_channel"))),
-    ShowcaseRow("smoothquant-O3", "SmoothQuant a=0.7, per-channel weights, per-tensor static activations",
-                (SmoothQuantConfig(0.7), W8A8Config(level="O3", weight_granularity="per_channel"))),
-    ShowcaseRow("cushion+smoothquant-O3", "the same with a searched 2-token CushionCache prefix (64 candidates)",
-                (CushionConfig(candidates=64, max_length=2), SmoothQuantConfig(0.7),
-                 W8A8Config(level="O3", weight_granularity="per_channel"))),
-    ShowcaseRow("llm-int8", "LLM.int8(): vector-wise int8, outlier dimensions (|x| >= 6) in float",
-                (LLMInt8Config(6.0),)),
-    ShowcaseRow("nf4-dq", "NF4 blocks of 64 + double quantization (QLoRA's storage)",
-                (KbitConfig("nf", 4, 64, double_quant=True),)),
-    ShowcaseRow("gptq-4bit", "GPTQ 4-bit, groups of 128, act-order",
-                (GPTQConfig(bits=4, group_size=128),)),
-    ShowcaseRow("spqr", "SpQR: 3-bit base, beta1 = beta2 = 16, 3-bit statistics, fp16 outliers (tau 0.2)",
-                (SpQRConfig(),)),
-    ShowcaseRow("streaming", "float32 through StreamingLLM's sink cache (4 sinks + 252 recent tokens)",
-                run=_streaming),
+    ShowcaseRow("w8a8-O2", "naive int8: per-tensor weights, per-tensor dynamic activations", (W8A8Config(level="O2"),)),
+    ShowcaseRow(
+        "smoothquant-O1",
+        "SmoothQuant a=0.5, per-channel weights, per-token dynamic activations",
+        (SmoothQuantConfig(0.5), W8A8Config(level="O1", weight_granularity="per_channel")),
+    ),
+    ShowcaseRow(
+        "smoothquant-O3",
+        "SmoothQuant a=0.7, per-channel weights, per-tensor static activations",
+        (SmoothQuantConfig(0.7), W8A8Config(level="O3", weight_granularity="per_channel")),
+    ),
+    ShowcaseRow(
+        "cushion+smoothquant-O3",
+        "the same with a searched 2-token CushionCache prefix (64 candidates)",
+        (
+            CushionConfig(candidates=64, max_length=2),
+            SmoothQuantConfig(0.7),
+            W8A8Config(level="O3", weight_granularity="per_channel"),
+        ),
+    ),
+    ShowcaseRow(
+        "llm-int8", "LLM.int8(): vector-wise int8, outlier dimensions (|x| >= 6) in float", (LLMInt8Config(6.0),)
+    ),
+    ShowcaseRow(
+        "nf4-dq",
+        "NF4 blocks of 64 + double quantization (QLoRA's storage)",
+        (KbitConfig("nf", 4, 64, double_quant=True),),
+    ),
+    ShowcaseRow("gptq-4bit", "GPTQ 4-bit, groups of 128, act-order", (GPTQConfig(bits=4, group_size=128),)),
+    ShowcaseRow(
+        "spqr", "SpQR: 3-bit base, beta1 = beta2 = 16, 3-bit statistics, fp16 outliers (tau 0.2)", (SpQRConfig(),)
+    ),
+    ShowcaseRow("streaming", "float32 through StreamingLLM's sink cache (4 sinks + 252 recent tokens)", run=_streaming),
     ShowcaseRow("qlora", f"LoRA r=8 on an NF4+DQ base, {QLORA_STEPS} steps", run=_qlora),
 )
 
@@ -121,11 +146,22 @@ def showcase_table(payload: dict) -> str:
         wikitext = row["results"]["wikitext2"]
         zero_shot = row["zero_shot_average"]
         what = row["description"] + (f"; {row['note']}" if row.get("note") else "")
-        rows.append([name, f"{wikitext['perplexity']:.2f}", "-" if zero_shot is None else f"{zero_shot:.2f}",
-                     f"{row['weights_bytes'] / 2**20:.0f}", f"{row['peak_rss_bytes'] / 2**20:,.0f}",
-                     f"{wikitext['tokens_per_second']:.0f}", what.replace("|", "\\|")])
-    return format_table(["method", "WikiText-2 ppl", "zero-shot avg", "weights MiB (stored)", "peak RSS MiB", "tok/s",
-                         "what"], rows, markdown=True)
+        rows.append(
+            [
+                name,
+                f"{wikitext['perplexity']:.2f}",
+                "-" if zero_shot is None else f"{zero_shot:.2f}",
+                f"{row['weights_bytes'] / 2**20:.0f}",
+                f"{row['peak_rss_bytes'] / 2**20:,.0f}",
+                f"{wikitext['tokens_per_second']:.0f}",
+                what.replace("|", "\\|"),
+            ]
+        )
+    return format_table(
+        ["method", "WikiText-2 ppl", "zero-shot avg", "weights MiB (stored)", "peak RSS MiB", "tok/s", "what"],
+        rows,
+        markdown=True,
+    )
 
 
 def run_showcase(source: str, settings: EvalSettings = QUICK_SETTINGS, rows=ROWS) -> dict:
@@ -152,8 +188,17 @@ def run_showcase(source: str, settings: EvalSettings = QUICK_SETTINGS, rows=ROWS
                 quantize_(loaded.model, list(row.steps), calibration=calibration_for(loaded, row.steps))
             prepare_seconds = time.perf_counter() - started
             result = row.run(loaded, settings) if row.run else evaluate(loaded.model, loaded.tokenizer, settings)
-        results[row.name] = {"description": row.description, "prepare_seconds": prepare_seconds,
-                             **result, "peak_rss_bytes": memory.peak_bytes}
+        results[row.name] = {
+            "description": row.description,
+            "prepare_seconds": prepare_seconds,
+            **result,
+            "peak_rss_bytes": memory.peak_bytes,
+        }
         del loaded
-    return {"model": source, "weights_note": note, "settings": asdict(settings),
-            "calibration_samples": SHOWCASE_CALIBRATION_SAMPLES, "rows": results}
+    return {
+        "model": source,
+        "weights_note": note,
+        "settings": asdict(settings),
+        "calibration_samples": SHOWCASE_CALIBRATION_SAMPLES,
+        "rows": results,
+    }

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from safetensors import SafetensorError, safe_open
 
@@ -116,8 +116,10 @@ def quantized_weights_file(directory: Path) -> Path | None:
             with safe_open(str(path), "pt") as handle:
                 if QUANTIZED_MARKER in (handle.metadata() or {}):
                     return path
-                if any(name.endswith(".weight") and handle.get_slice(name).get_dtype() in ("I8", "U8")
-                       for name in handle.keys()):
+                if any(
+                    name.endswith(".weight") and handle.get_slice(name).get_dtype() in ("I8", "U8")
+                    for name in handle.keys()
+                ):
                     return path
         except (SafetensorError, OSError, ValueError) as error:
             raise CorruptModelError(f"{path} is not a readable safetensors file: {error}") from None

@@ -2,9 +2,9 @@ import json
 
 import numpy as np
 import torch
+from tiny import tiny_model
 
 from leanlm.bench import peak_memory, previous_results, time_call, time_interleaved, weight_bytes, write_results
-from tiny import tiny_model
 
 
 def test_time_call_warms_up_then_repeats():
@@ -58,8 +58,9 @@ def test_time_modules_and_prefill_report_ratios_against_the_float_paths():
 
     linear = torch.nn.Linear(16, 8)
     x = torch.randn(4, 16)
-    results = time_modules({"fp32": linear, "half": torch.nn.Sequential(linear, torch.nn.Identity())}, x,
-                           linear(x).detach(), repeats=2)
+    results = time_modules(
+        {"fp32": linear, "half": torch.nn.Sequential(linear, torch.nn.Identity())}, x, linear(x).detach(), repeats=2
+    )
     assert results["fp32"]["speedup_vs_fp32"] == 1.0 and results["half"]["relative_error"] == 0.0
     model = tiny_model("llama")
     timings = time_prefill({"fp32": model}, torch.randint(0, 128, (1, 8)), repeats=1)
@@ -104,4 +105,3 @@ def test_speed_ups_are_quoted_against_the_faster_float_path():
     entries = {"1": {name: {"median_ms": ms} for name, ms in (("fp32", 4.0), ("bf16", 2.0), ("int8", 1.0))}}
     table = speed_table({m: add_speedups(row, "median_ms") for m, row in entries.items()})
     assert table.splitlines()[2].split("|")[1:-1] == [" 1 ", " 4.00 ", " 2.00 ", " 1.00 (2.00x) "]
-

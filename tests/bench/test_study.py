@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
+from tiny import tiny_model
 
 from leanlm.bench import Study, study_arguments
 from leanlm.methods import KbitConfig
 from leanlm.nn import KbitLinear
-from tiny import tiny_model
 
 
 @pytest.fixture(autouse=True)

@@ -73,8 +73,9 @@ def test_generate_streams_past_the_cache_and_matches_a_manual_loop():
     prompt = token_ids(2, 5, seed=3)
     config = StreamingConfig(sinks=2, window=10)
     cache = sink_cache(model, config)
-    generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
-                               max_new_tokens=40, do_sample=False)
+    generated = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, max_new_tokens=40, do_sample=False
+    )
     assert generated.shape == (2, 45)
     assert cache.get_seq_length() == config.cache_size and cache.evicted > 0
 
@@ -104,6 +105,7 @@ def test_a_million_tokens_stream_with_flat_memory():
     cache = sink_cache(model, config)
     chunk = token_ids(1, 250, seed=5)
     with torch.inference_mode():
+
         def run(chunks):
             for _ in range(chunks):
                 model(input_ids=chunk, past_key_values=cache, use_cache=True)
@@ -137,8 +139,11 @@ def test_bad_sizes_and_padding_are_refused():
         sink_cache(model, StreamingConfig(sinks=4, window=252))  # the tiny model is trained to 256
     cache = sink_cache(model, StreamingConfig(sinks=2, window=8))
     with pytest.raises(ConfigError, match="padding"):
-        model(input_ids=torch.ones(2, 3, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
-              past_key_values=cache)
+        model(
+            input_ids=torch.ones(2, 3, dtype=torch.long),
+            attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+            past_key_values=cache,
+        )
     stream(model, torch.ones(1, 3, dtype=torch.long), cache)
     with pytest.raises(ConfigError, match="cropped"):
         cache.crop(-1)

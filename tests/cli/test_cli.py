@@ -1,21 +1,35 @@
 import json
 
 import pytest
+from processes import leanlm_process
 
 from leanlm.bench import weight_bytes
 from leanlm.cli.main import main
 from leanlm.methods import load_quantized
 from leanlm.methods.checkpoint import weights_files
 from leanlm.models import load_model
-from processes import leanlm_process
 
 SMALL_CALIBRATION = ["--calib-samples", "4", "--calib-seq-len", "32"]
 
 
 def test_eval_writes_the_contract_json(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "r.json"
-    code = main(["eval", str(tiny_llama_dir), "--tasks", "wikitext2,piqa,winogrande", "--limit", "2",
-                 "--max-tokens", "256", "--seq-len", "64", "--json", str(out)])
+    code = main(
+        [
+            "eval",
+            str(tiny_llama_dir),
+            "--tasks",
+            "wikitext2,piqa,winogrande",
+            "--limit",
+            "2",
+            "--max-tokens",
+            "256",
+            "--seq-len",
+            "64",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     payload = json.loads(out.read_text())
     assert payload["model"] == str(tiny_llama_dir)
@@ -50,8 +64,10 @@ def test_eval_writes_the_contract_json(tiny_llama_dir, tmp_path, capsys):
         (["eval", "smollm2-135m", "--dtype", "float16"], "--dtype 'float16': choose from auto, float32, bfloat16"),
         (["chat", "--dtype", "fp8"], "--dtype 'fp8': choose from auto, float32, bfloat16"),
         (["serve", "smollm2-135m", "--head", "int4"], "--head 'int4': choose from float, int8"),
-        (["quantize", "smollm2-135m", "--method", "kbit", "--table-dtype", "float16", "--out", "o"],
-         "--table-dtype 'float16': choose from float32, bfloat16"),
+        (
+            ["quantize", "smollm2-135m", "--method", "kbit", "--table-dtype", "float16", "--out", "o"],
+            "--table-dtype 'float16': choose from float32, bfloat16",
+        ),
     ],
 )
 def test_bad_input_gets_a_one_line_error(argv, message, capsys):
@@ -70,16 +86,38 @@ def test_seq_len_larger_than_the_text_is_explained(tiny_llama_dir, capsys):
 
 def test_quantize_then_eval_the_checkpoint(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "sq"
-    assert main(["quantize", str(tiny_llama_dir), "--method", "smoothquant", "--level", "O3", "--alpha", "0.6",
-                 "--calib-samples", "2", "--calib-seq-len", "32", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(tiny_llama_dir),
+                "--method",
+                "smoothquant",
+                "--level",
+                "O3",
+                "--alpha",
+                "0.6",
+                "--calib-samples",
+                "2",
+                "--calib-seq-len",
+                "32",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "(smoothquant, O3, weights per_tensor, alpha 0.6)" in capsys.readouterr().out
     result = tmp_path / "r.json"
     assert main(["eval", str(out), "--max-tokens", "128", "--seq-len", "64", "--json", str(result)]) == 0
     payload = json.loads(result.read_text())
     assert payload["results"]["wikitext2"]["perplexity"] > 1
     float_bytes = weight_bytes(load_model(tiny_llama_dir).model)
-    linear_bytes = sum(m.weight.numel() * 4 for n, m in load_model(tiny_llama_dir).model.named_modules()
-                       if n.startswith("model.layers") and n.endswith("proj"))
+    linear_bytes = sum(
+        m.weight.numel() * 4
+        for n, m in load_model(tiny_llama_dir).model.named_modules()
+        if n.startswith("model.layers") and n.endswith("proj")
+    )
     # Every block linear went from 4 bytes to 1 byte per weight (plus small scales).
     assert payload["weights_bytes"] < float_bytes - 0.7 * linear_bytes
 
@@ -87,15 +125,19 @@ def test_quantize_then_eval_the_checkpoint(tiny_llama_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--method", "w8a8", "--alpha", "0.5"], "--alpha is not an option of --method w8a8 (it is one of cushion, "
-                                                 "smoothquant)"),
+        (
+            ["--method", "w8a8", "--alpha", "0.5"],
+            "--alpha is not an option of --method w8a8 (it is one of cushion, smoothquant)",
+        ),
         (["--method", "smoothquant", "--alpha", "2"], "must lie in [0, 1]"),
         (["--method", "awq"], "invalid choice"),
         (["--method", "kbit", "--block-size", "big"], "--block-size: expected a whole number or 'row', got 'big'"),
         (["--method", "kbit", "--dtype", "nf9"], "--dtype 'nf9': choose from int, int_asym, fp, nf, dynamic"),
         (["--method", "w8a8", "--dtype", "nf"], "--dtype is not an option of --method w8a8 (it is one of kbit)"),
-        (["--method", "w8a8", "--bits", "4"], "--bits is not an option of --method w8a8 (it is one of gptq, kbit, "
-                                              "rtn, spqr)"),
+        (
+            ["--method", "w8a8", "--bits", "4"],
+            "--bits is not an option of --method w8a8 (it is one of gptq, kbit, rtn, spqr)",
+        ),
         (["--method", "kbit", "--bits", "2"], "--bits: bits must be between 3 and 8, got 2"),
         (["--method", "kbit", "--bits", "9"], "bits must be between 3 and 8, got 9"),
         (["--method", "kbit", "--seed", "3"], "--seed: --method kbit as set reads no calibration text"),
@@ -116,8 +158,23 @@ def test_quantize_option_errors(argv, message, tmp_path, capsys):
 
 def test_analyze_writes_the_contract_keys_and_a_plot(tiny_llama_dir, tmp_path):
     report, plot = tmp_path / "a.json", tmp_path / "a.png"
-    assert main(["analyze", str(tiny_llama_dir), "--samples", "2", "--seq-len", "32", "--json", str(report),
-                 "--plot", str(plot)]) == 0
+    assert (
+        main(
+            [
+                "analyze",
+                str(tiny_llama_dir),
+                "--samples",
+                "2",
+                "--seq-len",
+                "32",
+                "--json",
+                str(report),
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 0
+    )
     payload = json.loads(report.read_text())
     assert {"outlier_dims", "layers_affected_pct", "tokens_affected_pct", "max_magnitude"} <= set(payload)
     assert plot.read_bytes()[:4] == b"\x89PNG"
@@ -133,8 +190,28 @@ def test_llm_int8_checkpoint_round_trip(tiny_llama_dir, tmp_path):
 
 def test_kbit_checkpoint_records_measured_average_bits(tiny_llama_dir, tmp_path):
     out = tmp_path / "nf4"
-    assert main(["quantize", str(tiny_llama_dir), "--method", "kbit", "--dtype", "nf", "--bits", "4",
-                 "--block-size", "64", "--double-quant", "--out", str(out), "--json", str(tmp_path / "q.json")]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(tiny_llama_dir),
+                "--method",
+                "kbit",
+                "--dtype",
+                "nf",
+                "--bits",
+                "4",
+                "--block-size",
+                "64",
+                "--double-quant",
+                "--out",
+                str(out),
+                "--json",
+                str(tmp_path / "q.json"),
+            ]
+        )
+        == 0
+    )
     record = json.loads((out / "leanlm_quant.json").read_text())
     assert record["method"] == "kbit" and 4.12 < record["avg_bits"] < 4.2
     summary = json.loads((tmp_path / "q.json").read_text())
@@ -142,8 +219,22 @@ def test_kbit_checkpoint_records_measured_average_bits(tiny_llama_dir, tmp_path)
     assert summary["peak_rss_bytes"] > 0 and summary["seconds"] > 0
     assert main(["eval", str(out), "--max-tokens", "128", "--seq-len", "64"]) == 0
     halved = tmp_path / "nf4-bf16-tables"
-    assert main(["quantize", str(tiny_llama_dir), "--method", "kbit", "--double-quant", "--table-dtype", "bfloat16",
-                 "--out", str(halved)]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(tiny_llama_dir),
+                "--method",
+                "kbit",
+                "--double-quant",
+                "--table-dtype",
+                "bfloat16",
+                "--out",
+                str(halved),
+            ]
+        )
+        == 0
+    )
     assert json.loads((halved / "leanlm_quant.json").read_text())["table_dtype"] == "bfloat16"
     stored = [sum(path.stat().st_size for path in weights_files(directory)) for directory in (halved, out)]
     assert stored[0] < stored[1]
@@ -152,8 +243,26 @@ def test_kbit_checkpoint_records_measured_average_bits(tiny_llama_dir, tmp_path)
 
 def test_stream_writes_the_contract_keys_and_a_plot(tiny_llama_dir, tmp_path, capsys):
     out, plot = tmp_path / "s.json", tmp_path / "s.png"
-    code = main(["stream", str(tiny_llama_dir), "--max-tokens", "400", "--window", "28", "--chunk", "8",
-                 "--recompute-tokens", "4", "--latency-steps", "32", "--json", str(out), "--plot", str(plot)])
+    code = main(
+        [
+            "stream",
+            str(tiny_llama_dir),
+            "--max-tokens",
+            "400",
+            "--window",
+            "28",
+            "--chunk",
+            "8",
+            "--recompute-tokens",
+            "4",
+            "--latency-steps",
+            "32",
+            "--json",
+            str(out),
+            "--plot",
+            str(plot),
+        ]
+    )
     assert code == 0
     payload = json.loads(out.read_text())
     for strategy in ("dense", "window", "recompute", "streaming"):
@@ -162,8 +271,9 @@ def test_stream_writes_the_contract_keys_and_a_plot(tiny_llama_dir, tmp_path, ca
     assert "streaming" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("loading", [["--dtype", "float32"], ["--dtype", "bfloat16"], ["--head", "int8"],
-                                     ["--no-fused"]])
+@pytest.mark.parametrize(
+    "loading", [["--dtype", "float32"], ["--dtype", "bfloat16"], ["--head", "int8"], ["--no-fused"]]
+)
 def test_chat_reads_messages_from_stdin_and_outlives_its_cache(tiny_llama_dir, monkeypatch, capsys, loading):
     import io
 
@@ -173,10 +283,17 @@ def test_chat_reads_messages_from_stdin_and_outlives_its_cache(tiny_llama_dir, m
     assert capsys.readouterr().out.count("assistant> ") == 3  # the blank line is skipped
 
 
-@pytest.mark.parametrize("argv, loaded", [(["chat"], "auto float"), (["serve"], "auto float"),
-                                          (["eval"], "float32 float"), (["stream"], "float32 float"),
-                                          (["eval", "--dtype", "auto"], "auto float"),
-                                          (["serve", "--head", "int8"], "auto int8")])
+@pytest.mark.parametrize(
+    "argv, loaded",
+    [
+        (["chat"], "auto float"),
+        (["serve"], "auto float"),
+        (["eval"], "float32 float"),
+        (["stream"], "float32 float"),
+        (["eval", "--dtype", "auto"], "auto float"),
+        (["serve", "--head", "int8"], "auto int8"),
+    ],
+)
 def test_chat_and_serve_take_the_fastest_float_path_measurements_the_reference(monkeypatch, argv, loaded):
     import socket
 
@@ -208,8 +325,27 @@ def test_stream_refuses_a_learned_position_model(tmp_path, smollm2_tokenizer, ca
 
 
 def _finetune_argv(model_dir, data, out, *extra):
-    return ["finetune", str(model_dir), "--method", "qlora", "--data", str(data), "--out", str(out),
-            "--max-steps", "120", "--batch-size", "2", "--seq-len", "32", "--save-every", "2", "--rank", "4", *extra]
+    return [
+        "finetune",
+        str(model_dir),
+        "--method",
+        "qlora",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--max-steps",
+        "120",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--save-every",
+        "2",
+        "--rank",
+        "4",
+        *extra,
+    ]
 
 
 def test_finetune_killed_and_resumed_gives_the_same_adapters(tiny_llama_dir, tmp_path):
@@ -227,19 +363,26 @@ def test_finetune_killed_and_resumed_gives_the_same_adapters(tiny_llama_dir, tmp
     data = tmp_path / "train.txt"
     data.write_text("\n".join(plain_text("lambada-dev").splitlines()[:150]) + "\n")
     killed_out, whole_out = tmp_path / "killed", tmp_path / "whole"
-    process = leanlm_process(*_finetune_argv(tiny_llama_dir, data, killed_out), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    process = leanlm_process(
+        *_finetune_argv(tiny_llama_dir, data, killed_out),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     state = killed_out / "checkpoint" / "trainer_state.json"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None:
-        if state.is_file() and json.loads(state.read_text() or "{}" ).get("step", 0) >= 6:
+        if state.is_file() and json.loads(state.read_text() or "{}").get("step", 0) >= 6:
             break
         time.sleep(0.02)
     assert process.poll() is None, "training ended before it could be interrupted"
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
-    interrupted_at = max(json.loads((d / "trainer_state.json").read_text())["step"]
-                         for d in killed_out.iterdir() if (d / "trainer_state.json").is_file())
+    interrupted_at = max(
+        json.loads((d / "trainer_state.json").read_text())["step"]
+        for d in killed_out.iterdir()
+        if (d / "trainer_state.json").is_file()
+    )
     assert 6 <= interrupted_at < 120
 
     threads = torch.get_num_threads()
@@ -265,17 +408,33 @@ def test_merge_writes_a_float_model_with_the_adapters_folded_in(tiny_llama_dir, 
     assert main(["merge", str(tiny_llama_dir), "--adapter", str(adapter), "--out", str(tmp_path / "merged")]) == 0
     merged = load_model(str(tmp_path / "merged"))
     assert merged.model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)
-    assert main(["merge", str(tiny_llama_dir), "--adapter", str(adapter), "--out", str(tmp_path / "q"),
-                 "--requantize", "nf4-dq"]) == 0
+    assert (
+        main(
+            [
+                "merge",
+                str(tiny_llama_dir),
+                "--adapter",
+                str(adapter),
+                "--out",
+                str(tmp_path / "q"),
+                "--requantize",
+                "nf4-dq",
+            ]
+        )
+        == 0
+    )
     assert main(["eval", str(tmp_path / "q"), "--tasks", "wikitext2", "--max-tokens", "256", "--seq-len", "64"]) == 0
 
 
-@pytest.mark.parametrize("method, options", [
-    ("gptq", ["--bits", "4", "--group-size", "16", *SMALL_CALIBRATION]),
-    ("spqr", ["--bits", "3", "--beta1", "16", "--beta2", "16", "--outlier-threshold", "0.2", *SMALL_CALIBRATION]),
-    ("spqr", ["--bits", "4", "--beta1", "32", "--statistic-bits", "8", "--no-act-order", *SMALL_CALIBRATION]),
-    ("rtn", ["--bits", "4", "--group-size", "0"]),  # reads no calibration text
-])
+@pytest.mark.parametrize(
+    "method, options",
+    [
+        ("gptq", ["--bits", "4", "--group-size", "16", *SMALL_CALIBRATION]),
+        ("spqr", ["--bits", "3", "--beta1", "16", "--beta2", "16", "--outlier-threshold", "0.2", *SMALL_CALIBRATION]),
+        ("spqr", ["--bits", "4", "--beta1", "32", "--statistic-bits", "8", "--no-act-order", *SMALL_CALIBRATION]),
+        ("rtn", ["--bits", "4", "--group-size", "0"]),  # reads no calibration text
+    ],
+)
 def test_quantize_gptq_family_writes_a_reloadable_checkpoint(tiny_llama_dir, tmp_path, method, options):
     out = tmp_path / method
     assert main(["quantize", str(tiny_llama_dir), "--method", method, *options, "--out", str(out)]) == 0
@@ -286,14 +445,22 @@ def test_quantize_gptq_family_writes_a_reloadable_checkpoint(tiny_llama_dir, tmp
     assert main(["eval", str(out), "--tasks", "wikitext2", "--max-tokens", "256", "--seq-len", "64"]) == 0
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--method", "gptq", "--beta1", "16"], "--beta1 is not an option of --method gptq"),
-    (["--method", "spqr", "--group-size", "16"], "--group-size is not an option of --method spqr"),
-    (["--method", "rtn", "--no-act-order"], "--no-act-order is not an option of --method rtn (it is one of gptq, "
-                                            "spqr)"),
-    (["--method", "w8a8", "--bits", "4"], "--bits is not an option of --method w8a8"),
-    (["--method", "w8a8", "--group-size", "0", "--weight-granularity", "per_group"], "group_size must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--method", "gptq", "--beta1", "16"], "--beta1 is not an option of --method gptq"),
+        (["--method", "spqr", "--group-size", "16"], "--group-size is not an option of --method spqr"),
+        (
+            ["--method", "rtn", "--no-act-order"],
+            "--no-act-order is not an option of --method rtn (it is one of gptq, spqr)",
+        ),
+        (["--method", "w8a8", "--bits", "4"], "--bits is not an option of --method w8a8"),
+        (
+            ["--method", "w8a8", "--group-size", "0", "--weight-granularity", "per_group"],
+            "group_size must be at least 1",
+        ),
+    ],
+)
 def test_gptq_family_option_mistakes_are_named(tiny_llama_dir, tmp_path, capsys, argv, message):
     assert main(["quantize", str(tiny_llama_dir), *argv, "--out", str(tmp_path / "x")]) == 2
     assert message in capsys.readouterr().err
@@ -301,17 +468,49 @@ def test_gptq_family_option_mistakes_are_named(tiny_llama_dir, tmp_path, capsys,
 
 def test_quantize_with_a_cushion_writes_a_checkpoint_that_reattaches_it(tiny_llama_dir, tmp_path):
     out = tmp_path / "cushion"
-    assert main(["quantize", str(tiny_llama_dir), "--method", "cushion", "--base", "smoothquant", "--level", "O3",
-                 "--cushion-candidates", "8", "--cushion-max-length", "1", "--cushion-min-improvement", "0",
-                 "--cushion-tune-steps", "2", "--calib-samples", "2", "--calib-seq-len", "32", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(tiny_llama_dir),
+                "--method",
+                "cushion",
+                "--base",
+                "smoothquant",
+                "--level",
+                "O3",
+                "--cushion-candidates",
+                "8",
+                "--cushion-max-length",
+                "1",
+                "--cushion-min-improvement",
+                "0",
+                "--cushion-tune-steps",
+                "2",
+                "--calib-samples",
+                "2",
+                "--calib-seq-len",
+                "32",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert (out / "cushion_tuning.png").is_file()
     record = json.loads((out / "leanlm_quant.json").read_text())
     assert record["method"] == "cushion+smoothquant" and record["level"] == "O3"
     assert record["cushion"]["length"] == 1 and (out / "cushion.safetensors").is_file()
-    assert main(["eval", str(out), "--tasks", "wikitext2,piqa", "--limit", "2", "--max-tokens", "256",
-                 "--seq-len", "64"]) == 0
-    assert main(["quantize", str(tiny_llama_dir), "--method", "w8a8", "--base", "smoothquant",
-                 "--out", str(tmp_path / "x")]) == 2
+    assert (
+        main(["eval", str(out), "--tasks", "wikitext2,piqa", "--limit", "2", "--max-tokens", "256", "--seq-len", "64"])
+        == 0
+    )
+    assert (
+        main(
+            ["quantize", str(tiny_llama_dir), "--method", "w8a8", "--base", "smoothquant", "--out", str(tmp_path / "x")]
+        )
+        == 2
+    )
 
 
 def test_bench_linear_and_model_write_json(tiny_llama_dir, tmp_path):
@@ -334,19 +533,23 @@ def _one_line_error(capsys) -> str:
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """Fails the test if a command loads a model: its input checks must come first."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the bad input was refused")
 
     monkeypatch.setattr("leanlm.models.load_model", refuse)
 
 
-@pytest.mark.parametrize("options, out, message", [
-    (["--method", "kbit"], "/proc/x", "output directory /proc/x cannot be created"),
-    (["--method", "kbit"], "FILE", "is an existing file"),
-    (["--method", "kbit", "--block-size", "7"], "x", "block_size must be a power of two from 16 to 4096"),
-    (["--method", "kbit", "--bits", "2"], "x", "bits must be between 3 and 8"),
-    (["--method", "kbit", "--json", "/proc/x/r.json"], "x", "cannot write --json /proc/x/r.json"),
-])
+@pytest.mark.parametrize(
+    "options, out, message",
+    [
+        (["--method", "kbit"], "/proc/x", "output directory /proc/x cannot be created"),
+        (["--method", "kbit"], "FILE", "is an existing file"),
+        (["--method", "kbit", "--block-size", "7"], "x", "block_size must be a power of two from 16 to 4096"),
+        (["--method", "kbit", "--bits", "2"], "x", "bits must be between 3 and 8"),
+        (["--method", "kbit", "--json", "/proc/x/r.json"], "x", "cannot write --json /proc/x/r.json"),
+    ],
+)
 def test_quantize_refuses_bad_input_before_loading_the_model(tmp_path, capsys, no_model_loading, options, out, message):
     if out == "FILE":
         out = tmp_path / "file"
@@ -355,12 +558,16 @@ def test_quantize_refuses_bad_input_before_loading_the_model(tmp_path, capsys, n
     assert code == 2 and message in _one_line_error(capsys)
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"\x00\x01\x02binary\xff", "is not UTF-8 text"),
-    (b"too short\nfor a block\n", "the data fill 0 training and 0 held-out blocks"),
-])
-def test_finetune_refuses_bad_data_before_loading_the_model(tiny_llama_dir, tmp_path, capsys, no_model_loading,
-                                                            content, message):
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"\x00\x01\x02binary\xff", "is not UTF-8 text"),
+        (b"too short\nfor a block\n", "the data fill 0 training and 0 held-out blocks"),
+    ],
+)
+def test_finetune_refuses_bad_data_before_loading_the_model(
+    tiny_llama_dir, tmp_path, capsys, no_model_loading, content, message
+):
     data = tmp_path / "d.txt"
     data.write_bytes(content)
     assert main(["finetune", str(tiny_llama_dir), "--data", str(data), "--out", str(tmp_path / "a")]) == 2
@@ -393,8 +600,7 @@ def test_ctrl_c_in_quantize_says_nothing_was_written(tiny_llama_dir, tmp_path, c
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".q", "q"))]
 
 
-def test_ctrl_c_in_quantize_keeps_the_blocks_written_and_resume_finishes(tiny_llama_dir, tmp_path, capsys,
-                                                                          monkeypatch):
+def test_ctrl_c_in_quantize_keeps_the_blocks_written_and_resume_finishes(tiny_llama_dir, tmp_path, capsys, monkeypatch):
     _interrupt_at_write(monkeypatch, 1)  # the first block is written, the second is not
     out = tmp_path / "q"
     argv = ["quantize", str(tiny_llama_dir), "--method", "kbit", "--out", str(out)]
@@ -422,8 +628,9 @@ def test_ctrl_c_in_finetune_names_the_saved_step_and_resume(tiny_llama_dir, tmp_
     data = tmp_path / "train.txt"
     data.write_text("\n".join(plain_text("lambada-dev").splitlines()[:150]) + "\n")
     out = tmp_path / "adapter"
-    process = leanlm_process(*_finetune_argv(tiny_llama_dir, data, out), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    process = leanlm_process(
+        *_finetune_argv(tiny_llama_dir, data, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     state = out / "checkpoint" / "trainer_state.json"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None and not state.is_file():
@@ -453,8 +660,10 @@ def test_qlora_over_a_kbit_checkpoint_equals_qlora_over_the_float_model(tiny_lla
 
     data = tmp_path / "train.txt"
     data.write_text("\n".join(plain_text("lambada-dev").splitlines()[:60]) + "\n")
-    assert main(["quantize", str(tiny_llama_dir), "--method", "kbit", "--double-quant", "--out",
-                 str(tmp_path / "nf4")]) == 0
+    assert (
+        main(["quantize", str(tiny_llama_dir), "--method", "kbit", "--double-quant", "--out", str(tmp_path / "nf4")])
+        == 0
+    )
     runs = {}
     for name, model in (("checkpoint", tmp_path / "nf4"), ("float", tiny_llama_dir)):
         argv = [*_finetune_argv(model, data, tmp_path / f"adapter-{name}", "--json", str(tmp_path / f"{name}.json"))]
@@ -469,9 +678,14 @@ def test_qlora_over_a_kbit_checkpoint_equals_qlora_over_the_float_model(tiny_lla
     assert "QLoRA trains over a k-bit base" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, checkpointing, keep", [([], True, False), (["--gradient-checkpointing"], True, False),
-                                                       (["--no-gradient-checkpointing", "--keep-freed-memory"],
-                                                        False, True)])
+@pytest.mark.parametrize(
+    "argv, checkpointing, keep",
+    [
+        ([], True, False),
+        (["--gradient-checkpointing"], True, False),
+        (["--no-gradient-checkpointing", "--keep-freed-memory"], False, True),
+    ],
+)
 def test_finetune_checkpoints_gradients_and_returns_freed_memory_by_default(argv, checkpointing, keep):
     from leanlm.cli.main import build_parser
     from leanlm.cli.options import settings_from_args

@@ -5,33 +5,51 @@ import copy
 
 import pytest
 import torch
+from tiny import tiny_config, tiny_model, token_ids
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from leanlm.cache.prefix import Cushion, attach_cushion
 from leanlm.decoding import FusedDecoder, fused_decoder_problem, greedy_tokens, new_cache, read_in_chunks
 from leanlm.errors import ConfigError
 from leanlm.kernels.kbit_gemm import avx2_available
-from leanlm.methods import (GPTQConfig, KbitConfig, LLMInt8Config, SmoothQuantConfig, SpQRConfig, W8A8Config,
-                            quantize_)
+from leanlm.methods import GPTQConfig, KbitConfig, LLMInt8Config, SmoothQuantConfig, SpQRConfig, W8A8Config, quantize_
+from leanlm.methods.checkpoint import embeddings_to_, quantize_head_
 from leanlm.methods.quantize import Calibration
 from leanlm.methods.streaming import StreamingConfig
-from leanlm.methods.checkpoint import embeddings_to_, quantize_head_
 from leanlm.nn import KbitLinear
 from leanlm.nn.float_linear import use_gemv_
-from tiny import tiny_config, tiny_model, token_ids
 
 needs_kernels = pytest.mark.skipif(not avx2_available(), reason="leanlm's kernels cannot be built here")
 FUSED_FAMILIES = ("llama", "mistral", "qwen2", "gemma3_text")
-WEIGHTS = ("float32", "nf4", "nf4-dq+bf16-head", "fp4", "nf4-dq+int8-head", "w8a8-O1", "w8a8-O2", "smoothquant-O3",
-           "llm-int8", "gptq", "spqr", "nf3-dq", "gptq-3bit", "spqr-3bit")
+WEIGHTS = (
+    "float32",
+    "nf4",
+    "nf4-dq+bf16-head",
+    "fp4",
+    "nf4-dq+int8-head",
+    "w8a8-O1",
+    "w8a8-O2",
+    "smoothquant-O3",
+    "llm-int8",
+    "gptq",
+    "spqr",
+    "nf3-dq",
+    "gptq-3bit",
+    "spqr-3bit",
+)
 # Methods that calibrate. W8A8 quantizes attention's matmul inputs too (by default): O1 per token, O2 per tensor, O3
 # static scales. GPTQ: act-order permutation, offsets; SpQR: 4-bit codes, 3-bit statistics and sparse outliers.
 # 3 bits: the planes layout through the 3-bit kernel, SpQR's default recipe in blocks of 16.
-CALIBRATED = {"gptq": GPTQConfig(group_size=64), "gptq-3bit": GPTQConfig(bits=3, group_size=32),
-              "spqr": SpQRConfig(bits=4, beta1=64), "spqr-3bit": SpQRConfig(), "w8a8-O1": W8A8Config(level="O1", weight_granularity="per_channel"),
-              "w8a8-O2": W8A8Config(level="O2", quantize_probs=True),
-              "smoothquant-O3": [SmoothQuantConfig(0.5), W8A8Config(level="O3")],
-              "llm-int8": LLMInt8Config(threshold=1.5)}  # low enough for the tiny model to have outliers
+CALIBRATED = {
+    "gptq": GPTQConfig(group_size=64),
+    "gptq-3bit": GPTQConfig(bits=3, group_size=32),
+    "spqr": SpQRConfig(bits=4, beta1=64),
+    "spqr-3bit": SpQRConfig(),
+    "w8a8-O1": W8A8Config(level="O1", weight_granularity="per_channel"),
+    "w8a8-O2": W8A8Config(level="O2", quantize_probs=True),
+    "smoothquant-O3": [SmoothQuantConfig(0.5), W8A8Config(level="O3")],
+    "llm-int8": LLMInt8Config(threshold=1.5),
+}  # low enough for the tiny model to have outliers
 
 
 def _tiny(family: str):
@@ -141,7 +159,8 @@ def _perturbed_eager_logits(model, prompt, tokens, relative_noise=1e-7, seed=0):
     other side of a quantization step changes the value by a whole step)."""
     torch.manual_seed(seed)
     hook = model.get_input_embeddings().register_forward_hook(
-        lambda module, args, out: out * (1 + relative_noise * torch.randn_like(out)))
+        lambda module, args, out: out * (1 + relative_noise * torch.randn_like(out))
+    )
     try:
         return _eager_logits(model, prompt, tokens)
     finally:
@@ -199,8 +218,9 @@ def _assert_fused_within_float_rounding(model, prompt, label, least_decisive=32)
 
 @pytest.mark.slow
 @needs_kernels
-@pytest.mark.parametrize("config", [W8A8Config(level="O1", weight_granularity="per_channel"), LLMInt8Config()],
-                         ids=["w8a8-O1", "llm-int8"])
+@pytest.mark.parametrize(
+    "config", [W8A8Config(level="O1", weight_granularity="per_channel"), LLMInt8Config()], ids=["w8a8-O1", "llm-int8"]
+)
 def test_smollm2_w8a8_decodes_fused_within_the_eager_paths_own_rounding_noise(default_checkpoint_dir, config):
     """int8 activations (and int8 attention inputs) make a 30-layer decode chaotic: a value near a rounding tie flips
     a whole step, and the change grows downstream. Measured on WikiText-2 text read token by token (teacher forced),
@@ -218,8 +238,9 @@ def test_smollm2_w8a8_decodes_fused_within_the_eager_paths_own_rounding_noise(de
     model = loaded.model
     quantize_(model, config)
     eager = _eager_logits(model, prompt, tokens)[:-1]
-    perturbed = [_perturbed_eager_logits(model, prompt, tokens, relative_noise=1e-6, seed=seed)[:-1]
-                 for seed in range(4)]
+    perturbed = [
+        _perturbed_eager_logits(model, prompt, tokens, relative_noise=1e-6, seed=seed)[:-1] for seed in range(4)
+    ]
     decoder = FusedDecoder(model, capacity=256)
     decoder.prefill(prompt)
     fused = torch.stack([decoder.step(token) for token in tokens])[:-1]
@@ -253,8 +274,11 @@ def _with_cushion(model, length=3):
     config = model.config
     shape = (1, config.num_key_value_heads, length, config.hidden_size // config.num_attention_heads)
     dtype = model.get_input_embeddings().weight.dtype
-    cushion = Cushion(list(range(length)), [torch.randn(shape).to(dtype) for _ in range(config.num_hidden_layers)],
-                      [torch.randn(shape).to(dtype) for _ in range(config.num_hidden_layers)])
+    cushion = Cushion(
+        list(range(length)),
+        [torch.randn(shape).to(dtype) for _ in range(config.num_hidden_layers)],
+        [torch.randn(shape).to(dtype) for _ in range(config.num_hidden_layers)],
+    )
     attach_cushion(model, cushion)
     return model
 
@@ -297,9 +321,11 @@ def test_a_cushioncache_prefix_is_read_before_the_prompt(streaming):
 
 
 @needs_kernels
-@pytest.mark.parametrize("window, room, dtype", [(8, None, torch.float32), (8, None, torch.bfloat16),
-                                                 (80, 30, torch.float32), (8, 30, torch.float32)],
-                         ids=["ring", "ring-bf16", "kept-dense", "room-past-the-window"])
+@pytest.mark.parametrize(
+    "window, room, dtype",
+    [(8, None, torch.float32), (8, None, torch.bfloat16), (80, 30, torch.float32), (8, 30, torch.float32)],
+    ids=["ring", "ring-bf16", "kept-dense", "room-past-the-window"],
+)
 @pytest.mark.parametrize("cushion", [False, True], ids=["", "cushion"])
 def test_a_cache_goes_into_the_fused_layout_and_back(window, room, dtype, cushion):
     """What `leanlm serve` does with each conversation: a prompt read by transformers' forward into a sink cache,
@@ -315,8 +341,9 @@ def test_a_cache_goes_into_the_fused_layout_and_back(window, room, dtype, cushio
     read_in_chunks(model, eager, prompt, window)
     reference = _eager_stream_logits(model, prompt, tokens, streaming)
     fused_cache = decoder.adopt(eager, room)
-    assert (fused_cache.window, fused_cache.capacity) == ((0, len(prompt) + 3 * cushion + room) if window == 80 else
-                                                          (window, 2 + 3 * cushion + window + 1))
+    assert (fused_cache.window, fused_cache.capacity) == (
+        (0, len(prompt) + 3 * cushion + room) if window == 80 else (window, 2 + 3 * cushion + window + 1)
+    )
     fused = torch.stack([decoder.step(token, fused_cache) for token in tokens])
     scale = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(fused, reference, rtol=0, atol=scale * reference.abs().max().item())
@@ -329,13 +356,15 @@ def test_a_cache_goes_into_the_fused_layout_and_back(window, room, dtype, cushio
         for a, b in ((back.keys, single.keys), (back.values, single.values)):
             torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=scale * b.abs().max().item())
     after_back, after_alone = (read_in_chunks(model, cache, more, window) for cache in (given_back, alone))
-    torch.testing.assert_close(after_back.float(), after_alone.float(), rtol=0,
-                               atol=scale * after_alone.abs().max().item())
+    torch.testing.assert_close(
+        after_back.float(), after_alone.float(), rtol=0, atol=scale * after_alone.abs().max().item()
+    )
 
 
 @needs_kernels
-@pytest.mark.parametrize("weights", ["float32", "nf4-dq+int8-head", "w8a8-O2", "smoothquant-O3", "llm-int8", "gptq",
-                                     "spqr"])
+@pytest.mark.parametrize(
+    "weights", ["float32", "nf4-dq+int8-head", "w8a8-O2", "smoothquant-O3", "llm-int8", "gptq", "spqr"]
+)
 @pytest.mark.parametrize("family", FUSED_FAMILIES)
 def test_a_batched_step_gives_each_sequence_what_stepping_it_alone_gives(family, weights):
     """Five sequences at different positions stepped together (every weight read once for all five rows: 4 + 1 in
@@ -356,7 +385,7 @@ def test_a_batched_step_gives_each_sequence_what_stepping_it_alone_gives(family,
         tokens = [int(row.argmax()) for row in single]
     for together, by_itself in zip(caches, alone):
         assert together.position == by_itself.position
-        torch.testing.assert_close(together.keys[:, :, :together.position], by_itself.keys[:, :, :by_itself.position])
+        torch.testing.assert_close(together.keys[:, :, : together.position], by_itself.keys[:, :, : by_itself.position])
 
 
 @needs_kernels
@@ -397,15 +426,17 @@ def test_a_chat_through_the_fused_step_answers_as_through_transformers(smollm2_t
     """`leanlm chat`'s conversation (a sink cache of 4 + 24, outlived by the third turn) replies the same words
     through the fused step (first prompt prefilled, later turns read a token per call) as through transformers:
     the same tokens, sampled from the same seed."""
-    from leanlm.chat import ChatSettings, StreamingChat
     from tiny import tiny_model
+
+    from leanlm.chat import ChatSettings, StreamingChat
 
     model = tiny_model("llama", vocab_size=len(smollm2_tokenizer))
     replies = {}
     for fused in (True, False):
         # sampled (a tiny random model's greedy answer is one token over and over), from the same seed
-        settings = ChatSettings(streaming=StreamingConfig(sinks=4, window=24), max_new_tokens=8, temperature=1.0,
-                                fused=fused)
+        settings = ChatSettings(
+            streaming=StreamingConfig(sinks=4, window=24), max_new_tokens=8, temperature=1.0, fused=fused
+        )
         chat = StreamingChat(model, smollm2_tokenizer, settings)
         assert (chat.fused is not None) == fused
         replies[fused] = [chat.reply(text) for text in ("Hello there", "What is two plus two?", "And three?")]

@@ -1,7 +1,7 @@
 import torch
+from tiny import tiny_model, token_ids
 
 from leanlm.evaluation.outliers import OutlierCriteria, analyze_outliers, block_input_magnitudes
-from tiny import tiny_model, token_ids
 
 
 def _batches():

@@ -3,11 +3,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import tiny_model
 
 from leanlm.errors import ConfigError
 from leanlm.evaluation import perplexity
 from leanlm.evaluation.tokens import bos_prefix
-from tiny import tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 

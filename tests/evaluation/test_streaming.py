@@ -49,8 +49,9 @@ def test_recompute_scores_each_target_from_its_own_window():
 
 def test_attention_sink_mass_is_a_probability_per_layer(tiny_with_tokenizer):
     model, tokenizer = tiny_with_tokenizer
-    mass = attention_sink_mass(model, tokenizer, ["The quick brown fox jumps over the lazy dog again and again."] * 2,
-                               length=8)
+    mass = attention_sink_mass(
+        model, tokenizer, ["The quick brown fox jumps over the lazy dog again and again."] * 2, length=8
+    )
     assert len(mass) == model.config.num_hidden_layers and all(0 < m < 1 for m in mass)
 
 

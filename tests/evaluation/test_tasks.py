@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import tiny_model
 
 from leanlm import data
 from leanlm.errors import ConfigError
@@ -20,7 +21,6 @@ from leanlm.evaluation.tasks import (
     piqa_doc,
     winogrande_doc,
 )
-from tiny import tiny_model
 
 
 def test_prompt_formats_are_the_harness_ones():
@@ -82,8 +82,11 @@ def test_trailing_context_space_moves_to_the_continuation(smollm2_tokenizer):
 def test_scores_equal_a_brute_force_forward(smollm2_tokenizer):
     """Scores of real items equal sum(log_softmax) over the continuation, computed independently."""
     model = tiny_model("llama", vocab_size=len(smollm2_tokenizer), seed=3)
-    docs = [arc_doc(data.arc_items("challenge")[0]), winogrande_doc(data.winogrande_items()[5]),
-            lambada_doc(data.lambada_test_texts()[0])]
+    docs = [
+        arc_doc(data.arc_items("challenge")[0]),
+        winogrande_doc(data.winogrande_items()[5]),
+        lambada_doc(data.lambada_test_texts()[0]),
+    ]
     requests = [r for d in docs for r in d.requests]
     scores = score_requests(model, smollm2_tokenizer, requests)
     for request, score in zip(requests, scores):

@@ -8,20 +8,39 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from tiny import token_ids
 from transformers import AutoModelForCausalLM
 
 from leanlm.cli.main import main
 from leanlm.methods.checkpoint import load_quantized
-from tiny import token_ids
 
 CASES = {
-    "w8a8 O1 per-channel": (["--method", "w8a8", "--level", "O1", "--no-bmm", "--weight-granularity", "per_channel",
-                             "--calib-samples", "4"], "int-quantized", 0.02),
-    "smoothquant O3": (["--method", "smoothquant", "--level", "O3", "--no-bmm", "--calib-samples", "4"],
-                       "int-quantized", 1e-5),
+    "w8a8 O1 per-channel": (
+        [
+            "--method",
+            "w8a8",
+            "--level",
+            "O1",
+            "--no-bmm",
+            "--weight-granularity",
+            "per_channel",
+            "--calib-samples",
+            "4",
+        ],
+        "int-quantized",
+        0.02,
+    ),
+    "smoothquant O3": (
+        ["--method", "smoothquant", "--level", "O3", "--no-bmm", "--calib-samples", "4"],
+        "int-quantized",
+        1e-5,
+    ),
     "rtn int4 g32": (["--method", "rtn", "--grid", "symmetric", "--group-size", "32"], "pack-quantized", 1e-5),
-    "gptq int4 g32": (["--method", "gptq", "--grid", "symmetric", "--group-size", "32", "--no-act-order",
-                       "--calib-samples", "4"], "pack-quantized", 1e-5),
+    "gptq int4 g32": (
+        ["--method", "gptq", "--grid", "symmetric", "--group-size", "32", "--no-act-order", "--calib-samples", "4"],
+        "pack-quantized",
+        1e-5,
+    ),
 }
 
 
@@ -48,15 +67,20 @@ def test_a_checkpoint_loads_in_transformers_and_computes_what_leanlm_computes(ca
         assert torch.equal(codes, ours.model.model.layers[0].mlp.down_proj.weight)
 
 
-@pytest.mark.parametrize("arguments, reason", [
-    (["--method", "w8a8", "--level", "O3", "--calib-samples", "4"], "quantize with --no-bmm"),
-    (["--method", "smoothquant", "--level", "O2", "--no-bmm", "--calib-samples", "4"],
-     "dynamic per-tensor int8 activations (W8A8 O2) have no vLLM kernel"),
-    (["--method", "rtn", "--group-size", "32"], "fractional zeros"),
-    (["--method", "kbit"], "KbitLinear has no compressed-tensors form"),
-    (["--method", "llm-int8"], "outlier columns"),
-    (["--method", "rtn", "--grid", "symmetric", "--group-size", "48"], "compressed-tensors packs whole groups"),
-])
+@pytest.mark.parametrize(
+    "arguments, reason",
+    [
+        (["--method", "w8a8", "--level", "O3", "--calib-samples", "4"], "quantize with --no-bmm"),
+        (
+            ["--method", "smoothquant", "--level", "O2", "--no-bmm", "--calib-samples", "4"],
+            "dynamic per-tensor int8 activations (W8A8 O2) have no vLLM kernel",
+        ),
+        (["--method", "rtn", "--group-size", "32"], "fractional zeros"),
+        (["--method", "kbit"], "KbitLinear has no compressed-tensors form"),
+        (["--method", "llm-int8"], "outlier columns"),
+        (["--method", "rtn", "--grid", "symmetric", "--group-size", "48"], "compressed-tensors packs whole groups"),
+    ],
+)
 def test_forms_it_cannot_hold_are_refused_with_the_reason(arguments, reason, tiny_llama_dir, tmp_path, capsys):
     checkpoint, out = tmp_path / "checkpoint", tmp_path / "ct"
     assert main(["quantize", str(tiny_llama_dir), *arguments, "--out", str(checkpoint)]) == 0
@@ -73,13 +97,33 @@ def test_a_float_model_is_refused(tiny_llama_dir, tmp_path, capsys):
 
 def test_round_trip_in_leanlm_evaluates_and_requantizes_the_exported_directory(tiny_llama_dir, tmp_path):
     checkpoint, out = tmp_path / "checkpoint", tmp_path / "ct"
-    assert main(["quantize", str(tiny_llama_dir), "--method", "smoothquant", "--level", "O3", "--no-bmm",
-                 "--calib-samples", "4", "--out", str(checkpoint)]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(tiny_llama_dir),
+                "--method",
+                "smoothquant",
+                "--level",
+                "O3",
+                "--no-bmm",
+                "--calib-samples",
+                "4",
+                "--out",
+                str(checkpoint),
+            ]
+        )
+        == 0
+    )
     assert main(["export", str(checkpoint), "--format", "compressed-tensors", "--out", str(out)]) == 0
     perplexities = []
     for source in (checkpoint, out):
-        assert main(["eval", str(source), "--max-tokens", "2048", "--seq-len", "256",
-                     "--json", str(tmp_path / "eval.json")]) == 0
+        assert (
+            main(
+                ["eval", str(source), "--max-tokens", "2048", "--seq-len", "256", "--json", str(tmp_path / "eval.json")]
+            )
+            == 0
+        )
         perplexities.append(json.loads((tmp_path / "eval.json").read_text())["results"]["wikitext2"]["perplexity"])
     assert perplexities[1] == pytest.approx(perplexities[0], rel=1e-4)
     assert main(["quantize", str(out), "--method", "rtn", "--out", str(tmp_path / "again")]) == 0

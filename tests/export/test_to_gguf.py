@@ -22,19 +22,30 @@ from leanlm.nn import KbitLinear, SpQRLinear
 
 def _solved_module(bits=4, seed=0, **settings):
     weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(seed))
-    options = {"bits": bits, "group_size": 32, "act_order": False, "error_feedback": False, "grid": "symmetric",
-               **settings}
+    options = {
+        "bits": bits,
+        "group_size": 32,
+        "act_order": False,
+        "error_feedback": False,
+        "grid": "symmetric",
+        **settings,
+    }
     settings = SolverSettings(**options)
     inputs = torch.randn(256, 96, generator=torch.Generator().manual_seed(seed + 1)) * torch.linspace(0.1, 2, 96)
     hessian = inputs.T @ inputs / 256 if settings.error_feedback else None  # act-order really permutes
     return SpQRLinear.from_solved(solve(weight, hessian, settings), settings, None)
 
 
-@pytest.mark.parametrize("bits, block_type, settings", [
-    (4, "Q4_0", {}), (8, "Q8_0", {}),
-    (4, "Q4_0", {"error_feedback": True, "act_order": True, "static_groups": True}),  # GPTQ, act-order
-    (4, "Q4_0", {"error_feedback": True, "act_order": True, "static_groups": True, "scale_search": True}),
-], ids=["q4_0", "q8_0", "gptq-act-order-static-groups", "gptq-scale-search"])
+@pytest.mark.parametrize(
+    "bits, block_type, settings",
+    [
+        (4, "Q4_0", {}),
+        (8, "Q8_0", {}),
+        (4, "Q4_0", {"error_feedback": True, "act_order": True, "static_groups": True}),  # GPTQ, act-order
+        (4, "Q4_0", {"error_feedback": True, "act_order": True, "static_groups": True, "scale_search": True}),
+    ],
+    ids=["q4_0", "q8_0", "gptq-act-order-static-groups", "gptq-scale-search"],
+)
 def test_symmetric_groups_of_32_are_gguf_blocks_value_for_value(bits, block_type, settings):
     module = _solved_module(bits, **settings)
     blocks, kind = gguf_blocks(module)
@@ -43,13 +54,16 @@ def test_symmetric_groups_of_32_are_gguf_blocks_value_for_value(bits, block_type
     assert np.array_equal(dequantize(blocks, kind), module.dequantized_weight().numpy())
 
 
-@pytest.mark.parametrize("settings, reason", [
-    ({"grid": "minmax"}, "fractional zeros"),
-    ({"group_size": 16}, "groups of 16"),
-    ({"group_size": 32, "bits": 3}, "3-bit codes"),
-    ({"error_feedback": True, "act_order": True}, "act-order columns"),
-    ({"grid": "minmax", "statistic_bits": 3, "outlier_threshold": 0.2}, "quantized statistics and outliers"),
-])
+@pytest.mark.parametrize(
+    "settings, reason",
+    [
+        ({"grid": "minmax"}, "fractional zeros"),
+        ({"group_size": 16}, "groups of 16"),
+        ({"group_size": 32, "bits": 3}, "3-bit codes"),
+        ({"error_feedback": True, "act_order": True}, "act-order columns"),
+        ({"grid": "minmax", "statistic_bits": 3, "outlier_threshold": 0.2}, "quantized statistics and outliers"),
+    ],
+)
 def test_forms_without_an_exact_block_type_are_refused_with_the_reason(settings, reason):
     with pytest.raises(ConfigError, match=reason):
         gguf_blocks(_solved_module(**settings))
@@ -84,8 +98,13 @@ def test_the_default_model_exports_to_its_own_gguf_layout_bit_for_bit(tmp_path):
     q8 = gguf.GGUFReader(export_gguf("smollm2-135m", tmp_path / "q8.gguf", "q8_0")["path"])
     floats = {tensor.name: dequantize(tensor.data, tensor.tensor_type) for tensor in exported.tensors}
     for tensor in q8.tensors:
-        expected = floats[tensor.name] if tensor.tensor_type == gguf.GGMLQuantizationType.F32 else dequantize(
-            quantize(floats[tensor.name], gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+        expected = (
+            floats[tensor.name]
+            if tensor.tensor_type == gguf.GGMLQuantizationType.F32
+            else dequantize(
+                quantize(floats[tensor.name], gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+            )
+        )
         assert np.array_equal(dequantize(tensor.data, tensor.tensor_type), expected)
     assert q8.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
 
@@ -93,8 +112,23 @@ def test_the_default_model_exports_to_its_own_gguf_layout_bit_for_bit(tmp_path):
 @pytest.mark.slow
 def test_a_symmetric_rtn_checkpoint_exports_as_q4_0_blocks_equal_to_its_weights(tmp_path, capsys):
     checkpoint, out = tmp_path / "rtn", tmp_path / "rtn.gguf"
-    assert main(["quantize", "smollm2-135m", "--method", "rtn", "--grid", "symmetric", "--group-size", "32",
-                 "--out", str(checkpoint)]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                "smollm2-135m",
+                "--method",
+                "rtn",
+                "--grid",
+                "symmetric",
+                "--group-size",
+                "32",
+                "--out",
+                str(checkpoint),
+            ]
+        )
+        == 0
+    )
     assert main(["export", str(checkpoint), "--format", "gguf", "--out", str(out)]) == 0
     assert "Q4_0" in capsys.readouterr().out
     loaded, _ = load_quantized(checkpoint)
@@ -104,9 +138,12 @@ def test_a_symmetric_rtn_checkpoint_exports_as_q4_0_blocks_equal_to_its_weights(
     assert gguf.GGUFReader(out).fields["tokenizer.chat_template"].contents()
     checked = 0
     for index, block in enumerate(loaded.model.model.layers):
-        for path, name, heads in (("self_attn.q_proj", "attn_q", config.num_attention_heads),
-                                  ("self_attn.k_proj", "attn_k", config.num_key_value_heads),
-                                  ("self_attn.v_proj", "attn_v", None), ("mlp.down_proj", "ffn_down", None)):
+        for path, name, heads in (
+            ("self_attn.q_proj", "attn_q", config.num_attention_heads),
+            ("self_attn.k_proj", "attn_k", config.num_key_value_heads),
+            ("self_attn.v_proj", "attn_v", None),
+            ("mlp.down_proj", "ffn_down", None),
+        ):
             tensor = exported[f"blk.{index}.{name}.weight"]
             assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0
             expected = block.get_submodule(path).dequantized_weight().numpy()
@@ -126,15 +163,26 @@ def test_a_transformers_model_gets_its_metadata_from_its_config_and_tokenizer(ti
     exported = gguf.GGUFReader(out)
     fields = {key: field.contents() for key, field in exported.fields.items()}
     smollm2 = gguf.GGUFReader(source_gguf("smollm2-135m")).fields
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.chat_template"):
+    for key in (
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.chat_template",
+    ):
         assert fields[key] == smollm2[key].contents(), key
     assert fields["tokenizer.ggml.pre"] == "gpt-2"  # SmolLM2's tokenizer.json: plain byte-level, GPT-2's pattern
     model = load_any(str(tiny_llama_dir)).model
     config = model.config
-    assert (fields["llama.block_count"], fields["llama.embedding_length"], fields["llama.feed_forward_length"],
-            fields["llama.attention.head_count"], fields["llama.attention.head_count_kv"],
-            fields["llama.rope.dimension_count"]) == (2, 64, 128, 4, 2, 16)
+    assert (
+        fields["llama.block_count"],
+        fields["llama.embedding_length"],
+        fields["llama.feed_forward_length"],
+        fields["llama.attention.head_count"],
+        fields["llama.attention.head_count_kv"],
+        fields["llama.rope.dimension_count"],
+    ) == (2, 64, 128, 4, 2, 16)
     assert fields["llama.context_length"] == config.max_position_embeddings
     tensors = {tensor.name: dequantize(tensor.data, tensor.tensor_type) for tensor in exported.tensors}
     assert "output.weight" not in tensors  # tied: llama.cpp reads token_embd
@@ -156,8 +204,13 @@ def test_metadata_without_a_source_gguf_is_refused_where_the_config_does_not_car
 
 def _with_rope_scaling(directory):
     config = json.loads((directory / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 64}
+    config["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     (directory / "config.json").write_text(json.dumps(config))
 
 
@@ -172,12 +225,16 @@ def _with_word_level_tokenizer(directory):
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(directory)
 
 
-@pytest.mark.parametrize("change, reason", [
-    (_with_rope_scaling, "rope type 'llama3': llama.cpp reads its frequencies from a rope_freqs tensor"),
-    (_with_word_level_tokenizer, "a tokenizer only for byte-level BPE (GPT-2's kind); this model's is WordLevel"),
-])
-def test_what_the_metadata_cannot_describe_is_refused_before_the_weights_load(tiny_llama_dir, tmp_path, capsys,
-                                                                              monkeypatch, change, reason):
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (_with_rope_scaling, "rope type 'llama3': llama.cpp reads its frequencies from a rope_freqs tensor"),
+        (_with_word_level_tokenizer, "a tokenizer only for byte-level BPE (GPT-2's kind); this model's is WordLevel"),
+    ],
+)
+def test_what_the_metadata_cannot_describe_is_refused_before_the_weights_load(
+    tiny_llama_dir, tmp_path, capsys, monkeypatch, change, reason
+):
     """Rope scaling (a rope_freqs tensor this export does not write) and tokenizers other than byte-level BPE
     are refused in one line naming them, before a weight is read, and nothing is left behind."""
     change(tiny_llama_dir)

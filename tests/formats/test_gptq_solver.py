@@ -5,8 +5,14 @@ import torch
 
 from leanlm.errors import ConfigError
 from leanlm.formats.gptq import SolverSettings, solve
-from leanlm.formats.minmax import (dequantize_minmax, fit_minmax, fit_symmetric, quantize_minmax,
-                                   round_trip_minmax, search_symmetric)
+from leanlm.formats.minmax import (
+    dequantize_minmax,
+    fit_minmax,
+    fit_symmetric,
+    quantize_minmax,
+    round_trip_minmax,
+    search_symmetric,
+)
 from leanlm.kernels.kbit_gemm import SMALL_M, avx2_available
 from leanlm.nn import SpQRLinear
 
@@ -25,8 +31,9 @@ def _output_error(weight, inputs, quantized):
 
 RTN = SolverSettings(bits=3, group_size=16, act_order=False, error_feedback=False)
 GPTQ = SolverSettings(bits=3, group_size=16)
-SPQR = SolverSettings(bits=3, group_size=16, statistic_bits=3, statistic_group_size=16, outlier_threshold=0.2,
-                      damping=1.0)
+SPQR = SolverSettings(
+    bits=3, group_size=16, statistic_bits=3, statistic_group_size=16, outlier_threshold=0.2, damping=1.0
+)
 
 
 def test_rtn_is_group_wise_min_max_rounding():
@@ -41,8 +48,10 @@ def test_rtn_is_group_wise_min_max_rounding():
 
 def test_error_feedback_lowers_the_output_error_and_outliers_lower_it_further():
     weight, inputs, hessian = _layer()
-    errors = {name: _output_error(weight, inputs, solve(weight, hessian, settings).weight)
-              for name, settings in {"rtn": RTN, "gptq": GPTQ, "spqr": SPQR}.items()}
+    errors = {
+        name: _output_error(weight, inputs, solve(weight, hessian, settings).weight)
+        for name, settings in {"rtn": RTN, "gptq": GPTQ, "spqr": SPQR}.items()
+    }
     assert errors["gptq"] < 0.95 * errors["rtn"]
     assert errors["spqr"] < errors["gptq"]
 
@@ -70,11 +79,16 @@ def test_the_symmetric_grid_puts_zero_at_the_middle_code_and_the_largest_value_o
     torch.testing.assert_close(scales, (extreme / -8).half().float(), rtol=0, atol=0)  # llama.cpp's d, in fp16
     assert all(bool((z.values == 8).all()) for z in solved.zeros)
     assert solved.codes.min() == 0 and solved.codes.max() == 15  # all 16 codes in use
-    torch.testing.assert_close(solved.weight.reshape(96, 8, 32),
-                               scales[..., None] * (solved.codes.reshape(96, 8, 32).float() - 8), rtol=0, atol=0)
+    torch.testing.assert_close(
+        solved.weight.reshape(96, 8, 32),
+        scales[..., None] * (solved.codes.reshape(96, 8, 32).float() - 8),
+        rtol=0,
+        atol=0,
+    )
     # Error feedback works on this grid as on min-max (on this layer it gains as little as there: 4-5%).
     assert _output_error(weight, inputs, solve(weight, hessian, SYMMETRIC).weight) < 0.97 * _output_error(
-        weight, inputs, solved.weight)
+        weight, inputs, solved.weight
+    )
 
 
 def test_the_scale_search_never_does_worse_than_the_rule_and_gptq_gains_from_it():
@@ -93,20 +107,23 @@ def test_the_scale_search_never_does_worse_than_the_rule_and_gptq_gains_from_it(
     searched = SolverSettings(bits=4, group_size=32, grid="symmetric", static_groups=True, scale_search=True)
     plain = SolverSettings(bits=4, group_size=32, grid="symmetric", static_groups=True)
     assert _output_error(weight, inputs, solve(weight, hessian, searched).weight) < 0.97 * _output_error(
-        weight, inputs, solve(weight, hessian, plain).weight)
+        weight, inputs, solve(weight, hessian, plain).weight
+    )
 
 
 def test_rtn_weighs_its_scale_search_by_an_importance_vector_and_lowers_the_output_error():
     weight, inputs, _ = _layer()
     inputs = inputs * torch.randn(256, generator=torch.Generator().manual_seed(2)).exp()  # columns of mixed scale
     importance = inputs.square().mean(dim=0)  # within each group too, as real layers' inputs are
-    searched = SolverSettings(bits=4, group_size=32, act_order=False, error_feedback=False, grid="symmetric",
-                              scale_search=True)
+    searched = SolverSettings(
+        bits=4, group_size=32, act_order=False, error_feedback=False, grid="symmetric", scale_search=True
+    )
     hessian = 2 * inputs.T @ inputs / inputs.shape[0]
     weighted = solve(weight, None, searched, importance=importance)
     expected, _ = search_symmetric(weight.reshape(96, 8, 32), 4, importance.reshape(8, 32)[None])
-    torch.testing.assert_close(torch.stack([s.values for s in weighted.scales], 1), expected.half().float(),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.stack([s.values for s in weighted.scales], 1), expected.half().float(), rtol=0, atol=0
+    )
     unweighted = solve(weight, None, searched)
     assert _output_error(weight, inputs, weighted.weight) < 0.97 * _output_error(weight, inputs, unweighted.weight)
     with pytest.raises(ConfigError, match="does not fit a weight with 256 input columns"):
@@ -118,12 +135,15 @@ def test_rtn_weighs_its_scale_search_by_an_importance_vector_and_lowers_the_outp
 def test_hessian_shrinkage_moves_gptq_from_error_feedback_to_importance_weighted_rtn():
     weight, inputs, hessian = _layer()
     gptq = SolverSettings(bits=4, group_size=32, grid="symmetric", scale_search=True, static_groups=True)
-    weighted_rtn = solve(weight, None, replace(gptq, act_order=False, error_feedback=False),
-                         importance=hessian.diagonal())
+    weighted_rtn = solve(
+        weight, None, replace(gptq, act_order=False, error_feedback=False), importance=hessian.diagonal()
+    )
     diagonal_only = solve(weight, hessian, replace(gptq, hessian_shrinkage=1.0))
     torch.testing.assert_close(diagonal_only.weight, weighted_rtn.weight, rtol=0, atol=0)
-    errors = [_output_error(weight, inputs, solve(weight, hessian, replace(gptq, hessian_shrinkage=amount)).weight)
-              for amount in (0.0, 0.5, 1.0)]
+    errors = [
+        _output_error(weight, inputs, solve(weight, hessian, replace(gptq, hessian_shrinkage=amount)).weight)
+        for amount in (0.0, 0.5, 1.0)
+    ]
     # On the calibration inputs themselves feedback can only help: shrinking it gives up some of that gain.
     assert errors[0] < errors[1] < errors[2]
     with pytest.raises(ConfigError, match="Hessian shrinkage must be between 0 and 1, got 1.5"):
@@ -137,8 +157,9 @@ def test_static_groups_keep_act_order_groups_on_consecutive_columns():
     assert solved.permutation is None  # stored in the original column order
     groups = weight.reshape(96, 8, 32)  # each group's scale is fitted on the original weight's own columns
     extreme = groups.gather(-1, groups.abs().argmax(-1, keepdim=True)).squeeze(-1)
-    torch.testing.assert_close(torch.stack([s.values for s in solved.scales], 1), (extreme / -8).half().float(),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.stack([s.values for s in solved.scales], 1), (extreme / -8).half().float(), rtol=0, atol=0
+    )
     in_order = _output_error(weight, inputs, solve(weight, hessian, SYMMETRIC).weight)
     assert _output_error(weight, inputs, solved.weight) < in_order  # act-order still pays
 
@@ -153,11 +174,20 @@ def _assert_kernel_close(actual, expected, int8_activations):
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("settings", [RTN, GPTQ, SPQR, SPQR4, SolverSettings(bits=4, group_size=None), SYMMETRIC,
-                                      SolverSettings(bits=4, group_size=32, grid="symmetric", static_groups=True),
-                                      SolverSettings(bits=4, group_size=32, grid="symmetric", scale_search=True)],
-                         ids=["rtn", "gptq", "spqr", "spqr-4bit", "per-row", "symmetric", "static-groups",
-                              "scale-search"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        RTN,
+        GPTQ,
+        SPQR,
+        SPQR4,
+        SolverSettings(bits=4, group_size=None),
+        SYMMETRIC,
+        SolverSettings(bits=4, group_size=32, grid="symmetric", static_groups=True),
+        SolverSettings(bits=4, group_size=32, grid="symmetric", scale_search=True),
+    ],
+    ids=["rtn", "gptq", "spqr", "spqr-4bit", "per-row", "symmetric", "static-groups", "scale-search"],
+)
 def test_stored_form_reproduces_the_solver_and_counts_every_bit(settings):
     weight, _, hessian = _layer()
     solved = solve(weight, hessian, settings)

@@ -2,7 +2,15 @@ import pytest
 import torch
 
 from leanlm.errors import ConfigError
-from leanlm.formats.int8 import QMAX, absmax_scale, activation_scale, fake_quantize, quantize, quantize_weight, weight_scale
+from leanlm.formats.int8 import (
+    QMAX,
+    absmax_scale,
+    activation_scale,
+    fake_quantize,
+    quantize,
+    quantize_weight,
+    weight_scale,
+)
 
 
 def test_absmax_scale_maps_the_largest_value_to_127():

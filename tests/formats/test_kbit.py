@@ -92,7 +92,7 @@ def test_quantizing_chunk_by_chunk_codes_every_value_to_its_nearest(monkeypatch,
     monkeypatch.setattr(blockwise, "_CHUNK_VALUES", 3 * block_size + 5)  # 3 blocks a chunk
     torch.manual_seed(2)
     flat = torch.randn(10 * block_size + 37) * torch.rand(10 * block_size + 37) ** 3
-    flat[block_size:2 * block_size] = 0.0  # an all-zero block is coded as zeros
+    flat[block_size : 2 * block_size] = 0.0  # an all-zero block is coded as zeros
     result = quantize_blockwise(flat, NF4, block_size)
     blocks = torch.split(flat, block_size)
     absmax = torch.stack([block.abs().max() for block in blocks])

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tiny import tiny_model, token_ids
 from torch import nn
 
 from leanlm.kernels.float_gemv import float_gemv, gemv_isas, reference_gemv, small_m_linear
 from leanlm.nn import GemvLinear, use_gemv_
-from tiny import tiny_model, token_ids
 
 ISAS = gemv_isas()
 
@@ -14,15 +14,17 @@ ISAS = gemv_isas()
 @pytest.mark.skipif(not ISAS, reason="leanlm's kernels cannot be built here")
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, out_features, in_features", [
-    (1, 1, 16), (1, 130, 576), (3, 7, 100), (8, 64, 17), (2, 5, 1536), (1, 4099, 64), (5, 9, 47), (1, 6, 640)])
+@pytest.mark.parametrize(
+    "rows, out_features, in_features",
+    [(1, 1, 16), (1, 130, 576), (3, 7, 100), (8, 64, 17), (2, 5, 1536), (1, 4099, 64), (5, 9, 47), (1, 6, 640)],
+)
 def test_every_variant_matches_the_reference(isa, dtype, rows, out_features, in_features):
     generator = torch.Generator().manual_seed(rows * out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     x = torch.randn(rows, in_features, generator=generator)
     expected = reference_gemv(x, weight)
     # Float32 sums in another order: the error of a dot product of in_features terms, nothing more.
-    torch.testing.assert_close(float_gemv(x, weight, isa), expected, rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+    torch.testing.assert_close(float_gemv(x, weight, isa), expected, rtol=1e-5, atol=1e-5 * in_features**0.5)
 
 
 def test_it_refuses_what_it_cannot_compute():

@@ -56,15 +56,17 @@ def test_every_int8_path_rounds_ties_as_the_reference(granularity):
     x = _near_ties(8, k, scale)
     identity, ones = torch.eye(k, dtype=torch.int8), torch.ones(k)
     expected = int8_linear(x, scale, identity, ones, None, "reference", x_zero_point=zero_point)
-    fast = int8_linear(x.clone(), scale, None, None, None, "fbgemm", pack_weight(identity, ones),
-                       x_zero_point=zero_point)
+    fast = int8_linear(
+        x.clone(), scale, None, None, None, "fbgemm", pack_weight(identity, ones), x_zero_point=zero_point
+    )
     assert torch.equal(fast, expected)
     if zero_point == 0 and int8_kernel_isas():
         for isa in int8_kernel_isas():
             for row in range(8):
-                out = int8_gemv(x[row:row + 1], identity, ones, None, float(scale.flatten()[row % scale.numel()]),
-                                isa=isa)
-                assert torch.equal(out, expected[row:row + 1]), isa
+                out = int8_gemv(
+                    x[row : row + 1], identity, ones, None, float(scale.flatten()[row % scale.numel()]), isa=isa
+                )
+                assert torch.equal(out, expected[row : row + 1]), isa
 
 
 @pytest.mark.skipif(not int8_kernel_isas(), reason="leanlm's kernels cannot be built here")
@@ -83,8 +85,10 @@ def test_the_compiled_rounding_pass_equals_the_pytorch_ops(k, granularity):
     expected = rounded_codes(x, scale, zero_point, rescale=rescale, compiled=False)
     original = x.clone()
     in_place = x.clone()
-    for compiled in (rounded_codes(x, scale, zero_point, rescale=rescale),
-                     rounded_codes(in_place, scale, zero_point, rescale=rescale, overwrite_input=True)):
+    for compiled in (
+        rounded_codes(x, scale, zero_point, rescale=rescale),
+        rounded_codes(in_place, scale, zero_point, rescale=rescale, overwrite_input=True),
+    ):
         assert torch.equal(compiled.isnan(), expected.isnan()) and compiled.isnan().sum() == 1
         assert torch.equal(compiled.nan_to_num(0.0), expected.nan_to_num(0.0))
     assert torch.equal(x.nan_to_num(0.0), original.nan_to_num(0.0))  # left alone without overwrite_input
@@ -106,7 +110,9 @@ def test_the_packed_copy_gives_the_weight_back_exactly(zero_point):
 
 def test_unknown_backend_is_named():
     with pytest.raises(ValueError, match="unknown int8 backend 'cuda'"):
-        int8_linear(torch.zeros(1, 2), torch.tensor(1.0), torch.zeros(1, 2, dtype=torch.int8), torch.ones(1), None, "cuda")
+        int8_linear(
+            torch.zeros(1, 2), torch.tensor(1.0), torch.zeros(1, 2, dtype=torch.int8), torch.ones(1), None, "cuda"
+        )
 
 
 needs_w8a8_kernel = pytest.mark.skipif(not int8_kernel_isas(), reason="leanlm's kernels cannot be built here")
@@ -141,8 +147,14 @@ def test_the_one_token_kernel_runs_llm_int8s_outlier_columns_in_float():
     torch.manual_seed(3)
     x = torch.randn(1, 256)
     x[0, [5, 77, 200]] = torch.tensor([9.0, -12.0, 7.5])
-    layer = W8A8Linear.from_float(torch.randn(64, 256), torch.randn(64), "per_channel", activation="per_token",
-                                  backend="reference", outlier_threshold=6.0)
+    layer = W8A8Linear.from_float(
+        torch.randn(64, 256),
+        torch.randn(64),
+        "per_channel",
+        activation="per_token",
+        backend="reference",
+        outlier_threshold=6.0,
+    )
     expected = layer(x)
     assert layer.decomposition_counts["outlier_dims"] == 3
     for isa in int8_kernel_isas():

@@ -3,11 +3,11 @@ import os
 import pytest
 import torch
 
-from leanlm.formats.blockwise import quantize_blockwise
-from leanlm.formats.codebooks import codebook
-from leanlm.formats.packing import pack
 from leanlm.errors import ConfigError
-from leanlm.formats.codebooks import DYNAMIC8
+from leanlm.formats.blockwise import quantize_blockwise
+from leanlm.formats.codebooks import DYNAMIC8, codebook
+from leanlm.formats.packing import pack
+from leanlm.kernels.cpu import has_native_bf16
 from leanlm.kernels.kbit_gemm import (
     SMALL_M,
     BlockConstants,
@@ -23,7 +23,6 @@ from leanlm.kernels.kbit_gemm import (
     reference_int8_activations,
     supports_fast_path,
 )
-from leanlm.kernels.cpu import has_native_bf16
 from leanlm.nn import KbitLinear
 
 needs_avx2 = pytest.mark.skipif(not avx2_available(), reason="the AVX2 k-bit kernel cannot be built or run here")
@@ -40,9 +39,18 @@ def operands(out_features, in_features, dtype, block):
 @needs_avx2
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 16, 17, 300])
 # 576 = 4.5 x 128 codes: AVX-512's 64-code tail; blocks of 192 end inside a 128-code chunk
-@pytest.mark.parametrize("dtype, block, in_features", [("nf", 64, 512), ("fp", 16, 512), ("nf", 32, 512),
-                                                       ("int", 128, 512), ("nf", 512, 512), ("nf", 64, 576),
-                                                       ("int", 192, 576)])
+@pytest.mark.parametrize(
+    "dtype, block, in_features",
+    [
+        ("nf", 64, 512),
+        ("fp", 16, 512),
+        ("nf", 32, 512),
+        ("int", 128, 512),
+        ("nf", 512, 512),
+        ("nf", 64, 576),
+        ("int", 192, 576),
+    ],
+)
 def test_every_kernel_matches_the_reference(rows, dtype, block, in_features):
     quantized, packed, table, bias = operands(96, in_features, dtype, block)
     x = torch.randn(rows, in_features)
@@ -77,8 +85,19 @@ def test_block_offsets_and_a_sparse_part_add_to_the_weight(rows, compute_dtype, 
     arguments = dict(block_offsets=offsets, sparse=sparse)
     reference = kbit_linear(x, packed, quantized.absmax, table, out_features, 64, bias, "reference", **arguments)
     torch.testing.assert_close(reference, x @ weight.T + bias, rtol=1e-5, atol=1e-4)
-    fast = kbit_linear(x, packed, quantized.absmax, table, out_features, 64, bias, "avx2", int8_activations=False,
-                       compute_dtype=compute_dtype, **arguments).float()
+    fast = kbit_linear(
+        x,
+        packed,
+        quantized.absmax,
+        table,
+        out_features,
+        64,
+        bias,
+        "avx2",
+        int8_activations=False,
+        compute_dtype=compute_dtype,
+        **arguments,
+    ).float()
     if compute_dtype == torch.bfloat16 and rows > 16:  # the whole weight rounded, not s * q rounded then shifted
         expected = (x.bfloat16() @ weight.bfloat16().T).float() + bias
         torch.testing.assert_close(fast, expected, rtol=2e-2, atol=5e-2)
@@ -130,12 +149,22 @@ def test_double_quantized_constants_decoded_in_the_kernel_equal_the_float_ones(r
     assert quantized.absmax.dtype == torch.uint8 and torch.equal(stored.dense(), dense)
     x = torch.randn(rows, in_features)
     for isa in kernel_isas() if in_features % 64 == 0 else ["in-order"]:
-        torch.testing.assert_close(kbit_linear(x, packed, stored, table, 80, 32, bias, "avx2", isa),
-                                   kbit_linear(x, packed, dense, table, 80, 32, bias, "avx2", isa), rtol=0, atol=0)
-    assert torch.equal(dequantize_weight(packed, stored, table, 80, in_features, 32),
-                       dequantize_weight(packed, dense, table, 80, in_features, 32))
-    torch.testing.assert_close(kbit_linear(x, packed, stored, table, 80, 32, bias, "reference"),
-                               x @ quantized.dequantize().T + bias, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(
+            kbit_linear(x, packed, stored, table, 80, 32, bias, "avx2", isa),
+            kbit_linear(x, packed, dense, table, 80, 32, bias, "avx2", isa),
+            rtol=0,
+            atol=0,
+        )
+    assert torch.equal(
+        dequantize_weight(packed, stored, table, 80, in_features, 32),
+        dequantize_weight(packed, dense, table, 80, in_features, 32),
+    )
+    torch.testing.assert_close(
+        kbit_linear(x, packed, stored, table, 80, 32, bias, "reference"),
+        x @ quantized.dequantize().T + bias,
+        rtol=1e-5,
+        atol=1e-4,
+    )
 
 
 @needs_avx2
@@ -151,8 +180,9 @@ def test_rows_not_a_multiple_of_64_take_the_in_order_kernel():
     quantized, packed, table, bias = operands(24, 96, "nf", 32)
     x = torch.randn(2, 96)
     reference = kbit_linear(x, packed, quantized.absmax, table, 24, 32, bias, "reference")
-    torch.testing.assert_close(kbit_linear(x, packed, quantized.absmax, table, 24, 32, bias, "avx2"), reference,
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        kbit_linear(x, packed, quantized.absmax, table, 24, 32, bias, "avx2"), reference, rtol=1e-5, atol=1e-4
+    )
     with pytest.raises(RuntimeError, match="in_features % 64"):
         kbit_linear(x, packed, quantized.absmax, table, 24, 32, bias, "avx2", "avx2")
     for rows in (x, torch.randn(40, 96)):  # the small-M kernel and the large-M path alike
@@ -201,23 +231,34 @@ def test_int8_kernels_decode_double_quantized_constants_eight_at_a_time_exactly(
 
 @needs_avx2
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 40])
-@pytest.mark.parametrize("dtype, block, in_features, double_quant", [("nf", 64, 512, False), ("fp", 192, 576, False),
-                                                                     ("nf", 64, 576, True), ("int", 256, 512, True)])
+@pytest.mark.parametrize(
+    "dtype, block, in_features, double_quant",
+    [("nf", 64, 512, False), ("fp", 192, 576, False), ("nf", 64, 576, True), ("int", 256, 512, True)],
+)
 def test_int8_activation_kernels_match_their_reference(rows, dtype, block, in_features, double_quant):
     """Each int8 kernel computes the oracle's integers; only the float sums of scaled chunks may round apart."""
     torch.manual_seed(3)
     quantized = quantize_blockwise(torch.randn(96, in_features), codebook(dtype, 4), block, double_quant)
-    constants = (BlockConstants(quantized.absmax, quantized.absmax_scale, DYNAMIC8.values,
-                                quantized.absmax_offset.item()) if double_quant else BlockConstants(quantized.absmax))
+    constants = (
+        BlockConstants(quantized.absmax, quantized.absmax_scale, DYNAMIC8.values, quantized.absmax_offset.item())
+        if double_quant
+        else BlockConstants(quantized.absmax)
+    )
     packed, table, bias = pack(quantized.codes, 4), code_table(codebook(dtype, 4).values), torch.randn(96)
     x = torch.randn(rows, in_features) * torch.rand(in_features) * 4  # channels of different sizes
     expected = reference_int8_activations(x, packed, constants, table, 96, block) + bias
     for isa in int8_kernel_isas():
-        torch.testing.assert_close(kbit_linear(x, packed, constants, table, 96, block, bias, "avx2", isa), expected,
-                                   rtol=1e-5, atol=1e-4, msg=lambda m: f"{isa}: {m}")
+        torch.testing.assert_close(
+            kbit_linear(x, packed, constants, table, 96, block, bias, "avx2", isa),
+            expected,
+            rtol=1e-5,
+            atol=1e-4,
+            msg=lambda m: f"{isa}: {m}",
+        )
     if rows <= SMALL_M:  # the automatic choice at decode sizes
-        torch.testing.assert_close(kbit_linear(x, packed, constants, table, 96, block, bias, "avx2"), expected,
-                                   rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(
+            kbit_linear(x, packed, constants, table, 96, block, bias, "avx2"), expected, rtol=1e-5, atol=1e-4
+        )
 
 
 def test_int8_activations_cost_little_accuracy():
@@ -246,8 +287,12 @@ def test_the_int8_code_book_and_activations():
 def test_blocks_the_int8_kernel_cannot_read_keep_float_activations():
     quantized, packed, table, bias = operands(96, 512, "nf", 32)  # one constant per 32 values: not per chunk of 64
     x = torch.randn(2, 512)
-    torch.testing.assert_close(kbit_linear(x, packed, quantized.absmax, table, 96, 32, bias, "avx2"),
-                               x @ quantized.dequantize().T + bias, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        kbit_linear(x, packed, quantized.absmax, table, 96, 32, bias, "avx2"),
+        x @ quantized.dequantize().T + bias,
+        rtol=1e-5,
+        atol=1e-4,
+    )
     with pytest.raises(RuntimeError, match="multiple of 64"):
         kbit_linear(x, packed, quantized.absmax, table, 96, 32, bias, "avx2", "avx2-int8")
 
@@ -287,8 +332,13 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load(tmp_path):
     shutil.copytree(built, cache / built.relative_to(built.parents[1]))
     (cache / built.relative_to(built.parents[1]) / "lock").touch()
     probe = "from leanlm.kernels.kbit_gemm import avx2_available; print(avx2_available())"
-    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "LEANLM_CACHE": str(cache)},
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, "LEANLM_CACHE": str(cache)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.stdout.strip() == "True", done.stderr
 
 
@@ -305,37 +355,57 @@ def test_8_bit_int_codes_run_the_int8_kernel_as_stored(rows, double_quant):
     x = torch.randn(rows, 576)
     expected = reference_int8_activations(x, layer.packed, constants, None, 96, 64, bits=8) + layer.bias
     for isa in int8_kernel_isas():
-        torch.testing.assert_close(kbit_linear(x, layer.packed, constants, None, 96, 64, layer.bias, "avx2", isa,
-                                               bits=8), expected, rtol=1e-5, atol=1e-4, msg=lambda m: f"{isa}: {m}")
+        torch.testing.assert_close(
+            kbit_linear(x, layer.packed, constants, None, 96, 64, layer.bias, "avx2", isa, bits=8),
+            expected,
+            rtol=1e-5,
+            atol=1e-4,
+            msg=lambda m: f"{isa}: {m}",
+        )
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
     exact = x @ layer.dequantized_weight().T + layer.bias
     assert 20 * torch.log10(exact.norm() / (layer(x) - exact).norm()) > 40
     prefill = torch.randn(40, 576)
     torch.testing.assert_close(layer(prefill), prefill @ layer.dequantized_weight().T + layer.bias)
     _, table = layer._kernel_state()  # the 256-entry book the prefill tiles decode through
-    for x in (prefill, x):  # float activations at a decode size (under autograd) take the tiles too
-        torch.testing.assert_close(kbit_linear(x, layer.packed, constants, table, 96, 64, layer.bias, "avx2",
-                                               int8_activations=False, bits=8), x @ layer.dequantized_weight().T + layer.bias,
-                                   rtol=1e-5, atol=1e-4)
+    for inputs in (prefill, x):  # float activations at a decode size (under autograd) take the tiles too
+        torch.testing.assert_close(
+            kbit_linear(
+                inputs, layer.packed, constants, table, 96, 64, layer.bias, "avx2", int8_activations=False, bits=8
+            ),
+            inputs @ layer.dequantized_weight().T + layer.bias,
+            rtol=1e-5,
+            atol=1e-4,
+        )
 
 
 @needs_avx2
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
-@pytest.mark.parametrize("block, in_features, double_quant", [(64, 576, False), (128, 512, True), (16, 192, False),
-                                                              (32, 576, False), (256, 512, True)])
+@pytest.mark.parametrize(
+    "block, in_features, double_quant",
+    [(64, 576, False), (128, 512, True), (16, 192, False), (32, 576, False), (256, 512, True)],
+)
 def test_3_bit_codes_run_the_int8_kernel_as_its_reference_computes(rows, block, in_features, double_quant):
     """3-bit codes in the planes layout (blocks of 16 and 32 too: each 16 codes of a chunk scaled on their own): each
     int8 kernel computes the oracle's integers; only the float sums of scaled parts may round apart."""
     torch.manual_seed(5)
     quantized = quantize_blockwise(torch.randn(80, in_features), codebook("nf", 3), block, double_quant)
-    constants = (BlockConstants(quantized.absmax, quantized.absmax_scale, DYNAMIC8.values,
-                                quantized.absmax_offset.item()) if double_quant else BlockConstants(quantized.absmax))
+    constants = (
+        BlockConstants(quantized.absmax, quantized.absmax_scale, DYNAMIC8.values, quantized.absmax_offset.item())
+        if double_quant
+        else BlockConstants(quantized.absmax)
+    )
     packed, table, bias = pack(quantized.codes, 3, "planes"), code_table(codebook("nf", 3).values), torch.randn(80)
     x = torch.randn(rows, in_features) * torch.rand(in_features) * 4
     expected = reference_int8_activations(x, packed, constants, table, 80, block, bits=3) + bias
     for isa in int8_kernel_isas():
-        torch.testing.assert_close(kbit_linear(x, packed, constants, table, 80, block, bias, "avx2", isa, bits=3),
-                                   expected, rtol=1e-5, atol=1e-4, msg=lambda m: f"{isa}: {m}")
+        torch.testing.assert_close(
+            kbit_linear(x, packed, constants, table, 80, block, bias, "avx2", isa, bits=3),
+            expected,
+            rtol=1e-5,
+            atol=1e-4,
+            msg=lambda m: f"{isa}: {m}",
+        )
     exact = x @ quantized.dequantize().T + bias
     assert 20 * torch.log10(exact.norm() / (expected - exact).norm()) > 30  # int8 activations and book: SQNR
 

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from tiny import FAMILIES, tiny_model, token_ids
 
 from leanlm.methods import SmoothQuantConfig, W8A8Config, calibrate, collect_input_absmax, quantize_
 from leanlm.methods.blocks import capture_block_inputs, observe_inputs, walk_blocks
 from leanlm.methods.quantize import Calibration
 from leanlm.models.architectures import iter_quantizable_linears
-from tiny import FAMILIES, tiny_model, token_ids
 
 
 def _windows(samples=3, length=20):
@@ -47,8 +47,10 @@ def test_a_walk_without_changes_ends_where_the_model_does():
     hidden, arguments = capture_block_inputs(model, _windows(2))
     assert len(hidden) == 2 and len(arguments) == len(blocks) and len(last_inputs) == 2 * len(blocks)
     reference = []
-    with observe_inputs([(1, blocks[1].mlp.down_proj)], lambda i, x: reference.append(x.clone())), \
-            torch.inference_mode():
+    with (
+        observe_inputs([(1, blocks[1].mlp.down_proj)], lambda i, x: reference.append(x.clone())),
+        torch.inference_mode(),
+    ):
         for sample in _windows(2):
             model(input_ids=sample[None], use_cache=False)
     assert all(torch.equal(a, b) for a, b in zip(last_inputs[2:], reference))

@@ -3,29 +3,30 @@ import re
 
 import pytest
 import torch
+from tiny import token_ids
 
 from leanlm.errors import CorruptModelError, LeanLMError
 from leanlm.methods import (
     QUANT_FILE,
+    Calibration,
     SmoothQuantConfig,
     W8A8Config,
     calibrate,
     load_any,
     load_quantized,
-    Calibration,
     quantize_,
     save_quantized,
 )
 from leanlm.models import load_model
-from tiny import token_ids
 
 
 @pytest.fixture
 def quantized_dir(tiny_llama_dir, tmp_path):
     loaded = load_model(tiny_llama_dir)
     stats = calibrate(loaded.model, torch.randint(0, 1000, (2, 16)))
-    record = quantize_(loaded.model, [SmoothQuantConfig(0.5), W8A8Config(level="O3")],
-                       calibration=Calibration(int8_stats=stats))
+    record = quantize_(
+        loaded.model, [SmoothQuantConfig(0.5), W8A8Config(level="O3")], calibration=Calibration(int8_stats=stats)
+    )
     out = save_quantized(loaded, loaded.model, record, tmp_path / "q")
     return out, loaded.model
 
@@ -40,8 +41,7 @@ def test_round_trip_gives_identical_outputs(quantized_dir):
     assert load_any(out).model.config._attn_implementation == model.config._attn_implementation
 
 
-def test_a_bfloat16_checkpoint_holds_its_embedding_and_head_in_bfloat16_and_computes_the_rest_in_float32(
-        quantized_dir):
+def test_a_bfloat16_checkpoint_holds_its_embedding_and_head_in_bfloat16_and_computes_the_rest_in_float32(quantized_dir):
     out, _ = quantized_dir
     reference, fast = load_any(out).model, load_any(out, "bfloat16").model
     embedding, head = fast.get_input_embeddings(), fast.get_output_embeddings()
@@ -58,7 +58,8 @@ def test_a_bfloat16_checkpoint_holds_its_embedding_and_head_in_bfloat16_and_comp
 
 @pytest.mark.parametrize("method", ["kbit", "gptq", "gptq-3bit"])
 def test_a_bfloat16_load_of_a_kbit_checkpoint_runs_its_prefill_gemms_in_bfloat16_where_the_cpu_does(
-        tiny_llama_dir, tmp_path, method):
+    tiny_llama_dir, tmp_path, method
+):
     """With bfloat16 tables the k-bit and GPTQ layers' prefill GEMMs take bfloat16 too, on a CPU that multiplies it
     in hardware (their inputs rounded to it, as a bfloat16 model's are); decode sizes and float32 loads are as
     before."""
@@ -66,8 +67,9 @@ def test_a_bfloat16_load_of_a_kbit_checkpoint_runs_its_prefill_gemms_in_bfloat16
     from leanlm.methods import GPTQConfig, KbitConfig
     from leanlm.nn import KbitLinear, SpQRLinear
 
-    config = {"kbit": KbitConfig(), "gptq": GPTQConfig(group_size=32),
-              "gptq-3bit": GPTQConfig(bits=3, group_size=32)}[method]
+    config = {"kbit": KbitConfig(), "gptq": GPTQConfig(group_size=32), "gptq-3bit": GPTQConfig(bits=3, group_size=32)}[
+        method
+    ]
     loaded = load_model(tiny_llama_dir)
     ids = token_ids(4, 32, vocab_size=1000)
     record = quantize_(loaded.model, config, calibration=Calibration(token_ids=ids))
@@ -124,23 +126,31 @@ def _first_linear(record):
     return next(entry for entry in record["modules"].values() if entry["class"] == "W8A8Linear")
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda r: [r], "holds a JSON list; a checkpoint record is an object"),
-    (lambda r: {**r, "method": "awq"}, "method 'awq' is not a leanlm method"),
-    (lambda r: {**r, "method": "cushion+awq"}, "method 'cushion+awq' is not a leanlm method or composition"),
-    (lambda r: {**r, "level": "O4"}, "level 'O4' is not one of O1, O2, O3"),
-    (lambda r: {**r, "modules": []}, "'modules' must be an object"),
-    (lambda r: {**r, "table_dtype": "float8"}, "table_dtype 'float8' is not one of float32, bfloat16"),
-    (lambda r: {**r, "table_dtype": "bfloat16"}, "lm_head.weight: F32 [49152, 64], expected BF16"),
-    (lambda r: (_first_linear(r)["args"].update(colour="red"), r)[1], "unexpected keyword argument 'colour'"),
-    (lambda r: (_first_linear(r)["args"].update(in_features=7), r)[1], "does not replace a linear of that shape"),
-    (lambda r: (_first_linear(r)["args"].update(bias=True), r)[1], "does not match its leanlm_quant.json"),
-    (lambda r: {**r, "modules": {"model.nowhere.q_proj": _first_linear(r)}}, "has no module 'model.nowhere'"),
-    # found by the fuzz test: an empty name, and a name that is a parameter, not a module
-    (lambda r: {**r, "modules": {"": {"class": "BmmQuantizer", "args": {}}}}, "module name '' is not a module path"),
-    (lambda r: {**r, "modules": {"model.norm.weight": {"class": "BmmQuantizer", "args": {}}}},
-     "model.norm.weight is a Parameter of the model, not a module"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: [r], "holds a JSON list; a checkpoint record is an object"),
+        (lambda r: {**r, "method": "awq"}, "method 'awq' is not a leanlm method"),
+        (lambda r: {**r, "method": "cushion+awq"}, "method 'cushion+awq' is not a leanlm method or composition"),
+        (lambda r: {**r, "level": "O4"}, "level 'O4' is not one of O1, O2, O3"),
+        (lambda r: {**r, "modules": []}, "'modules' must be an object"),
+        (lambda r: {**r, "table_dtype": "float8"}, "table_dtype 'float8' is not one of float32, bfloat16"),
+        (lambda r: {**r, "table_dtype": "bfloat16"}, "lm_head.weight: F32 [49152, 64], expected BF16"),
+        (lambda r: (_first_linear(r)["args"].update(colour="red"), r)[1], "unexpected keyword argument 'colour'"),
+        (lambda r: (_first_linear(r)["args"].update(in_features=7), r)[1], "does not replace a linear of that shape"),
+        (lambda r: (_first_linear(r)["args"].update(bias=True), r)[1], "does not match its leanlm_quant.json"),
+        (lambda r: {**r, "modules": {"model.nowhere.q_proj": _first_linear(r)}}, "has no module 'model.nowhere'"),
+        # found by the fuzz test: an empty name, and a name that is a parameter, not a module
+        (
+            lambda r: {**r, "modules": {"": {"class": "BmmQuantizer", "args": {}}}},
+            "module name '' is not a module path",
+        ),
+        (
+            lambda r: {**r, "modules": {"model.norm.weight": {"class": "BmmQuantizer", "args": {}}}},
+            "model.norm.weight is a Parameter of the model, not a module",
+        ),
+    ],
+)
 def test_every_damaged_record_is_named_before_anything_is_allocated(quantized_dir, edit, message):
     out, _ = quantized_dir
     _edit_record(out, edit)
@@ -159,8 +169,10 @@ def test_a_record_with_absurd_sizes_allocates_nothing(quantized_dir):
 def test_tensors_without_their_record_are_refused_not_read_as_float(quantized_dir):
     out, _ = quantized_dir
     (out / QUANT_FILE).unlink()
-    with pytest.raises(CorruptModelError, match="holds leanlm quantized weights .* no leanlm_quant.json, so it was "
-                                                "not written completely"):
+    with pytest.raises(
+        CorruptModelError,
+        match="holds leanlm quantized weights .* no leanlm_quant.json, so it was not written completely",
+    ):
         load_any(out)
 
 
@@ -226,9 +238,12 @@ sys.exit(main(argv))
 """
 
 
-@pytest.mark.parametrize("pipeline, flags", [("in memory", ["--proxy-fraction", "0.02"]), ("out of core", ["--resume"])])
-def test_a_quantize_killed_at_any_write_never_leaves_a_loadable_half_checkpoint(pipeline, flags, tiny_llama_dir,
-                                                                                 tmp_path, capsys):
+@pytest.mark.parametrize(
+    "pipeline, flags", [("in memory", ["--proxy-fraction", "0.02"]), ("out of core", ["--resume"])]
+)
+def test_a_quantize_killed_at_any_write_never_leaves_a_loadable_half_checkpoint(
+    pipeline, flags, tiny_llama_dir, tmp_path, capsys
+):
     """SIGKILL before each write step of `leanlm quantize` in turn (config, tokenizer, weights - each block's file
     out of core -, record, publish): the output directory either does not exist or is whole, and a half-written
     staging directory is refused. Out of core, each run resumes the one killed before it."""
@@ -242,8 +257,12 @@ def test_a_quantize_killed_at_any_write_never_leaves_a_loadable_half_checkpoint(
     eval_argv = ["--tasks", "wikitext2", "--max-tokens", "128", "--seq-len", "64", "--json"]
     outcomes = []
     for kill_at in range(1, 20):
-        run = subprocess.run([sys.executable, "-c", _KILLING_QUANTIZE, pipeline, str(kill_at), *argv],
-                             capture_output=True, text=True, timeout=300)
+        run = subprocess.run(
+            [sys.executable, "-c", _KILLING_QUANTIZE, pipeline, str(kill_at), *argv],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if run.returncode == 0:
             break
         assert run.returncode == -9, run.stderr[-2000:]
@@ -289,8 +308,9 @@ def test_a_checkpoint_loads_straight_into_quantized_modules(quantized_dir, monke
     assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight  # tied again
 
 
-@pytest.mark.skipif(not __import__("leanlm.kernels.int8_gemm", fromlist=["x"]).fbgemm_available(),
-                    reason="no fbgemm engine")
+@pytest.mark.skipif(
+    not __import__("leanlm.kernels.int8_gemm", fromlist=["x"]).fbgemm_available(), reason="no fbgemm engine"
+)
 def test_a_loaded_w8a8_checkpoint_keeps_one_copy_of_each_int8_weight_and_none_of_the_files(quantized_dir):
     from leanlm.nn import W8A8Linear
 
@@ -321,10 +341,18 @@ def _wide_table_checkpoint(directory, family, tokenizer):
 
     config_class = {"llama": hf.LlamaConfig, "mistral": hf.MistralConfig}[family]
     torch.manual_seed(0)
-    hf.AutoModelForCausalLM.from_config(config_class(
-        vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=family == "llama"),
-        dtype=torch.float32).save_pretrained(directory / "float")
+    hf.AutoModelForCausalLM.from_config(
+        config_class(
+            vocab_size=len(tokenizer),
+            hidden_size=1024,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=family == "llama",
+        ),
+        dtype=torch.float32,
+    ).save_pretrained(directory / "float")
     tokenizer.save_pretrained(directory / "float")
     loaded = load_model(directory / "float")
     record = quantize_(loaded.model, KbitConfig())
@@ -345,8 +373,9 @@ print(json.dumps({"before": before, "peak": process_memory_bytes("self")}))
 
 
 @pytest.mark.parametrize("family, head", [("llama", "int8"), ("mistral", "float"), ("mistral", "int8")])
-def test_the_embedding_and_head_are_converted_as_they_are_read_never_whole_in_float32(family, head, tmp_path,
-                                                                                     smollm2_tokenizer):
+def test_the_embedding_and_head_are_converted_as_they_are_read_never_whole_in_float32(
+    family, head, tmp_path, smollm2_tokenizer
+):
     """Loading with bfloat16 tables (and an 8-bit head) reads the stored float32 tables a MiB at a time: the
     load's peak stays below half their float32 bytes (reading them whole and converting after took 2.8x them here,
     tied), and the model is the one the convert-after-loading path gives."""
@@ -357,8 +386,9 @@ def test_the_embedding_and_head_are_converted_as_they_are_read_never_whole_in_fl
 
     out = _wide_table_checkpoint(tmp_path, family, smollm2_tokenizer)
     float32_tables = len(smollm2_tokenizer) * 1024 * 4 * (1 if family == "llama" else 2)
-    result = subprocess.run([sys.executable, "-c", _PEAK_OF_LOAD, str(out), head], capture_output=True, text=True,
-                            check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", _PEAK_OF_LOAD, str(out), head], capture_output=True, text=True, check=True
+    )
     memory = json.loads(result.stdout.strip().splitlines()[-1])
     assert memory["peak"] - memory["before"] < 0.5 * float32_tables
     streamed = load_any(out, "bfloat16", head).model

@@ -1,6 +1,15 @@
 import pytest
 import torch
+from tiny import tiny_model
 
+from leanlm.cache.prefix import (
+    CUSHION_FILE,
+    Cushion,
+    attach_cushion,
+    attached_cushion,
+    cushion_keys_values,
+    detach_cushion,
+)
 from leanlm.errors import ConfigError, UnsupportedArchitectureError
 from leanlm.methods import (
     Calibration,
@@ -12,7 +21,6 @@ from leanlm.methods import (
     save_quantized,
     smooth_,
 )
-from leanlm.cache.prefix import CUSHION_FILE, Cushion, attach_cushion, attached_cushion, cushion_keys_values, detach_cushion
 from leanlm.methods.cushion import (
     CushionConfig,
     cushioned_copy,
@@ -20,12 +28,12 @@ from leanlm.methods.cushion import (
     search_cushion,
     tune_cushion,
 )
-from leanlm.nn import W8A8Linear
 from leanlm.models import load_model
-from tiny import tiny_model
+from leanlm.nn import W8A8Linear
 
-SMALL_SEARCH = CushionConfig(candidates=12, max_length=2, min_improvement=0.0, sample_tokens=16, search_samples=1,
-                             batch_size=6)
+SMALL_SEARCH = CushionConfig(
+    candidates=12, max_length=2, min_improvement=0.0, sample_tokens=16, search_samples=1, batch_size=6
+)
 
 
 def _cushion(model, tokens):
@@ -55,7 +63,7 @@ def test_generation_continues_after_the_cushion():
     with torch.inference_mode():
         for _ in range(6):
             ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
-    assert torch.equal(generated, ids[:, len(prefix):])
+    assert torch.equal(generated, ids[:, len(prefix) :])
 
 
 def test_smoothing_v_proj_divides_an_attached_cushions_values_alike():
@@ -110,8 +118,13 @@ def test_search_and_tuning_record_what_they_did(smollm2_tokenizer):
     history = cushion.record["history"]
     assert history[0]["error_after"] <= history[0]["error_before"]
     assert len(cushion.keys) == 2 and cushion.keys[0].shape == (1, 2, cushion.length, 16)
-    tuned = tune_cushion(model, smollm2_tokenizer, cushion, CushionConfig(tune_steps=2, tune_batch_size=2,
-                                                                          tune_seq_len=16), progress=False)
+    tuned = tune_cushion(
+        model,
+        smollm2_tokenizer,
+        cushion,
+        CushionConfig(tune_steps=2, tune_batch_size=2, tune_seq_len=16),
+        progress=False,
+    )
     assert len(tuned.record["tuning"]["curve"]) == 2
     assert not torch.equal(tuned.keys[0], cushion.keys[0]) and tuned.tokens == cushion.tokens
     assert all(p.requires_grad for p in model.parameters())  # the model is unfrozen again
@@ -119,8 +132,9 @@ def test_search_and_tuning_record_what_they_did(smollm2_tokenizer):
 
 def test_a_negative_threshold_forces_the_search_to_its_maximum_length(smollm2_tokenizer):
     model = tiny_model("llama", vocab_size=len(smollm2_tokenizer))
-    forced = CushionConfig(candidates=6, max_length=3, min_improvement=float("-inf"), sample_tokens=8,
-                           search_samples=1, batch_size=6)
+    forced = CushionConfig(
+        candidates=6, max_length=3, min_improvement=float("-inf"), sample_tokens=8, search_samples=1, batch_size=6
+    )
     cushion = search_cushion(model, smollm2_tokenizer, forced, progress=False)
     assert cushion.length == 3 and len(cushion.record["history"]) == 3
     with pytest.raises(ConfigError, match="min improvement must be below 1"):
@@ -129,8 +143,11 @@ def test_a_negative_threshold_forces_the_search_to_its_maximum_length(smollm2_to
 
 def test_w8a8_with_a_cushion_round_trips_through_a_checkpoint(tiny_llama_dir, tmp_path):
     loaded = load_model(tiny_llama_dir)
-    record = quantize_(loaded.model, [SMALL_SEARCH, W8A8Config(level="O3")],
-                       calibration=Calibration(loaded.tokenizer, samples=2, seq_len=32))
+    record = quantize_(
+        loaded.model,
+        [SMALL_SEARCH, W8A8Config(level="O3")],
+        calibration=Calibration(loaded.tokenizer, samples=2, seq_len=32),
+    )
     cushion = attached_cushion(loaded.model)
     assert record["method"] == "cushion+w8a8" and record["cushion"]["length"] == cushion.length >= 1
     out = save_quantized(loaded, loaded.model, record, tmp_path / "q")

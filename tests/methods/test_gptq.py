@@ -1,12 +1,12 @@
 import pytest
 import torch
+from tiny import tiny_model, token_ids
 
 from leanlm.errors import ConfigError
 from leanlm.formats.minmax import search_symmetric
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, SpQRConfig, load_quantized, quantize_, save_quantized
 from leanlm.models import load_model
 from leanlm.nn import SpQRLinear
-from tiny import tiny_model, token_ids
 
 
 def _calibration(vocab=128, samples=16, seq_len=32):
@@ -14,9 +14,15 @@ def _calibration(vocab=128, samples=16, seq_len=32):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt2", "opt"])
-@pytest.mark.parametrize("name, config", [("rtn", RTNConfig(bits=4, group_size=16)),
-                                          ("gptq", GPTQConfig(bits=4, group_size=16)),
-                                          ("spqr", SpQRConfig(bits=3, beta1=16, beta2=16))], ids=["rtn", "gptq", "spqr"])
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        ("rtn", RTNConfig(bits=4, group_size=16)),
+        ("gptq", GPTQConfig(bits=4, group_size=16)),
+        ("spqr", SpQRConfig(bits=3, beta1=16, beta2=16)),
+    ],
+    ids=["rtn", "gptq", "spqr"],
+)
 def test_every_block_linear_is_replaced_and_the_model_still_agrees(family, name, config):
     model = tiny_model(family)
     ids = _calibration()[:2]
@@ -26,7 +32,8 @@ def test_every_block_linear_is_replaced_and_the_model_still_agrees(family, name,
     layers = [m for m in model.modules() if isinstance(m, SpQRLinear)]
     assert layers and record["avg_bits"] == pytest.approx(
         sum(m.bits_per_weight() * m.in_features * m.out_features for m in layers)
-        / sum(m.in_features * m.out_features for m in layers))
+        / sum(m.in_features * m.out_features for m in layers)
+    )
     with torch.inference_mode():
         quantized = model(input_ids=ids).logits
     relative = ((quantized - reference).norm() / reference.norm()).item()
@@ -59,10 +66,12 @@ def test_rtn_imatrix_weighs_each_scale_search_by_the_calibration_inputs_mean_squ
     handle.remove()
     importance = torch.cat(inputs).square().mean(dim=0)
     weight = first.weight.detach().clone()
-    record = quantize_(model, RTNConfig(bits=4, group_size=16, grid="symmetric", scale_search=True, imatrix=True),
-                       calibration=calibration)
-    expected, _ = search_symmetric(weight.reshape(weight.shape[0], -1, 16), 4,
-                                   importance.reshape(-1, 16)[None])
+    record = quantize_(
+        model,
+        RTNConfig(bits=4, group_size=16, grid="symmetric", scale_search=True, imatrix=True),
+        calibration=calibration,
+    )
+    expected, _ = search_symmetric(weight.reshape(weight.shape[0], -1, 16), 4, importance.reshape(-1, 16)[None])
     stored = model.model.layers[0].self_attn.q_proj.scale.float()
     torch.testing.assert_close(stored, expected.half().float(), rtol=0, atol=0)
     assert record["imatrix"] and record["calibration_samples"] == 8

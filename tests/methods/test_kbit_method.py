@@ -39,7 +39,9 @@ def test_proxy_quantization_keeps_those_columns_in_fp16_and_counts_them(tmp_path
     assert q_proj.proxy_columns.numel() == round(0.05 * 64)
     # Exact account: codes + constants + 16 bits per kept weight + the column indices.
     expected = bits_per_parameter(3, 32, False, 0.05)
-    assert record["avg_bits"] == pytest.approx(expected, abs=0.06) and record["avg_bits"] > bits_per_parameter(3, 32, False)
+    assert record["avg_bits"] == pytest.approx(expected, abs=0.06) and record["avg_bits"] > bits_per_parameter(
+        3, 32, False
+    )
 
 
 def test_proxy_columns_survive_a_checkpoint_and_shape_the_output(tiny_llama_dir, tmp_path):

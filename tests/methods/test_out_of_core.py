@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny import FAMILIES, tiny_model, token_ids
 
 from leanlm.errors import ConfigError, NeedsWholeModelError
 from leanlm.methods import (
@@ -32,7 +33,6 @@ from leanlm.methods import (
 from leanlm.methods.checkpoint import float_tables, weights_files
 from leanlm.methods.out_of_core import load_quantizing, quantize_out_of_core
 from leanlm.models import load_model
-from tiny import FAMILIES, tiny_model, token_ids
 
 METHODS = {
     "nf4-dq": KbitConfig(double_quant=True),
@@ -62,8 +62,8 @@ def _bf16_shards(directory: Path, family: str, tokenizer=None, layers: int = 3) 
 
 
 def _tokenizer():
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {f"t{i}": i for i in range(128)}
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
@@ -181,13 +181,16 @@ _KILLED_RUN = textwrap.dedent("""
 def test_a_killed_run_is_never_a_checkpoint_and_resumes_to_the_same_one(tmp_path):
     source = _bf16_shards(tmp_path / "source", "llama", layers=4)
     out = tmp_path / "out"
-    killed = subprocess.run([sys.executable, "-c", _KILLED_RUN, str(source), str(out), "1"],
-                            capture_output=True, text=True)
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_RUN, str(source), str(out), "1"], capture_output=True, text=True
+    )
     assert killed.returncode == -signal.SIGKILL
     assert not out.exists()
     staging = tmp_path / ".out.partial-resumable"
-    assert sorted(path.name for path in staging.glob("block-*")) == ["block-00000.safetensors",
-                                                                     "block-00001.safetensors"]
+    assert sorted(path.name for path in staging.glob("block-*")) == [
+        "block-00000.safetensors",
+        "block-00001.safetensors",
+    ]
     with pytest.raises(ConfigError, match=r"2 of 4 blocks written\): add --resume"):
         quantize_out_of_core(source, GPTQConfig(group_size=32), out, calibration=_calibration())
     with pytest.raises(ConfigError, match="other settings"):
@@ -206,8 +209,15 @@ def test_a_model_of_hundreds_of_millions_of_parameters_quantizes_in_less_than_ha
 
     from leanlm.models.synthetic import write_random_model
 
-    config = hf.LlamaConfig(vocab_size=1024, hidden_size=2048, intermediate_size=5632, num_hidden_layers=12,
-                            num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=True)
+    config = hf.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+    )
     # 1.0 GiB of bf16 shards and 0.3 GiB of NF4 checkpoint: on a shared disk that has not room for them (one CI
     # run found 0.4 GiB free) the test cannot say anything about memory, so it says why it did not run.
     free = shutil.disk_usage(tmp_path).free
@@ -216,9 +226,25 @@ def test_a_model_of_hundreds_of_millions_of_parameters_quantizes_in_less_than_ha
     source = write_random_model(config, tmp_path / "source", tokenizer=_tokenizer(), shard_bytes=200 << 20)
     parameters = sum(json.loads((source / "model.safetensors.index.json").read_text())["metadata"].values()) // 2
     assert 500e6 < parameters < 600e6
-    result = subprocess.run([sys.executable, "-m", "leanlm", "quantize", str(source), "--method", "kbit",
-                             "--double-quant", "--out", str(tmp_path / "nf4"), "--json", str(tmp_path / "q.json")],
-                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "leanlm",
+            "quantize",
+            str(source),
+            "--method",
+            "kbit",
+            "--double-quant",
+            "--out",
+            str(tmp_path / "nf4"),
+            "--json",
+            str(tmp_path / "q.json"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     peak = json.loads((tmp_path / "q.json").read_text())["peak_rss_bytes"]
     assert peak < 0.5 * 4 * parameters, f"peak RSS {peak / 2**20:.0f} MiB"
@@ -227,9 +253,11 @@ def test_a_model_of_hundreds_of_millions_of_parameters_quantizes_in_less_than_ha
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [KbitConfig(double_quant=True),
-                                    [SmoothQuantConfig(0.5, calibration_samples=2), W8A8Config(level="O3")]],
-                         ids=["nf4-dq", "smoothquant-O3"])
+@pytest.mark.parametrize(
+    "config",
+    [KbitConfig(double_quant=True), [SmoothQuantConfig(0.5, calibration_samples=2), W8A8Config(level="O3")]],
+    ids=["nf4-dq", "smoothquant-O3"],
+)
 def test_smollm2_streamed_from_disk_equals_in_memory(config, tmp_path, default_checkpoint_dir):
     calibration = Calibration(seq_len=128)
     streamed, _ = quantize_out_of_core("smollm2-135m", config, tmp_path / "streamed", calibration=calibration)
@@ -238,8 +266,11 @@ def test_smollm2_streamed_from_disk_equals_in_memory(config, tmp_path, default_c
     _same_checkpoint(streamed, save_quantized(loaded, loaded.model, record, tmp_path / "in_memory"))
 
 
-@pytest.mark.parametrize("config", [KbitConfig(double_quant=True), GPTQConfig(group_size=32),
-                                    [SmoothQuantConfig(0.5), W8A8Config(level="O3")]], ids=["nf4-dq", "gptq", "sq-O3"])
+@pytest.mark.parametrize(
+    "config",
+    [KbitConfig(double_quant=True), GPTQConfig(group_size=32), [SmoothQuantConfig(0.5), W8A8Config(level="O3")]],
+    ids=["nf4-dq", "gptq", "sq-O3"],
+)
 def test_a_model_loaded_quantizing_block_by_block_is_the_in_memory_quantized_model(config, tmp_path):
     """QLoRA's base (and any quantized model) can be loaded with one float block at a time in memory: the same
     model, tensor for tensor and logit for logit, as loading the float model and quantizing it."""

@@ -2,13 +2,13 @@ import copy
 
 import pytest
 import torch
+from tiny import tiny_model
 from torch import nn
 
 from leanlm.errors import ConfigError
 from leanlm.methods import LoRAConfig, add_lora_, load_adapters_, merge_lora_, save_adapters
 from leanlm.methods.qlora import LORA_BASES, lora_layers, read_adapter_config
 from leanlm.nn import KbitLinear
-from tiny import tiny_model
 
 
 def _trained_looking(model):
@@ -53,8 +53,9 @@ def test_peft_loads_leanlm_adapters_onto_the_dequantized_base(tmp_path, base):
     theirs = peft.PeftModel.from_pretrained(dequantized, str(tmp_path)).eval()
     ids = torch.randint(0, 128, (2, 12))
     with torch.no_grad():
-        torch.testing.assert_close(theirs(input_ids=ids).logits, ours.eval()(input_ids=ids).logits,
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            theirs(input_ids=ids).logits, ours.eval()(input_ids=ids).logits, rtol=1e-4, atol=1e-4
+        )
     assert read_adapter_config(tmp_path) == LoRAConfig(base=base, rank=4, alpha=8, dropout=0.0)
 
 

@@ -2,11 +2,11 @@ import copy
 
 import pytest
 import torch
+from tiny import FAMILIES, tiny_model, token_ids
 
 from leanlm.errors import ConfigError
 from leanlm.methods import SmoothQuantConfig, calibrate, collect_input_absmax, smooth_
 from leanlm.methods.smoothquant import consumer_to_producer_channels, smoothing_factors
-from tiny import FAMILIES, tiny_model, token_ids
 
 
 def test_the_worked_example():

@@ -2,6 +2,7 @@ import copy
 
 import pytest
 import torch
+from tiny import FAMILIES, tiny_model, token_ids
 
 from leanlm.errors import ConfigError
 from leanlm.methods import (
@@ -15,9 +16,8 @@ from leanlm.methods import (
     quantize_,
     share_input_gemms_,
 )
-from leanlm.nn import ATTENTION_NAME, BmmQuantizer, W8A8Linear
 from leanlm.models import architecture_for
-from tiny import FAMILIES, tiny_model, token_ids
+from leanlm.nn import ATTENTION_NAME, BmmQuantizer, W8A8Linear
 
 
 def _batches(n=3, length=24):
@@ -37,7 +37,9 @@ def test_every_linear_becomes_int8_and_outputs_stay_close(model_type, level):
     model = tiny_model(model_type)
     stats = calibrate(model, _batches())
     quantized = copy.deepcopy(model)
-    record = quantize_(quantized, [SmoothQuantConfig(), W8A8Config(level=level)], calibration=Calibration(int8_stats=stats))
+    record = quantize_(
+        quantized, [SmoothQuantConfig(), W8A8Config(level=level)], calibration=Calibration(int8_stats=stats)
+    )
     activation, static = LEVELS[level]
     linears = [m for m in quantized.modules() if isinstance(m, W8A8Linear)]
     assert len(linears) == 2 * (4 if model_type in ("gpt2", "gpt_neox") else 7 if model_type != "opt" else 6)
@@ -89,15 +91,19 @@ def test_alpha_search_keeps_the_grid_minimum_on_held_out_windows(smollm2_tokeniz
     model = tiny_model("llama", vocab_size=len(smollm2_tokenizer))
     calibration = Calibration(smollm2_tokenizer, samples=3, seq_len=24)
     grid = (0.3, 0.6, 0.9)
-    record = quantize_(model, [SmoothQuantConfig("auto", alpha_grid=grid, search_windows=2), W8A8Config(level="O3")],
-                       calibration=calibration)
+    record = quantize_(
+        model,
+        [SmoothQuantConfig("auto", alpha_grid=grid, search_windows=2), W8A8Config(level="O3")],
+        calibration=calibration,
+    )
     searched = {float(alpha): ppl for alpha, ppl in record["alpha_search"].items()}
     assert set(searched) == set(grid) and searched[record["smoothquant"]["alpha"]] == min(searched.values())
     # The candidates were copies: the model itself was smoothed and quantized once, with the chosen alpha.
     assert sum(isinstance(m, W8A8Linear) for m in model.modules()) == 14
     again = tiny_model("llama", vocab_size=len(smollm2_tokenizer))
-    quantize_(again, [SmoothQuantConfig(record["smoothquant"]["alpha"]), W8A8Config(level="O3")],
-              calibration=calibration)
+    quantize_(
+        again, [SmoothQuantConfig(record["smoothquant"]["alpha"]), W8A8Config(level="O3")], calibration=calibration
+    )
     ids = torch.randint(0, 1000, (1, 12))
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, again(ids).logits)
@@ -114,4 +120,3 @@ def test_llm_int8_and_zeropoint_configs_reach_every_linear():
     assert all(m.asymmetric for m in zeropoint.modules() if isinstance(m, W8A8Linear))
     with pytest.raises(ConfigError, match="dynamic activation scales"):
         W8A8Config(level="O3", outlier_threshold=6.0)
-

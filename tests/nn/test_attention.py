@@ -2,9 +2,9 @@ import copy
 
 import pytest
 import torch
+from tiny import tiny_model
 
 from leanlm.nn import BmmQuantizer, use_int8_bmm_attention
-from tiny import tiny_model
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "opt", "gpt2", "gpt_neox"])
@@ -36,8 +36,9 @@ def test_observing_records_ranges_without_changing_outputs():
     assert quantizer.v_channel_absmax.shape == (2 * 16,)  # 2 kv heads x head_dim 16
 
 
-@pytest.mark.parametrize("activation, static, probs", [("per_token", False, False), ("per_tensor", False, True),
-                                                        ("per_tensor", True, False)])
+@pytest.mark.parametrize(
+    "activation, static, probs", [("per_token", False, False), ("per_tensor", False, True), ("per_tensor", True, False)]
+)
 def test_quantized_matmuls_stay_close(activation, static, probs):
     model = tiny_model("llama")
     ids = torch.randint(0, 128, (1, 24))

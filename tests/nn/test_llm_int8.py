@@ -11,7 +11,7 @@ from leanlm.nn import W8A8Linear
 def _inputs_with_outliers(rows=33, features=256, seed=0):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, features, generator=generator)
-    x[:, 7] *= 40  # a systematic outlier feature, as in the thesis
+    x[:, 7] *= 40  # a systematic outlier feature, as in Dettmers' thesis
     x[3, 100] = -9.0  # a single value above the threshold also makes its whole dimension an outlier one
     return x
 
@@ -51,8 +51,9 @@ def test_agrees_with_bitsandbytes_linear8bitlt():
     reference.load_state_dict(linear.state_dict())
     # In training mode bitsandbytes' CPU path de-quantizes the weight and skips activation quantization.
     reference = reference.to("cpu").eval()
-    ours = W8A8Linear.from_float(linear.weight, linear.bias, "per_channel", activation="per_token",
-                                 outlier_threshold=6.0)
+    ours = W8A8Linear.from_float(
+        linear.weight, linear.bias, "per_channel", activation="per_token", outlier_threshold=6.0
+    )
     x = _inputs_with_outliers(seed=1)
     with torch.inference_mode():
         exact, theirs, mine = linear(x), reference(x), ours(x)

@@ -24,7 +24,10 @@ def test_gradients_reach_the_adapter_through_a_frozen_kbit_base():
     # Oracle: the same computation with the de-quantized weight as an ordinary tensor.
     w = base.dequantized_weight()
     x2 = x.detach().clone().requires_grad_(True)
-    a, b = layer.lora_A.weight.detach().clone().requires_grad_(True), layer.lora_B.weight.detach().clone().requires_grad_(True)
+    a, b = (
+        layer.lora_A.weight.detach().clone().requires_grad_(True),
+        layer.lora_B.weight.detach().clone().requires_grad_(True),
+    )
     (x2 @ w.T + (x2 @ a.T) @ b.T).square().sum().backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(layer.lora_A.weight.grad, a.grad, rtol=1e-4, atol=1e-3)

@@ -1,7 +1,7 @@
 import torch
+from tiny import tiny_model
 
 from leanlm.nn.softmax_one import SOFTMAX_ONE, softmax_one
-from tiny import tiny_model
 
 
 def test_softmax_one_is_softmax_with_an_extra_zero_logit_and_stays_finite():

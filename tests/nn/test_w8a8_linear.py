@@ -17,8 +17,10 @@ def test_fast_path_matches_the_reference(activation, static, granularity):
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 80), torch.randn(96), torch.randn(2, 5, 80) * 4
     scale = x.abs().max() / 127 if static else None
-    modules = [W8A8Linear.from_float(weight, bias, granularity, 32, activation, scale, backend)
-               for backend in ("reference", "fbgemm")]
+    modules = [
+        W8A8Linear.from_float(weight, bias, granularity, 32, activation, scale, backend)
+        for backend in ("reference", "fbgemm")
+    ]
     reference, fast = (m(x) for m in modules)
     assert fast.shape == (2, 5, 96)
     assert torch.allclose(fast, reference, rtol=1e-6, atol=1e-6)
@@ -56,8 +58,10 @@ def test_zeropoint_uses_the_whole_range_of_one_signed_inputs():
     torch.manual_seed(0)
     weight, x = torch.randn(32, 64), torch.rand(6, 64) * 5 + 1  # all positive, like most outlier features
     exact = x @ weight.T
-    modules = {backend: W8A8Linear.from_float(weight, None, asymmetric=True, backend=backend)
-               for backend in ("reference", "fbgemm")}
+    modules = {
+        backend: W8A8Linear.from_float(weight, None, asymmetric=True, backend=backend)
+        for backend in ("reference", "fbgemm")
+    }
     assert torch.allclose(modules["fbgemm"](x), modules["reference"](x), rtol=1e-5, atol=1e-4)
     symmetric = W8A8Linear.from_float(weight, None)
     assert sqnr_db(exact, modules["reference"](x)) > sqnr_db(exact, symmetric(x))
@@ -72,8 +76,10 @@ def _group(activation: str, static: bool, backend: str = "fbgemm"):
     weights = [torch.randn(48, 40), torch.randn(16, 40), torch.randn(16, 40) * 3]
     biases = [None, torch.randn(16), None]  # one member with a bias: the stacked bias pads the others with 0
     scale = torch.tensor(0.05) if static else None
-    return [W8A8Linear.from_float(w, b, "per_tensor", activation=activation, input_scale=scale, backend=backend)
-            for w, b in zip(weights, biases)]
+    return [
+        W8A8Linear.from_float(w, b, "per_tensor", activation=activation, input_scale=scale, backend=backend)
+        for w, b in zip(weights, biases)
+    ]
 
 
 @pytest.mark.skipif(not fbgemm_available(), reason="no fbgemm engine")
@@ -109,8 +115,10 @@ def test_linears_that_quantize_their_input_differently_cannot_share_a_gemm():
     assert "static input scales" in SharedInputGemm.problem(static)
     mixed = _group("per_token", False, "reference")[:1] + _group("per_tensor", False, "reference")[1:]
     assert "granularity" in SharedInputGemm.problem(mixed)
-    outliers = [W8A8Linear.from_float(torch.randn(8, 4), None, "per_channel", activation="per_token",
-                                      outlier_threshold=6.0) for _ in range(2)]
+    outliers = [
+        W8A8Linear.from_float(torch.randn(8, 4), None, "per_channel", activation="per_token", outlier_threshold=6.0)
+        for _ in range(2)
+    ]
     assert "outlier" in SharedInputGemm.problem(outliers)
     with pytest.raises(ConfigError, match="cannot share one GEMM"):
         SharedInputGemm(static)
@@ -122,12 +130,18 @@ def test_after_packing_only_the_packed_copy_is_kept_and_saving_is_unchanged(kind
     torch.manual_seed(3)
     weight, bias, x = torch.randn(24, 40), torch.randn(24), torch.randn(6, 40) * 3
     x[:, 5] = 20.0  # an outlier column for LLM.int8()
-    options = {"per_token": dict(activation="per_token"), "shared": dict(activation="per_token"),
-               "llm_int8": dict(activation="per_token", outlier_threshold=6.0), "zeropoint": dict(asymmetric=True)}
+    options = {
+        "per_token": dict(activation="per_token"),
+        "shared": dict(activation="per_token"),
+        "llm_int8": dict(activation="per_token", outlier_threshold=6.0),
+        "zeropoint": dict(asymmetric=True),
+    }
     granularity = "per_tensor" if kind == "zeropoint" else "per_channel"
     modules = [W8A8Linear.from_float(weight * (i + 1), bias, granularity, **options[kind]) for i in range(2)]
-    reference = [W8A8Linear.from_float(weight * (i + 1), bias, granularity, backend="reference", **options[kind])
-                 for i in range(2)]
+    reference = [
+        W8A8Linear.from_float(weight * (i + 1), bias, granularity, backend="reference", **options[kind])
+        for i in range(2)
+    ]
     if kind == "shared":
         SharedInputGemm(modules)
     before = [m.state_dict() for m in modules]

@@ -5,16 +5,18 @@ import queue
 
 import pytest
 import torch
+from tiny import tiny_model
 
 from leanlm.kernels.kbit_gemm import avx2_available
 from leanlm.methods.streaming import StreamingConfig, sink_cache
 from leanlm.serve.conversations import Conversation, ConversationStore, cache_bytes
 from leanlm.serve.engine import Engine, Request, Sampling, forward_batch, held_back
-from tiny import tiny_model
 
 
-@pytest.mark.parametrize("family, dtype", [("llama", torch.float32), ("qwen2", torch.float32),
-                                           ("mistral", torch.float32), ("llama", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "family, dtype",
+    [("llama", torch.float32), ("qwen2", torch.float32), ("mistral", torch.float32), ("llama", torch.bfloat16)],
+)
 def test_a_batched_step_equals_each_cache_fed_alone(family, dtype):
     """Caches of different lengths, one of them past its window (evicting, keys re-rotated): the batched step's
     logits and the caches it leaves equal a one-token forward of each alone (in bfloat16 too, as `leanlm serve`
@@ -85,8 +87,10 @@ def test_held_back_text_is_the_part_a_stop_string_could_still_begin():
 def _serve_turns(engine: Engine, conversations: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Every conversation's prompt as a request at once; each one's generated ids."""
     events: queue.Queue = queue.Queue()
-    requests = [Request(prompt, Sampling(max_tokens=max_tokens, temperature=0.0), lambda event, i=i: events.put((i, event)))
-                for i, prompt in enumerate(conversations)]
+    requests = [
+        Request(prompt, Sampling(max_tokens=max_tokens, temperature=0.0), lambda event, i=i: events.put((i, event)))
+        for i, prompt in enumerate(conversations)
+    ]
     for request in requests:
         engine.submit(request)
     finished = 0
@@ -110,11 +114,15 @@ def test_the_fused_engine_answers_as_the_batched_forward_does_over_turns_past_th
     assert engines[0].fused is not None and engines[1].fused is None
     histories = [[[7 * i + j + 3 for j in range(5 + 3 * i)]] * 2 for i in range(4)]
     for turn in range(3):
-        answers = [_serve_turns(engine, [history[e] for history in histories], max_tokens=12)
-                   for e, engine in enumerate(engines)]
+        answers = [
+            _serve_turns(engine, [history[e] for history in histories], max_tokens=12)
+            for e, engine in enumerate(engines)
+        ]
         assert answers[0] == answers[1], f"turn {turn}"
         assert all(len(answer) == 12 for answer in answers[0])  # no early stop: every turn decodes 12 tokens
-        histories = [[history[e] + answer + [40 + turn, 41 + turn] for e, answer in enumerate(answer_pair)]
-                     for history, answer_pair in zip(histories, zip(*answers))]
+        histories = [
+            [history[e] + answer + [40 + turn, 41 + turn] for e, answer in enumerate(answer_pair)]
+            for history, answer_pair in zip(histories, zip(*answers))
+        ]
     assert max(len(history[0]) for history in histories) > 2 + 24  # past the window: the rings went round
     assert len(engines[0].conversations) == 4  # every conversation back in the store, continued each turn

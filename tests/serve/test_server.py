@@ -14,13 +14,13 @@ import openai
 import pytest
 import torch
 import uvicorn
+from processes import leanlm_process
+from tiny import tiny_model
 
 from leanlm.kernels.kbit_gemm import avx2_available
 from leanlm.methods.streaming import StreamingConfig
 from leanlm.serve import ServeSettings, build_app
 from leanlm.serve.conversations import cache_bytes
-from processes import leanlm_process
-from tiny import tiny_model
 
 MODEL = "tiny-llama"
 WINDOW = 48  # the tiny model's context is 256: a 50-turn conversation runs far past both
@@ -36,8 +36,14 @@ def free_port() -> int:
 def server(smollm2_tokenizer, request):
     """The server generating through the fused step (the default), then through transformers' batched forward."""
     model = tiny_model("llama", vocab_size=len(smollm2_tokenizer), seed=1)
-    settings = ServeSettings(streaming=StreamingConfig(sinks=4, window=WINDOW), max_batch=8, max_tokens=16,
-                             cache_budget_mb=64, max_body_kb=64, fused=request.param)
+    settings = ServeSettings(
+        streaming=StreamingConfig(sinks=4, window=WINDOW),
+        max_batch=8,
+        max_tokens=16,
+        cache_budget_mb=64,
+        max_body_kb=64,
+        fused=request.param,
+    )
     app = build_app(model, smollm2_tokenizer, MODEL, settings)
     assert (app.state.engine.fused is not None) == (request.param and avx2_available())
     port = free_port()
@@ -84,8 +90,14 @@ def test_chat_completion_whole_and_streamed_give_the_same_greedy_answer(client):
     assert whole.choices[0].finish_reason in ("length", "stop")
     assert whole.usage.completion_tokens <= 12 and whole.usage.prompt_tokens > 5
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     pieces, finish, usage = [], None, None
     for chunk in stream:
         if chunk.usage is not None:
@@ -99,19 +111,22 @@ def test_chat_completion_whole_and_streamed_give_the_same_greedy_answer(client):
 
 
 def test_completions_seed_and_stop(client):
-    first = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0,
-                                      top_p=0.9, seed=7)
-    again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0,
-                                      top_p=0.9, seed=7)
+    first = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0, top_p=0.9, seed=7
+    )
+    again = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0, top_p=0.9, seed=7
+    )
     assert first.choices[0].text == again.choices[0].text  # a seed makes sampling repeatable
     greedy = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0)
     text = greedy.choices[0].text
     assert len(text) > 2
     stop = text[1:3]  # a stop string the greedy answer contains: the answer ends before it
-    stopped = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0,
-                                        stop=[stop])
+    stopped = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, stop=[stop]
+    )
     assert stopped.choices[0].finish_reason == "stop"
-    assert stopped.choices[0].text == text[:text.find(stop)]
+    assert stopped.choices[0].text == text[: text.find(stop)]
 
 
 def test_a_conversation_continues_its_cache_and_outlives_the_context(server, client):
@@ -140,8 +155,13 @@ def test_eight_concurrent_streams_all_finish(client):
     results: dict[int, str] = {}
 
     def talk(index: int) -> None:
-        stream = client.chat.completions.create(model=MODEL, stream=True, max_tokens=8, temperature=0,
-                                                messages=[{"role": "user", "content": f"client {index}"}])
+        stream = client.chat.completions.create(
+            model=MODEL,
+            stream=True,
+            max_tokens=8,
+            temperature=0,
+            messages=[{"role": "user", "content": f"client {index}"}],
+        )
         results[index] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     threads = [threading.Thread(target=talk, args=(i,)) for i in range(8)]
@@ -151,14 +171,20 @@ def test_eight_concurrent_streams_all_finish(client):
         thread.join(timeout=120)
     assert sorted(results) == list(range(8))
     # Greedy answers do not depend on what else ran in the same rounds.
-    alone = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
-                                           messages=[{"role": "user", "content": "client 3"}])
+    alone = client.chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0, messages=[{"role": "user", "content": "client 3"}]
+    )
     assert results[3] == alone.choices[0].message.content
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(server, client):
-    stream = client.chat.completions.create(model=MODEL, stream=True, max_tokens=5000, temperature=0,
-                                            messages=[{"role": "user", "content": "a long answer please"}])
+    stream = client.chat.completions.create(
+        model=MODEL,
+        stream=True,
+        max_tokens=5000,
+        temperature=0,
+        messages=[{"role": "user", "content": "a long answer please"}],
+    )
     for index, _ in enumerate(stream):
         if index == 3:
             break
@@ -169,22 +195,46 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server, client):
     assert get(server[0] + "/health")["active_requests"] == 0
 
 
-@pytest.mark.parametrize("body, status, fragment", [
-    (b"{not json", 400, "not valid JSON"),
-    (json.dumps({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404, "does not exist"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}).encode(), 400,
-     "max_tokens"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}).encode(), 400,
-     "max_tokens"),
-    (json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, "messages"),
-    (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "messages"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400, "role"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 9}).encode(), 400,
-     "temperature"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [""]}).encode(), 400, "stop"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 100_000}]}).encode(), 413, "larger"),
-    (json.dumps([1, 2, 3]).encode(), 400, ""),
-])
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (
+            json.dumps({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            404,
+            "does not exist",
+        ),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}).encode(),
+            400,
+            "max_tokens",
+        ),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}).encode(),
+            400,
+            "max_tokens",
+        ),
+        (json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, "messages"),
+        (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "messages"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400, "role"),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 9}).encode(),
+            400,
+            "temperature",
+        ),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [""]}).encode(),
+            400,
+            "stop",
+        ),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 100_000}]}).encode(),
+            413,
+            "larger",
+        ),
+        (json.dumps([1, 2, 3]).encode(), 400, ""),
+    ],
+)
 def test_bad_requests_get_openai_style_errors_and_the_server_lives_on(server, client, body, status, fragment):
     code, payload = post(server[0] + "/v1/chat/completions", body)
     assert code == status
@@ -235,8 +285,19 @@ def test_the_leanlm_serve_command_answers_and_stops_cleanly(tiny_llama_dir, stop
     import subprocess
 
     port = free_port()
-    process = leanlm_process("serve", str(tiny_llama_dir), "--port", str(port), "--window", "48", "--max-tokens", "4",
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    process = leanlm_process(
+        "serve",
+        str(tiny_llama_dir),
+        "--port",
+        str(port),
+        "--window",
+        "48",
+        "--max-tokens",
+        "4",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -248,8 +309,9 @@ def test_the_leanlm_serve_command_answers_and_stops_cleanly(tiny_llama_dir, stop
                 assert time.monotonic() < deadline, "the server did not start"
                 time.sleep(0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-        answer = client.completions.create(model=str(tiny_llama_dir), prompt="Once upon a time", max_tokens=4,
-                                           temperature=0)
+        answer = client.completions.create(
+            model=str(tiny_llama_dir), prompt="Once upon a time", max_tokens=4, temperature=0
+        )
         assert answer.usage.completion_tokens == 4
         process.send_signal(getattr(signal, stop))
         assert process.wait(timeout=30) in (0, 130, -signal.SIGTERM)

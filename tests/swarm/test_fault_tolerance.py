@@ -32,19 +32,35 @@ def orphaned_helpers() -> set[int]:
 @pytest.mark.slow
 def test_training_survives_losing_all_but_one_peer_of_a_stage_and_a_late_peer_catches_up():
     orphans_before = orphaned_helpers()
-    settings = SwarmSettings(model=SwarmModelConfig(stages=3, layers_per_stage=1, hidden=64, heads=2, seq_len=64),
-                             micro_batch=4, target_batch=8, rebalance_seconds=0)
+    settings = SwarmSettings(
+        model=SwarmModelConfig(stages=3, layers_per_stage=1, hidden=64, heads=2, seq_len=64),
+        micro_batch=4,
+        target_batch=8,
+        rebalance_seconds=0,
+    )
     # Peers 0 and 3 serve stage 0: peer 0 is killed after 15 s of training, a new stage-0 peer joins at 25 s; the
     # run ends after 80 s of training (the clock starts at the first micro-batch: start-up time varies with load,
     # and so does the joining peer's: 5 s alone, 20 s while another job kept both cores busy).
     kill_at, join_at = 15.0, 25.0
-    record = run_local_swarm(SwarmRun(settings, peers=6, trainers=1, max_steps=10_000, max_seconds=180,
-                                      train_seconds=80.0, kill=((kill_at, 0),), join=((join_at, 0),)), progress=False)
-    assert {"steps", "loss_first", "loss_last", "peers_failed", "samples_per_second"} <= set(record)  # CONTRACT
+    record = run_local_swarm(
+        SwarmRun(
+            settings,
+            peers=6,
+            trainers=1,
+            max_steps=10_000,
+            max_seconds=180,
+            train_seconds=80.0,
+            kill=((kill_at, 0),),
+            join=((join_at, 0),),
+        ),
+        progress=False,
+    )
+    assert {"steps", "loss_first", "loss_last", "peers_failed", "samples_per_second"} <= set(
+        record
+    )  # the documented JSON keys
     status = [line for line in record["status"] if line["training_seconds"] is not None]
     assert status and status[-1]["training_seconds"] >= 75, record["status"][-1]  # trained for the whole schedule
-    before_kill = max((line["steps_per_stage"][0] for line in status if line["training_seconds"] < kill_at),
-                      default=0)
+    before_kill = max((line["steps_per_stage"][0] for line in status if line["training_seconds"] < kill_at), default=0)
     assert record["peers_failed"] == 1
     assert record["steps"] > before_kill, status  # training went on with one stage-0 peer
     # No completed optimizer step is lost: no peer's step count ever goes back. (The stage-wide count of a status line
@@ -55,11 +71,14 @@ def test_training_survives_losing_all_but_one_peer_of_a_stage_and_a_late_peer_ca
     for stage in range(3):
         for peer in {peer for line in status for peer in line["peer_epochs"][stage]}:
             seen = [line["peer_epochs"][stage][peer] for line in status if peer in line["peer_epochs"][stage]]
-            assert all(later >= max(seen[:i + 1]) - 1 for i, later in enumerate(seen[1:])), (stage, peer, seen)
+            assert all(later >= max(seen[: i + 1]) - 1 for i, later in enumerate(seen[1:])), (stage, peer, seen)
     # The late peer caught up with the survivor: it started at epoch 0, downloaded the stage's state and then ran
     # level with it (within one step: delayed updates let a peer be one step behind by design).
-    after_join = [sorted(line["peer_epochs"][0].values()) for line in status
-                  if line["training_seconds"] > join_at + 10 and len(line["peer_epochs"][0]) == 2]
+    after_join = [
+        sorted(line["peer_epochs"][0].values())
+        for line in status
+        if line["training_seconds"] > join_at + 10 and len(line["peer_epochs"][0]) == 2
+    ]
     assert after_join and after_join[-1][0] > before_kill, after_join
     assert any(latest - earliest <= 1 for earliest, latest in after_join), after_join
     assert record["loss_last"] < record["loss_first"]

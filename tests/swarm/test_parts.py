@@ -1,7 +1,6 @@
 import torch
 
-from leanlm.swarm import PeerBalancer, Stage, SwarmModelConfig, full_model
-from leanlm.swarm import compression
+from leanlm.swarm import PeerBalancer, Stage, SwarmModelConfig, compression, full_model
 
 
 def test_stages_compose_into_the_single_process_model():

@@ -1,4 +1,4 @@
-"""Adaptive rebalancing's decision (thesis section 6.3.3) and the hand-over of a moving peer to its fresh start,
+"""Adaptive rebalancing's decision (Dettmers' thesis section 6.3.3) and the hand-over of a moving peer to its fresh start,
 without starting a swarm."""
 
 from types import SimpleNamespace
@@ -13,8 +13,9 @@ from leanlm.swarm.peer import StagePeer, peer_arguments, restart_peer
 
 def decide(monkeypatch, announced: dict[int, dict[str, int]], peer_id: str, stage: int) -> int | None:
     """`rebalance_target` of peer `peer_id` serving `stage`, with `announced` = {stage: {peer: queue length}}."""
-    monkeypatch.setattr(peer_module, "stage_peers",
-                        lambda dht, settings, s: {p: {"queue": q} for p, q in announced.get(s, {}).items()})
+    monkeypatch.setattr(
+        peer_module, "stage_peers", lambda dht, settings, s: {p: {"queue": q} for p, q in announced.get(s, {}).items()}
+    )
     me = SimpleNamespace(dht=None, settings=SwarmSettings(), stage_index=stage, peer_id=peer_id)
     return StagePeer.rebalance_target(me)
 
@@ -33,8 +34,13 @@ def test_no_move_that_empties_a_stage_or_chases_a_small_imbalance(monkeypatch):
 
 
 def test_a_moving_peer_hands_its_exact_settings_to_its_fresh_start(monkeypatch):
-    settings = SwarmSettings(model=SwarmModelConfig(stages=4, hidden=64, heads=2), micro_batch=2, in_flight=3,
-                             rebalance_seconds=7.5, slowdown=0.1)
+    settings = SwarmSettings(
+        model=SwarmModelConfig(stages=4, hidden=64, heads=2),
+        micro_batch=2,
+        in_flight=3,
+        rebalance_seconds=7.5,
+        slowdown=0.1,
+    )
     received = []
     monkeypatch.setattr(peer_module, "run_peer", lambda *arguments: received.append(arguments))
     restart_peer(peer_arguments(settings, 2, ["/ip4/127.0.0.1/tcp/1/p2p/x"], 12.5))

@@ -17,9 +17,11 @@ def test_plain_text_is_one_document_per_line(tmp_path):
 
 def test_jsonl_text_chat_and_instruction_records(tmp_path, smollm2_tokenizer):
     path = tmp_path / "d.jsonl"
-    records = [{"text": "plain"},
-               {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
-               {"instruction": "Add", "input": "1+1", "output": "2"}]
+    records = [
+        {"text": "plain"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"instruction": "Add", "input": "1+1", "output": "2"},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     documents = read_documents(path)
     assert documents[0] == "plain"
@@ -50,11 +52,14 @@ def test_split_is_seeded_and_blocks_are_packed(smollm2_tokenizer):
     assert blocks.shape == (total // 16, 16)
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "is not UTF-8 text (invalid byte at offset 0)"),
-    (b"text\x00with a NUL\n", "holds NUL bytes"),
-    ("caf\u00e9 au lait\n".encode("latin-1"), "is not UTF-8 text (invalid byte at offset 3)"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "is not UTF-8 text (invalid byte at offset 0)"),
+        (b"text\x00with a NUL\n", "holds NUL bytes"),
+        ("caf\u00e9 au lait\n".encode("latin-1"), "is not UTF-8 text (invalid byte at offset 3)"),
+    ],
+)
 def test_binary_or_non_utf8_data_is_named(tmp_path, content, message):
     path = tmp_path / "d.txt"
     path.write_bytes(content)
@@ -63,8 +68,11 @@ def test_binary_or_non_utf8_data_is_named(tmp_path, content, message):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.binary(max_size=400) | st.lists(st.text(max_size=40), max_size=6).map(
-    lambda lines: "\n".join(lines).encode()), suffix=st.sampled_from([".txt", ".jsonl"]))
+@given(
+    data=st.binary(max_size=400)
+    | st.lists(st.text(max_size=40), max_size=6).map(lambda lines: "\n".join(lines).encode()),
+    suffix=st.sampled_from([".txt", ".jsonl"]),
+)
 def test_any_bytes_read_or_are_refused(tmp_path, data, suffix):
     path = tmp_path / f"d{suffix}"
     path.write_bytes(data)
@@ -77,9 +85,14 @@ def test_any_bytes_read_or_are_refused(tmp_path, data, suffix):
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(
-        st.sampled_from(["text", "messages", "role", "content", "instruction", "input", "output", "x"]), children,
-        max_size=4),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["text", "messages", "role", "content", "instruction", "input", "output", "x"]),
+            children,
+            max_size=4,
+        )
+    ),
     max_leaves=12,
 )
 

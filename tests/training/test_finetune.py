@@ -1,11 +1,11 @@
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny import tiny_model
 
 from leanlm.errors import ConfigError, DataError
 from leanlm.methods import LoRAConfig, add_lora_
 from leanlm.training import FinetuneSettings, finetune
-from tiny import tiny_model
 
 LORA = LoRAConfig(base="nf4-dq", rank=4, dropout=0.1)
 DOCUMENTS = [f"The {i}th sentence of a small training text, about item {i % 7}." for i in range(120)]

@@ -1,8 +1,8 @@
 import pytest
 import torch
+from tiny import FAMILIES, tiny_model
 
 from leanlm.training.loss import causal_lm_loss
-from tiny import FAMILIES, tiny_model
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -25,8 +25,9 @@ def test_chunked_loss_and_its_gradients_equal_transformers(family):
         assert torch.allclose(parameter.grad, expected_grads[name], rtol=1e-4, atol=1e-6), name
     with torch.no_grad():
         model.eval()
-        assert torch.allclose(causal_lm_loss(model, batch), model(input_ids=batch, labels=batch).loss, rtol=1e-6,
-                              atol=1e-6)
+        assert torch.allclose(
+            causal_lm_loss(model, batch), model(input_ids=batch, labels=batch).loss, rtol=1e-6, atol=1e-6
+        )
 
 
 def test_chunks_are_sized_by_their_logits_bytes():
@@ -35,8 +36,9 @@ def test_chunks_are_sized_by_their_logits_bytes():
     model = tiny_model("llama").train()
     calls = []
     original = module._loss_sum
-    module._loss_sum = lambda head, softcap, hidden, targets: calls.append(len(targets)) or original(
-        head, softcap, hidden, targets)
+    module._loss_sum = lambda head, softcap, hidden, targets: (
+        calls.append(len(targets)) or original(head, softcap, hidden, targets)
+    )
     try:
         old = module.LOGITS_BYTES_PER_CHUNK
         module.LOGITS_BYTES_PER_CHUNK = 4 * 128 * 10  # ten positions of a 128-entry vocabulary

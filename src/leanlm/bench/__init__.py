@@ -19,6 +19,23 @@ from leanlm.bench.harness import (
 )
 from leanlm.bench.study import Study, print_report, study_arguments, titled
 
-__all__ = ["PeakMemory", "Study", "Timing", "environment", "peak_memory", "previous_results", "print_report",
-           "process_peak_rss_bytes", "results_dir", "results_name", "study_arguments", "time_call",
-           "time_interleaved", "time_modules", "time_prefill", "titled", "weight_bytes", "write_results"]
+__all__ = [
+    "PeakMemory",
+    "Study",
+    "Timing",
+    "environment",
+    "peak_memory",
+    "previous_results",
+    "print_report",
+    "process_peak_rss_bytes",
+    "results_dir",
+    "results_name",
+    "study_arguments",
+    "time_call",
+    "time_interleaved",
+    "time_modules",
+    "time_prefill",
+    "titled",
+    "weight_bytes",
+    "write_results",
+]

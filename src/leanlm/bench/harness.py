@@ -11,11 +11,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -56,8 +56,17 @@ FLOAT_PATHS = ("fp32", "bf16")  # the float references every speed table has: fl
 def cpu_description() -> str:
     """The CPU, and which float and int8 instructions it has, as a speed figure should name it."""
     flags = cpu_flags()
-    features = [name for name, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("VNNI", "avx512_vnni"),
-                                        ("AVX512-BF16", "avx512_bf16"), ("AMX", "amx_bf16")) if flag in flags]
+    features = [
+        name
+        for name, flag in (
+            ("AVX2", "avx2"),
+            ("AVX-512", "avx512f"),
+            ("VNNI", "avx512_vnni"),
+            ("AVX512-BF16", "avx512_bf16"),
+            ("AMX", "amx_bf16"),
+        )
+        if flag in flags
+    ]
     return f"{environment_cpu()} ({', '.join(features) or 'no AVX2'}; {os.cpu_count()} cores)"
 
 
@@ -69,8 +78,9 @@ class Bf16Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),
-                                                                   requires_grad=False)
+        self.bias = (
+            None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
@@ -92,8 +102,13 @@ def add_speedups(results: dict[str, dict], key: str) -> dict[str, dict]:
     return results
 
 
-def speed_table(by_m: dict[str, dict[str, dict]], names: list[str] | None = None, *, first: str = "M",
-                extra: dict[str, Callable[[dict[str, dict]], str]] | None = None) -> str:
+def speed_table(
+    by_m: dict[str, dict[str, dict]],
+    names: list[str] | None = None,
+    *,
+    first: str = "M",
+    extra: dict[str, Callable[[dict[str, dict]], str]] | None = None,
+) -> str:
     """Markdown, a row per M: float32's and bfloat16's times in ms, every other implementation's as "ms (its
     speed-up over the best float path at that M)" (over float32 in results measured before the bf16 reference
     existed), and `extra` columns computed from the row's entries."""
@@ -107,24 +122,32 @@ def speed_table(by_m: dict[str, dict[str, dict]], names: list[str] | None = None
         ratio = entry.get("speedup_vs_best_float", entry["speedup_vs_fp32"])
         return f"{entry['median_ms']:.2f}" + ("" if name in FLOAT_PATHS else f" ({ratio:.2f}x)")
 
-    rows = [[m, *(cell(entries[n], n) for n in names), *(column(entries) for column in extra.values())]
-            for m, entries in by_m.items()]
+    rows = [
+        [m, *(cell(entries[n], n) for n in names), *(column(entries) for column in extra.values())]
+        for m, entries in by_m.items()
+    ]
     return format_table([first, *names, *extra], rows, markdown=True)
 
 
-def time_modules(modules: dict[str, nn.Module], x: torch.Tensor, reference: torch.Tensor,
-                 repeats: int) -> dict[str, dict]:
+def time_modules(
+    modules: dict[str, nn.Module], x: torch.Tensor, reference: torch.Tensor, repeats: int
+) -> dict[str, dict]:
     """Each module applied to `x`, all of them interleaved round by round (`time_interleaved`): timing (ms),
     relative error against `reference`, and speed-ups over float32 and over the best float path."""
-    timings = time_interleaved({name: (lambda module=module: module(x)) for name, module in modules.items()},
-                               warmup=1, repeats=repeats)
+    timings = time_interleaved(
+        {name: (lambda module=module: module(x)) for name, module in modules.items()}, warmup=1, repeats=repeats
+    )
     results = {}
     for name, module in modules.items():
         timing = timings[name]
         with torch.inference_mode():
             error = ((module(x).float() - reference).norm() / reference.norm()).item()
-        results[name] = {"median_ms": timing.median * 1e3, "min_ms": timing.min * 1e3, "max_ms": timing.max * 1e3,
-                         "relative_error": error}
+        results[name] = {
+            "median_ms": timing.median * 1e3,
+            "min_ms": timing.min * 1e3,
+            "max_ms": timing.max * 1e3,
+            "relative_error": error,
+        }
     return add_speedups(results, "median_ms")
 
 
@@ -149,19 +172,30 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 1, r
     return {name: Timing(statistics.median(t), min(t), max(t), len(t)) for name, t in samples.items()}
 
 
-def time_prefill(models: dict[str, nn.Module], ids: torch.Tensor, repeats: int,
-                 logits_to_keep: int = 0) -> dict[str, dict]:
+def time_prefill(
+    models: dict[str, nn.Module], ids: torch.Tensor, repeats: int, logits_to_keep: int = 0
+) -> dict[str, dict]:
     """One forward of `ids` through each model, the models interleaved round by round: timing, tokens per
     second, speed-ups over "fp32" and over the best float path (where "bf16" is among them), weight bytes. `logits_to_keep`: 0 computes every position's logits (a
     perplexity forward, transformers' default); 1 only the last one's, as a generation's prefill does."""
     timings = time_interleaved(
-        {name: (lambda model=model: model(input_ids=ids, use_cache=False, logits_to_keep=logits_to_keep))
-         for name, model in models.items()}, warmup=1, repeats=repeats)
+        {
+            name: (lambda model=model: model(input_ids=ids, use_cache=False, logits_to_keep=logits_to_keep))
+            for name, model in models.items()
+        },
+        warmup=1,
+        repeats=repeats,
+    )
     results = {}
     for name, model in models.items():
         timing = timings[name]
-        results[name] = {"median_s": timing.median, "min_s": timing.min, "max_s": timing.max,
-                         "tokens_per_second": ids.numel() / timing.median, "weight_bytes": weight_bytes(model)}
+        results[name] = {
+            "median_s": timing.median,
+            "min_s": timing.min,
+            "max_s": timing.max,
+            "tokens_per_second": ids.numel() / timing.median,
+            "weight_bytes": weight_bytes(model),
+        }
     return add_speedups(results, "median_s")
 
 
@@ -268,8 +302,10 @@ def environment_cpu() -> str:
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists():
         return platform.processor()
-    return next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                 if line.startswith("model name")), platform.processor())
+    return next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")),
+        platform.processor(),
+    )
 
 
 def environment() -> dict:
@@ -283,7 +319,7 @@ def environment() -> dict:
     cpu = environment_cpu()
     return {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "git_commit": commit,
         "python": platform.python_version(),
         "torch": torch.__version__,

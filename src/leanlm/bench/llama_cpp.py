@@ -48,8 +48,16 @@ class LlamaCpp:
     def __init__(self, path: str | os.PathLike, *, context: int = 512, threads: int = 2):
         llama_cpp = llama_cpp_module()
         self.path = Path(path)
-        self.model = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_batch=context, n_ubatch=context,
-                                     n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
+        self.model = llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=context,
+            n_batch=context,
+            n_ubatch=context,
+            n_threads=threads,
+            n_threads_batch=threads,
+            logits_all=True,
+            verbose=False,
+        )
 
     def window_nll(self, ids: list[int]) -> float:
         """Sum over positions of -log P(ids[t+1] | ids[..t]), from llama.cpp's logits of one fresh context."""
@@ -66,8 +74,13 @@ class LlamaCpp:
             total += self.window_nll(ids)
             seconds += time.perf_counter() - started
             predicted += len(ids) - 1
-        return {"perplexity": math.exp(total / predicted), "tokens": predicted, "windows": len(windows),
-                "seconds": seconds, "tokens_per_second": sum(map(len, windows)) / seconds}
+        return {
+            "perplexity": math.exp(total / predicted),
+            "tokens": predicted,
+            "windows": len(windows),
+            "seconds": seconds,
+            "tokens_per_second": sum(map(len, windows)) / seconds,
+        }
 
 
 def round_trip_q8_0(x: torch.Tensor) -> torch.Tensor:
@@ -99,8 +112,14 @@ def with_q8_0_activations(model: torch.nn.Module, *, embedding_q8_0: bool = True
     return copied
 
 
-def quantize_gguf(source: str | os.PathLike, out: str | os.PathLike, kind: str, *, threads: int = 2,
-                  importance: dict[str, np.ndarray] | None = None) -> Path:
+def quantize_gguf(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    kind: str,
+    *,
+    threads: int = 2,
+    importance: dict[str, np.ndarray] | None = None,
+) -> Path:
     """llama.cpp's own quantization of the GGUF `source` to `kind` (one of QUANTIZE_TYPES), optionally weighted by
     an importance matrix {GGUF tensor name: (input columns,) mean squared activation}; written atomically."""
     llama_cpp = llama_cpp_module()

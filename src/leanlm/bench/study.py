@@ -19,13 +19,13 @@ import argparse
 import copy
 import json
 import os
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from torch import nn
 
-from leanlm.bench.harness import (environment, peak_memory, previous_results, results_dir, weight_bytes,
-                                  write_results)
+from leanlm.bench.harness import environment, peak_memory, previous_results, results_dir, weight_bytes, write_results
 
 # The file's top-level "environment" is the last run's; a file filled by several runs (--only, --resume) also
 # keeps, for every row and part, the run that measured it (its command, commit, date, load average), so a row
@@ -38,23 +38,37 @@ Report = Callable[[dict], str]
 Part = str | tuple[str, ...]  # a key of the file, or a path of keys to a nested part ("alpha_sweep", "O1")
 
 
-def study_arguments(parser: argparse.ArgumentParser, *, model: bool = True,
-                    tag: bool = False) -> argparse.ArgumentParser:
+def study_arguments(
+    parser: argparse.ArgumentParser, *, model: bool = True, tag: bool = False
+) -> argparse.ArgumentParser:
     """The flags every benchmark script shares (`tag`: and --tag, for a speed study run on more than one CPU)."""
     if model:
         from leanlm.models import DEFAULT_MODEL
 
         parser.add_argument("--model", default=DEFAULT_MODEL)
     if tag:
-        parser.add_argument("--tag", default=None, help="results in <study>_<model>_<tag>.json, beside (not over) "
-                                                        "another machine's")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the rows a previous run with the same settings finished; measure only the rest")
-    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
-                        help="measure only the parts whose name starts with one of these and the rows whose name "
-                             "contains one")
-    parser.add_argument("--skip", nargs="+", default=[], metavar="PART",
-                        help="leave these parts out (what the previous run saved of them is kept)")
+        parser.add_argument(
+            "--tag", default=None, help="results in <study>_<model>_<tag>.json, beside (not over) another machine's"
+        )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the rows a previous run with the same settings finished; measure only the rest",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="TEXT",
+        help="measure only the parts whose name starts with one of these and the rows whose name contains one",
+    )
+    parser.add_argument(
+        "--skip",
+        nargs="+",
+        default=[],
+        metavar="PART",
+        help="leave these parts out (what the previous run saved of them is kept)",
+    )
     parser.add_argument("--report", action="store_true", help="print the saved results' tables; measure nothing")
     return parser
 
@@ -76,8 +90,15 @@ def print_report(name: str, report: Report) -> None:
 class Study:
     """One result file, built part by part (a dict of rows each) and saved after every row."""
 
-    def __init__(self, name: str, settings: dict, args: argparse.Namespace, *, plot: Plot | None = None,
-                 independent: Iterable[str] = ()):
+    def __init__(
+        self,
+        name: str,
+        settings: dict,
+        args: argparse.Namespace,
+        *,
+        plot: Plot | None = None,
+        independent: Iterable[str] = (),
+    ):
         self.name = name
         self.resume = args.resume
         self.only = args.only
@@ -171,8 +192,16 @@ class Study:
         plot = None if self.plot is None else (lambda path: self.plot(self.payload, path))
         return write_results(self.name, self.payload, plot)
 
-    def quantized_rows(self, part: Part, model: nn.Module, rows: dict[str, Any], measure: Callable[[nn.Module, Any], Any],
-                       *, calibration=None, summary: Callable[[Any], str] | None = None) -> None:
+    def quantized_rows(
+        self,
+        part: Part,
+        model: nn.Module,
+        rows: dict[str, Any],
+        measure: Callable[[nn.Module, Any], Any],
+        *,
+        calibration=None,
+        summary: Callable[[Any], str] | None = None,
+    ) -> None:
         """The usual table: for each row to measure, a copy of the float `model` with the row's configs applied by
         `quantize_` (a config, a list of them, or None for the float model itself), then `measure(copy,
         record)` (record: the `QuantRecord`, None for the float row) is saved as the row, with (if it is a dict)
@@ -187,7 +216,10 @@ class Study:
                 record = quantize_(measured, configs, calibration=calibration) if configs else None
                 value = measure(measured, record)
             if isinstance(value, dict):  # stored bytes beside resident memory, for every row
-                value["memory"] = {"weight_bytes": weight_bytes(measured), "peak_rss_bytes": memory.peak_bytes,
-                                   "rss_before_bytes": memory.before_bytes}
+                value["memory"] = {
+                    "weight_bytes": weight_bytes(measured),
+                    "peak_rss_bytes": memory.peak_bytes,
+                    "rss_before_bytes": memory.before_bytes,
+                }
             self.record(part, row, value, summary)
             del measured

@@ -19,8 +19,9 @@ def linear_variants(linear: nn.Linear) -> dict[str, nn.Module]:
     return {
         **float_paths(linear),
         "w8a8 per-token (fbgemm)": W8A8Linear.from_float(weight, bias, "per_channel", activation="per_token"),
-        "llm-int8 (threshold 6)": W8A8Linear.from_float(weight, bias, "per_channel", activation="per_token",
-                                                        outlier_threshold=6.0),
+        "llm-int8 (threshold 6)": W8A8Linear.from_float(
+            weight, bias, "per_channel", activation="per_token", outlier_threshold=6.0
+        ),
         "nf4 block 64": KbitLinear.from_float(weight, bias, "nf", 4, 64),
         "nf4 + double quant": KbitLinear.from_float(weight, bias, "nf", 4, 64, double_quant=True),
     }
@@ -51,10 +52,10 @@ def model_suite(loaded, prompt_tokens: int = 256, decode_tokens: int = 16, repea
     int8 = copy.deepcopy(loaded.model)
     quantize_(int8, W8A8Config(level="O1", weight_granularity="per_channel", quantize_bmm=False))
     variants["w8a8 O1"] = int8
-    ids = torch.randint(0, loaded.tokenizer.vocab_size, (1, prompt_tokens),
-                        generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, loaded.tokenizer.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
     prefill = time_prefill(variants, ids, repeats)
     for name, model in variants.items():
+
         def decode(model=model):
             output = model(input_ids=ids[:, :8], use_cache=True)
             cache, token = output.past_key_values, output.logits[:, -1:].argmax(-1)

@@ -43,7 +43,8 @@ def check_cushion_support(model: nn.Module) -> None:
     if any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or ()):
         raise UnsupportedArchitectureError(
             f"{table.family} mixes sliding-window and full-attention layers; a cushion needs every layer to attend to "
-            "the whole prefix")
+            "the whole prefix"
+        )
 
 
 def prefix_cache(model: nn.Module, cushion: Cushion | None, batch: int) -> SinkCache | None:
@@ -122,11 +123,16 @@ def cushion_keys_values(model: nn.Module, tokens: list[int]) -> tuple[list[torch
 
 
 def save_cushion(cushion: Cushion, directory: str | os.PathLike) -> None:
-    tensors = {f"{kind}.{layer}": tensor.contiguous() for kind, group in (("keys", cushion.keys),
-                                                                        ("values", cushion.values))
-               for layer, tensor in enumerate(group)}
-    save_file(tensors, str(Path(directory) / CUSHION_FILE),
-              metadata={"tokens": json.dumps(cushion.tokens), "record": json.dumps(cushion.record)})
+    tensors = {
+        f"{kind}.{layer}": tensor.contiguous()
+        for kind, group in (("keys", cushion.keys), ("values", cushion.values))
+        for layer, tensor in enumerate(group)
+    }
+    save_file(
+        tensors,
+        str(Path(directory) / CUSHION_FILE),
+        metadata={"tokens": json.dumps(cushion.tokens), "record": json.dumps(cushion.record)},
+    )
 
 
 def load_cushion(directory: str | os.PathLike) -> Cushion:
@@ -139,6 +145,6 @@ def load_cushion(directory: str | os.PathLike) -> Cushion:
     except Exception as error:  # missing or damaged: safetensors and json raise their own types
         raise CorruptModelError(f"{path} cannot be read as a cushion: {error}") from error
     layers = len([name for name in tensors if name.startswith("keys.")])
-    return Cushion(tokens, [tensors[f"keys.{i}"] for i in range(layers)], [tensors[f"values.{i}"] for i in range(layers)],
-                   record)
-
+    return Cushion(
+        tokens, [tensors[f"keys.{i}"] for i in range(layers)], [tensors[f"values.{i}"] for i in range(layers)], record
+    )

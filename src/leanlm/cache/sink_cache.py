@@ -1,4 +1,4 @@
-"""The attention-sink KV cache of StreamingLLM (thesis section 4.2), on transformers' public cache API.
+"""The attention-sink KV cache of StreamingLLM (Xiao's thesis section 4.2), on transformers' public cache API.
 
 The cache keeps the first `sinks` tokens of the stream forever and a rolling window of the `window` most
 recent ones; everything in between is evicted. Positions live *inside the cache*: the cached keys always sit
@@ -24,7 +24,7 @@ of transformers' DynamicCache.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -139,7 +139,7 @@ class SinkCache(Cache):
             for layer in self.layers:
                 layer.keys, layer.values = layer.keys[..., :-count, :], layer.values[..., :-count, :]
 
-    def hold(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> "SinkCache":
+    def hold(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> SinkCache:
         """Hold exactly these keys and values, one (batch, heads, n, head_dim) pair per layer in cache order, keys
         rotated at their cache positions (a cache handed over from another layout: the fused step's ring)."""
         self.layers = []

@@ -42,8 +42,15 @@ def _task_rows(results: dict) -> list[list]:
     rows = []
     for task, metrics in results.items():
         if "perplexity" in metrics and "tokens" in metrics:
-            rows.append([task, "perplexity", metrics["perplexity"], f"{metrics['tokens']} tokens",
-                         f"{metrics['tokens_per_second']:.0f} tok/s"])
+            rows.append(
+                [
+                    task,
+                    "perplexity",
+                    metrics["perplexity"],
+                    f"{metrics['tokens']} tokens",
+                    f"{metrics['tokens_per_second']:.0f} tok/s",
+                ]
+            )
         for metric in ("acc", "acc_norm", "perplexity"):
             if metric in metrics and "n" in metrics:
                 rows.append([task, metric, metrics[metric], f"{metrics['n']} items", ""])
@@ -59,16 +66,24 @@ def command_eval(args) -> None:
     loading = settings_from_args(LoadSettings, args)
     _check_json_path(args.json)
     loaded = load_any(args.model, loading.dtype, loading.head)
-    payload = {"model": args.model, "weights_note": loaded.weights_note, "dtype": loaded.dtype,
-               **evaluate(loaded.model, loaded.tokenizer, settings)}
+    payload = {
+        "model": args.model,
+        "weights_note": loaded.weights_note,
+        "dtype": loaded.dtype,
+        **evaluate(loaded.model, loaded.tokenizer, settings),
+    }
     payload["peak_rss_bytes"] = process_peak_rss_bytes()
-    print(f"\nmodel: {args.model}, computing in {payload['dtype']}"
-          + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
+    print(
+        f"\nmodel: {args.model}, computing in {payload['dtype']}"
+        + (f" ({loaded.weights_note})" if loaded.weights_note else "")
+    )
     print(format_table(["task", "metric", "value", "on", "speed"], _task_rows(payload["results"])))
     if payload["zero_shot_average"] is not None:
         print(f"zero-shot average acc: {payload['zero_shot_average']:.4f}")
-    print(f"weights: {payload['weights_bytes'] / 2**20:.1f} MiB stored, peak resident memory "
-          f"{payload['peak_rss_bytes'] / 2**20:.0f} MiB   time: {payload['seconds']:.1f} s")
+    print(
+        f"weights: {payload['weights_bytes'] / 2**20:.1f} MiB stored, peak resident memory "
+        f"{payload['peak_rss_bytes'] / 2**20:.0f} MiB   time: {payload['seconds']:.1f} s"
+    )
     _write_json(args.json, payload)
 
 
@@ -81,9 +96,11 @@ def command_showcase(args) -> None:
     payload = run_showcase(args.model, settings_from_args(EvalSettings, args, asdict(QUICK_SETTINGS)))
     settings = payload["settings"]
     print(f"\nleanlm showcase on {args.model}" + (f" ({payload['weights_note']})" if payload["weights_note"] else ""))
-    print(f"WikiText-2: first {settings['max_tokens']} tokens in windows of {settings['seq_len']}; zero-shot "
-          f"({', '.join(t for t in settings['tasks'] if t != 'wikitext2')}): first {settings['limit']} items of each; "
-          f"calibration: {payload['calibration_samples']} windows of 512 tokens")
+    print(
+        f"WikiText-2: first {settings['max_tokens']} tokens in windows of {settings['seq_len']}; zero-shot "
+        f"({', '.join(t for t in settings['tasks'] if t != 'wikitext2')}): first {settings['limit']} items of each; "
+        f"calibration: {payload['calibration_samples']} windows of 512 tokens"
+    )
     print(showcase_table(payload))
     _write_json(args.json, payload)
 
@@ -119,8 +136,9 @@ def command_quantize(args) -> None:
     check_output_directory(args.out)
     _check_json_path(args.json)
     try:  # block by block from disk: resident memory holds one float block, whatever the model's size
-        out, record = quantize_out_of_core(args.model, configs, args.out, calibration=calibration,
-                                           resume=args.resume, table_dtype=args.table_dtype)
+        out, record = quantize_out_of_core(
+            args.model, configs, args.out, calibration=calibration, resume=args.resume, table_dtype=args.table_dtype
+        )
     except NeedsWholeModelError as reason:
         print(f"quantizing in memory: {reason}", flush=True)
         loaded = load_model(args.model)
@@ -131,12 +149,22 @@ def command_quantize(args) -> None:
     if curve:  # an illustration beside the finished checkpoint, which does not need it
         from leanlm.report import plot_training_curves
 
-        plot_training_curves({name: [point[name] for point in curve] for name in curve[0]},
-                             out / "cushion_tuning.png", f"{args.model}: CushionCache prefix tuning")
+        plot_training_curves(
+            {name: [point[name] for point in curve] for name in curve[0]},
+            out / "cushion_tuning.png",
+            f"{args.model}: CushionCache prefix tuning",
+        )
     print(f"wrote {out} ({_describe(record)}) in {record['seconds']:.0f} s")
-    _write_json(args.json, {"method": record["method"], "avg_bits": record.get("avg_bits"),
-                            "peak_rss_bytes": process_peak_rss_bytes(), "seconds": record["seconds"],
-                            "record": record})
+    _write_json(
+        args.json,
+        {
+            "method": record["method"],
+            "avg_bits": record.get("avg_bits"),
+            "peak_rss_bytes": process_peak_rss_bytes(),
+            "seconds": record["seconds"],
+            "record": record,
+        },
+    )
 
 
 def command_analyze(args) -> None:
@@ -147,12 +175,22 @@ def command_analyze(args) -> None:
     loaded = load_model(args.model)
     batches = calibration_batches(loaded.tokenizer, n_samples=args.samples, seq_len=args.seq_len, source=args.text)
     report = analyze_outliers(loaded.model, batches)
-    payload = {"model": args.model, "weights_note": loaded.weights_note,
-               "samples": args.samples, "seq_len": args.seq_len, "text": args.text, **report.as_dict()}
-    print(f"\noutlier features of {args.model} (|x| >= 6 in >= 25% of layers and >= 6% of positions): "
-          f"{report.outlier_dims or 'none'}")
-    print(f"layers affected: {report.layers_affected_pct:.1f}%   positions affected: "
-          f"{report.tokens_affected_pct:.1f}%   largest magnitude: {report.max_magnitude:.1f}")
+    payload = {
+        "model": args.model,
+        "weights_note": loaded.weights_note,
+        "samples": args.samples,
+        "seq_len": args.seq_len,
+        "text": args.text,
+        **report.as_dict(),
+    }
+    print(
+        f"\noutlier features of {args.model} (|x| >= 6 in >= 25% of layers and >= 6% of positions): "
+        f"{report.outlier_dims or 'none'}"
+    )
+    print(
+        f"layers affected: {report.layers_affected_pct:.1f}%   positions affected: "
+        f"{report.tokens_affected_pct:.1f}%   largest magnitude: {report.max_magnitude:.1f}"
+    )
     if args.plot:
         view = smoothing_view(loaded.model, batches[:2], report, alpha=0.5)
         title = args.model + (f" ({loaded.weights_note})" if loaded.weights_note else "")
@@ -171,19 +209,32 @@ def command_stream(args) -> None:
     loaded = load_any(args.model, loading.dtype, loading.head)
     results = stream_evaluate(loaded.model, loaded.tokenizer, settings)
     payload = {"model": args.model, "weights_note": loaded.weights_note, **results}
-    title = (f"{args.model}: {settings.max_tokens}-token stream, cache {settings.cache_size} tokens "
-             f"(streaming: {settings.sinks} sinks + {settings.window}), chunk {settings.chunk}"
-             + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
+    title = (
+        f"{args.model}: {settings.max_tokens}-token stream, cache {settings.cache_size} tokens "
+        f"(streaming: {settings.sinks} sinks + {settings.window}), chunk {settings.chunk}"
+        + (f" ({loaded.weights_note})" if loaded.weights_note else "")
+    )
     print(f"\n{title}")
     rows = []
     for strategy in settings.strategies:
         entry = results["settings"][strategy]
-        rows.append([strategy, entry["perplexity"], entry["tokens"], entry.get("perplexity_on_recompute_targets"),
-                     entry["ms_per_token"], entry["peak_memory_bytes"] / 2**20,
-                     entry.get("stopped") or entry.get("scored") or ""])
+        rows.append(
+            [
+                strategy,
+                entry["perplexity"],
+                entry["tokens"],
+                entry.get("perplexity_on_recompute_targets"),
+                entry["ms_per_token"],
+                entry["peak_memory_bytes"] / 2**20,
+                entry.get("stopped") or entry.get("scored") or "",
+            ]
+        )
     start, stop = results["recompute_targets"]
-    print(format_table(["strategy", "perplexity", "tokens", f"ppl on tokens {start}-{stop}", "ms/token",
-                        "peak MiB", "note"], rows))
+    print(
+        format_table(
+            ["strategy", "perplexity", "tokens", f"ppl on tokens {start}-{stop}", "ms/token", "peak MiB", "note"], rows
+        )
+    )
     if args.plot:
         plot_stream(results, args.plot, title)
         print(f"plot: {args.plot}")
@@ -206,8 +257,10 @@ def command_chat(args) -> None:
     interactive = sys.stdin.isatty()
     if interactive:
         decoder = "leanlm's fused step" if chat.fused is not None else "transformers' forward"
-        print(f"chatting with {args.model} in {loaded.dtype} (cache: {streaming.sinks} sinks + "
-              f"{streaming.window} recent tokens; decoding through {decoder}); Ctrl-D ends")
+        print(
+            f"chatting with {args.model} in {loaded.dtype} (cache: {streaming.sinks} sinks + "
+            f"{streaming.window} recent tokens; decoding through {decoder}); Ctrl-D ends"
+        )
     while True:
         if interactive:
             print("you> ", end="", flush=True)
@@ -229,8 +282,11 @@ def command_serve(args) -> None:
     from leanlm.serve import ServeSettings, serve
 
     streaming = settings_from_args(StreamingConfig, args, asdict(ServeSettings().streaming))
-    serve(args.model, settings_from_args(ServeSettings, args, {"streaming": streaming}),
-          settings_from_args(LoadSettings, args, asdict(INTERACTIVE_LOADING)))
+    serve(
+        args.model,
+        settings_from_args(ServeSettings, args, {"streaming": streaming}),
+        settings_from_args(LoadSettings, args, asdict(INTERACTIVE_LOADING)),
+    )
 
 
 def command_finetune(args) -> None:
@@ -255,20 +311,24 @@ def command_finetune(args) -> None:
     if not settings.keep_freed_memory:  # from the start: loading the base leaves blocks in the heap too
         return_freed_memory_at_once()
     if last_checkpoint_step(args.out) is not None and not args.resume:
-        raise ConfigError(f"{args.out} already holds a training checkpoint; add --resume to continue it, or choose "
-                          "another --out")
+        raise ConfigError(
+            f"{args.out} already holds a training checkpoint; add --resume to continue it, or choose another --out"
+        )
     quantized_base = is_quantized_checkpoint(args.model)
     if quantized_base:  # a k-bit checkpoint is the frozen base as it is, loaded without a float model
         if args.method == "lora":
             raise ConfigError(f"{args.model} is a quantized checkpoint: --method lora needs a float model")
         method = read_record(args.model)["method"]
         if method != "kbit":
-            raise ConfigError(f"QLoRA trains over a k-bit base; {args.model} holds a {method} checkpoint (quantize "
-                              "with --method kbit)")
+            raise ConfigError(
+                f"QLoRA trains over a k-bit base; {args.model} holds a {method} checkpoint (quantize "
+                "with --method kbit)"
+            )
     # Data too short for one block fails here, in seconds, not after the model has loaded.
     tokenizer = read_tokenizer(Path(args.model)) if quantized_base else load_tokenizer(args.model)
-    training_blocks(tokenizer, documents, settings.seq_len, settings.held_out_fraction, settings.seed,
-                    settings.max_eval_blocks)
+    training_blocks(
+        tokenizer, documents, settings.seq_len, settings.held_out_fraction, settings.seed, settings.max_eval_blocks
+    )
     base_record = None
     if quantized_base:
         loaded = load_any(args.model)
@@ -280,15 +340,25 @@ def command_finetune(args) -> None:
     torch.manual_seed(settings.seed)
     setup = add_lora_(loaded.model, lora)
     base = f"the k-bit checkpoint's base ({args.model})" if quantized_base else f"a {lora.base} base"
-    print(f"{lora.method}: {setup['trainable_parameters']:,} trainable parameters over {base}"
-          + (f" ({loaded.weights_note})" if loaded.weights_note else ""))
-    record = finetune(loaded.model, loaded.tokenizer, documents, settings, lora, args.out, args.model,
-                      resume=args.resume)
-    payload = {"model": args.model, "weights_note": loaded.weights_note, "data": str(args.data),
-               "base_quantization": setup["base_quantization"] or base_record, **record}
-    print(f"steps {record['steps']}: train loss {record['train_loss_first']:.3f} -> {record['train_loss_last']:.3f}, "
-          f"held-out perplexity {record['eval_perplexity']:.3f}, peak memory {record['peak_memory_bytes'] / 2**20:.0f} "
-          f"MiB, {record['tokens_per_second']:.0f} tokens/s; adapter in {args.out}")
+    print(
+        f"{lora.method}: {setup['trainable_parameters']:,} trainable parameters over {base}"
+        + (f" ({loaded.weights_note})" if loaded.weights_note else "")
+    )
+    record = finetune(
+        loaded.model, loaded.tokenizer, documents, settings, lora, args.out, args.model, resume=args.resume
+    )
+    payload = {
+        "model": args.model,
+        "weights_note": loaded.weights_note,
+        "data": str(args.data),
+        "base_quantization": setup["base_quantization"] or base_record,
+        **record,
+    }
+    print(
+        f"steps {record['steps']}: train loss {record['train_loss_first']:.3f} -> {record['train_loss_last']:.3f}, "
+        f"held-out perplexity {record['eval_perplexity']:.3f}, peak memory {record['peak_memory_bytes'] / 2**20:.0f} "
+        f"MiB, {record['tokens_per_second']:.0f} tokens/s; adapter in {args.out}"
+    )
     _write_json(args.json, payload)
     _write_json(args.out / "leanlm_finetune.json", payload)
 
@@ -321,8 +391,10 @@ def command_swarm(args) -> None:
     model = settings_from_args(SwarmModelConfig, args)
     settings = settings_from_args(SwarmSettings, args, {"model": model})
     record = run_local_swarm(settings_from_args(SwarmRun, args, {"settings": settings}))
-    print(f"swarm: {record['steps']} optimizer steps in {record['seconds']:.0f} s, loss {record['loss_first']} -> "
-          f"{record['loss_last']}, {record['samples_per_second']:.2f} samples/s, {record['peers_failed']} peers failed")
+    print(
+        f"swarm: {record['steps']} optimizer steps in {record['seconds']:.0f} s, loss {record['loss_first']} -> "
+        f"{record['loss_last']}, {record['samples_per_second']:.2f} samples/s, {record['peers_failed']} peers failed"
+    )
     _write_json(args.json, record)
 
 
@@ -331,17 +403,33 @@ def command_bench(args) -> None:
 
     if args.suite == "linear":
         payload = {"suite": "linear", **linear_suite(args.size, repeats=args.repeats)}
-        rows = [[f"M={m}", name, entry["median_ms"], entry["speedup_vs_fp32"], entry["speedup_vs_best_float"],
-                 entry["relative_error"]] for m, variants in payload["rows"].items() for name, entry in variants.items()]
+        rows = [
+            [
+                f"M={m}",
+                name,
+                entry["median_ms"],
+                entry["speedup_vs_fp32"],
+                entry["speedup_vs_best_float"],
+                entry["relative_error"],
+            ]
+            for m, variants in payload["rows"].items()
+            for name, entry in variants.items()
+        ]
         print(format_table(["rows", "linear", "median ms", "x fp32", "x best float", "rel. error"], rows))
     elif args.suite == "model":
         from leanlm.models import load_model
 
         loaded = load_model(args.model)
-        payload = {"suite": "model", "model": args.model, "weights_note": loaded.weights_note,
-                   **model_suite(loaded, repeats=args.repeats)}
-        rows = [[name, entry["tokens_per_second"], entry["decode_ms_per_token"], entry["weight_bytes"] / 2**20]
-                for name, entry in payload["variants"].items()]
+        payload = {
+            "suite": "model",
+            "model": args.model,
+            "weights_note": loaded.weights_note,
+            **model_suite(loaded, repeats=args.repeats),
+        }
+        rows = [
+            [name, entry["tokens_per_second"], entry["decode_ms_per_token"], entry["weight_bytes"] / 2**20]
+            for name, entry in payload["variants"].items()
+        ]
         print(format_table(["model", "prefill tok/s", "decode ms/token", "weights MiB"], rows))
     else:
         from leanlm.evaluation.streaming import StreamSettings, stream_evaluate
@@ -350,8 +438,10 @@ def command_bench(args) -> None:
         loaded = load_any(args.model)
         settings = StreamSettings(max_tokens=args.stream_tokens, latency_steps=256, recompute_tokens=16)
         payload = {"suite": "stream", "model": args.model, **stream_evaluate(loaded.model, loaded.tokenizer, settings)}
-        rows = [[name, r["perplexity"], r["ms_per_token"], r["peak_memory_bytes"] / 2**20]
-                for name, r in payload["settings"].items()]
+        rows = [
+            [name, r["perplexity"], r["ms_per_token"], r["peak_memory_bytes"] / 2**20]
+            for name, r in payload["settings"].items()
+        ]
         print(format_table(["strategy", "perplexity", "ms/token", "peak MiB"], rows))
     _write_json(args.json, payload)
 
@@ -363,10 +453,14 @@ def command_export(args) -> None:
     if args.format == "gguf":
         result = export_gguf(args.model, args.out, args.type)
         blocks = f", quantized matrices as {' / '.join(result['block_types'])}" if result["block_types"] else ""
-        print(f"wrote {result['path']} ({result['file_type']}, {result['tensors']} tensors, "
-              f"{result['bytes'] / 2**20:.1f} MiB{blocks}; metadata {result['metadata']})")
+        print(
+            f"wrote {result['path']} ({result['file_type']}, {result['tensors']} tensors, "
+            f"{result['bytes'] / 2**20:.1f} MiB{blocks}; metadata {result['metadata']})"
+        )
     else:
         result = export_compressed_tensors(args.model, args.out)
-        print(f"wrote {result['path']} ({result['format']}, {result['modules']} quantized linears, "
-              f"{result['bytes'] / 2**20:.1f} MiB)")
+        print(
+            f"wrote {result['path']} ({result['format']}, {result['modules']} quantized linears, "
+            f"{result['bytes'] / 2**20:.1f} MiB)"
+        )
     _write_json(args.json, {**result, "peak_rss_bytes": process_peak_rss_bytes()})

@@ -12,8 +12,8 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from leanlm.errors import LeanLMError, MissingExtraError, missing_extra
 
@@ -27,9 +27,16 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def _setup(parser: argparse.ArgumentParser, handler: str, *, model: str | None = "required", settings: tuple = (),
-           defaults: dict | None = None, json: str | None = "write the results as one JSON object to this path",
-           interrupted=None) -> None:
+def _setup(
+    parser: argparse.ArgumentParser,
+    handler: str,
+    *,
+    model: str | None = "required",
+    settings: tuple = (),
+    defaults: dict | None = None,
+    json: str | None = "write the results as one JSON object to this path",
+    interrupted=None,
+) -> None:
     """A command's MODEL argument (required, or optional with a default), the flags of its settings dataclasses,
     --json, the function that runs it (by name in `leanlm.cli.commands`) and what to say if Ctrl-C stops it."""
     from leanlm.cli.options import add_settings_options
@@ -55,16 +62,26 @@ def _quantize(parser: argparse.ArgumentParser) -> None:
     from leanlm.cli.options import add_method_options
     from leanlm.methods.checkpoint import TABLE_DTYPES
 
-    _setup(parser, "command_quantize", json="write method, avg_bits, peak_rss_bytes and seconds as JSON",
-           interrupted=_quantize_interrupted)
+    _setup(
+        parser,
+        "command_quantize",
+        json="write method, avg_bits, peak_rss_bytes and seconds as JSON",
+        interrupted=_quantize_interrupted,
+    )
     add_method_options(parser)
     parser.add_argument("--out", type=Path, required=True, help="directory for the checkpoint")
-    parser.add_argument("--resume", action="store_true",
-                        help="finish an interrupted run of the same command, keeping the blocks it wrote")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="finish an interrupted run of the same command, keeping the blocks it wrote",
+    )
     # Checked by the command (one line naming the flag, as every option's value is), not by argparse's choices.
-    parser.add_argument("--table-dtype", default="float32", metavar="{" + ",".join(TABLE_DTYPES) + "}",
-                        help="what the checkpoint stores the token embedding and float output head in (bfloat16: "
-                             "half their bytes)")
+    parser.add_argument(
+        "--table-dtype",
+        default="float32",
+        metavar="{" + ",".join(TABLE_DTYPES) + "}",
+        help="what the checkpoint stores the token embedding and float output head in (bfloat16: half their bytes)",
+    )
 
 
 def _analyze(parser: argparse.ArgumentParser) -> None:
@@ -90,8 +107,14 @@ def _chat(parser: argparse.ArgumentParser) -> None:
     from leanlm.methods.streaming import StreamingConfig
     from leanlm.models import DEFAULT_MODEL, INTERACTIVE_LOADING, LoadSettings
 
-    _setup(parser, "command_chat", model=DEFAULT_MODEL, settings=(StreamingConfig, ChatSettings, LoadSettings),
-           defaults={**asdict(ChatSettings().streaming), **asdict(INTERACTIVE_LOADING)}, json=None)
+    _setup(
+        parser,
+        "command_chat",
+        model=DEFAULT_MODEL,
+        settings=(StreamingConfig, ChatSettings, LoadSettings),
+        defaults={**asdict(ChatSettings().streaming), **asdict(INTERACTIVE_LOADING)},
+        json=None,
+    )
 
 
 def _serve(parser: argparse.ArgumentParser) -> None:
@@ -101,8 +124,14 @@ def _serve(parser: argparse.ArgumentParser) -> None:
     from leanlm.models import DEFAULT_MODEL, INTERACTIVE_LOADING, LoadSettings
     from leanlm.serve.server import ServeSettings
 
-    _setup(parser, "command_serve", model=DEFAULT_MODEL, settings=(StreamingConfig, ServeSettings, LoadSettings),
-           defaults={**asdict(ServeSettings().streaming), **asdict(INTERACTIVE_LOADING)}, json=None)
+    _setup(
+        parser,
+        "command_serve",
+        model=DEFAULT_MODEL,
+        settings=(StreamingConfig, ServeSettings, LoadSettings),
+        defaults={**asdict(ServeSettings().streaming), **asdict(INTERACTIVE_LOADING)},
+        json=None,
+    )
 
 
 def _finetune(parser: argparse.ArgumentParser) -> None:
@@ -111,34 +140,55 @@ def _finetune(parser: argparse.ArgumentParser) -> None:
     from leanlm.training import FinetuneSettings
 
     _setup(parser, "command_finetune", settings=(FinetuneSettings, LoRAConfig), interrupted=_finetune_interrupted)
-    parser.add_argument("--method", choices=["qlora", "lora"], default="qlora",
-                        help="qlora: adapters over a frozen 4-bit base; lora: over the float base")
-    parser.add_argument("--data", type=Path, required=True,
-                        help="plain text (one document per line) or JSONL (text / messages / instruction+output)")
+    parser.add_argument(
+        "--method",
+        choices=["qlora", "lora"],
+        default="qlora",
+        help="qlora: adapters over a frozen 4-bit base; lora: over the float base",
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        required=True,
+        help="plain text (one document per line) or JSONL (text / messages / instruction+output)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="directory for the adapter and checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     # Gradient checkpointing is the default; the flag that asked for it still works (the contract keeps it).
-    parser.add_argument("--gradient-checkpointing", dest=option_dest("--no-gradient-checkpointing"),
-                        action="store_const", const=True, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--gradient-checkpointing",
+        dest=option_dest("--no-gradient-checkpointing"),
+        action="store_const",
+        const=True,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )
 
 
 def _merge(parser: argparse.ArgumentParser) -> None:
     _setup(parser, "command_merge", json=None, interrupted=_nothing_written)
     parser.add_argument("--adapter", type=Path, required=True, help="a PEFT-format adapter directory")
     parser.add_argument("--out", type=Path, required=True, help="directory for the merged model")
-    parser.add_argument("--requantize", choices=["nf4-dq", "nf4", "fp4", "int4"],
-                        help="re-quantize the merged weights (reports the error it adds); default: float32")
+    parser.add_argument(
+        "--requantize",
+        choices=["nf4-dq", "nf4", "fp4", "int4"],
+        help="re-quantize the merged weights (reports the error it adds); default: float32",
+    )
 
 
 def _bench(parser: argparse.ArgumentParser) -> None:
     from leanlm.models import DEFAULT_MODEL
 
     _setup(parser, "command_bench", model=None)
-    parser.add_argument("suite", choices=["linear", "model", "stream"],
-                        help="linear: one size x size layer at M = 1/16/64/512 (fp32, w8a8, llm-int8, nf4); model: "
-                             "prefill and decode speed of fp32 / nf4+dq / w8a8; stream: the StreamingLLM strategies")
-    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                        help="for model and stream (default: the default model)")
+    parser.add_argument(
+        "suite",
+        choices=["linear", "model", "stream"],
+        help="linear: one size x size layer at M = 1/16/64/512 (fp32, w8a8, llm-int8, nf4); model: "
+        "prefill and decode speed of fp32 / nf4+dq / w8a8; stream: the StreamingLLM strategies",
+    )
+    parser.add_argument(
+        "model", nargs="?", default=DEFAULT_MODEL, help="for model and stream (default: the default model)"
+    )
     parser.add_argument("--size", type=_positive_int, default=4096, help="linear: in = out features")
     parser.add_argument("--repeats", type=_positive_int, default=5)
     parser.add_argument("--stream-tokens", type=_positive_int, default=8192, help="stream: length of the stream")
@@ -148,12 +198,20 @@ def _export(parser: argparse.ArgumentParser) -> None:
     from leanlm.export.to_gguf import FILE_TYPES
 
     _setup(parser, "command_export")
-    parser.add_argument("--format", choices=["gguf", "compressed-tensors"], required=True,
-                        help="gguf: llama.cpp's file; compressed-tensors: llm-compressor's directory")
+    parser.add_argument(
+        "--format",
+        choices=["gguf", "compressed-tensors"],
+        required=True,
+        help="gguf: llama.cpp's file; compressed-tensors: llm-compressor's directory",
+    )
     parser.add_argument("--out", type=Path, required=True, help="the file (gguf) or directory to write")
-    parser.add_argument("--type", choices=list(FILE_TYPES), default="f32",
-                        help="gguf: tensor type of the float matrices (a checkpoint's quantized ones keep their "
-                             "blocks; norms stay f32; default f32)")
+    parser.add_argument(
+        "--type",
+        choices=list(FILE_TYPES),
+        default="f32",
+        help="gguf: tensor type of the float matrices (a checkpoint's quantized ones keep their "
+        "blocks; norms stay f32; default f32)",
+    )
 
 
 def _swarm(parser: argparse.ArgumentParser) -> None:
@@ -177,21 +235,35 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "eval": ("perplexity and zero-shot accuracy of a model", _eval),
     "quantize": ("quantize a model and write a reloadable checkpoint", _quantize),
     "analyze": ("activation outlier features (as in LLM.int8(), section 2.3)", _analyze),
-    "stream": ("streaming perplexity, latency and memory over a long text (dense, window, re-computation, "
-               "StreamingLLM)", _stream),
-    "chat": ("multi-round chat that never runs out of context (StreamingLLM); reads one message per line from stdin "
-             "when it is not a terminal", _chat),
-    "serve": ("an OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) whose "
-              "conversations never run out of context: each lives in a sink cache", _serve),
+    "stream": (
+        "streaming perplexity, latency and memory over a long text (dense, window, re-computation, StreamingLLM)",
+        _stream,
+    ),
+    "chat": (
+        "multi-round chat that never runs out of context (StreamingLLM); reads one message per line from stdin "
+        "when it is not a terminal",
+        _chat,
+    ),
+    "serve": (
+        "an OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health) whose "
+        "conversations never run out of context: each lives in a sink cache",
+        _serve,
+    ),
     "finetune": ("LoRA / QLoRA fine-tuning; writes a PEFT adapter", _finetune),
     "merge": ("fold LoRA adapters into the de-quantized base weights", _merge),
     "bench": ("quick side-by-side measurements (the full studies are the scripts in benchmarks/)", _bench),
-    "export": ("write a model for another engine: a GGUF file llama.cpp runs alone (a float model as F32 / F16 / "
-               "BF16 / Q8_0; RTN or GPTQ with --grid symmetric --group-size 32 --no-act-order as its exact Q4_0 / "
-               "Q8_0 blocks), or a compressed-tensors directory that transformers and vLLM load (W8A8 / SmoothQuant "
-               "with --no-bmm; RTN or GPTQ with --grid symmetric --no-act-order)", _export),
-    "swarm": ("SWARM parallelism: a local swarm of pipeline peers and trainers on 127.0.0.1 (hivemind), training a "
-              "small byte-level LM on the shipped text", _swarm),
+    "export": (
+        "write a model for another engine: a GGUF file llama.cpp runs alone (a float model as F32 / F16 / "
+        "BF16 / Q8_0; RTN or GPTQ with --grid symmetric --group-size 32 --no-act-order as its exact Q4_0 / "
+        "Q8_0 blocks), or a compressed-tensors directory that transformers and vLLM load (W8A8 / SmoothQuant "
+        "with --no-bmm; RTN or GPTQ with --grid symmetric --no-act-order)",
+        _export,
+    ),
+    "swarm": (
+        "SWARM parallelism: a local swarm of pipeline peers and trainers on 127.0.0.1 (hivemind), training a "
+        "small byte-level LM on the shipped text",
+        _swarm,
+    ),
     "showcase": ("every leanlm method side by side on one model, in minutes", _showcase),
 }
 
@@ -201,8 +273,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     help), which is all one run of `leanlm` needs."""
     from leanlm import __version__
 
-    parser = argparse.ArgumentParser(prog="leanlm", description="Cheap LLM inference and fine-tuning on the hardware "
-                                     "you have.")
+    parser = argparse.ArgumentParser(
+        prog="leanlm", description="Cheap LLM inference and fine-tuning on the hardware you have."
+    )
     parser.add_argument("--version", action="version", version=f"leanlm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help, add_options) in COMMANDS.items():
@@ -223,8 +296,10 @@ def _quantize_interrupted(args) -> str:
     blocks = len(list(staging.glob("block-*.safetensors"))) if staging.is_dir() else 0
     if not blocks:
         return _nothing_written(args)
-    return (f"{args.out} is not written yet; the {blocks} blocks done are kept in {staging}: add --resume to the same "
-            "command to continue from them")
+    return (
+        f"{args.out} is not written yet; the {blocks} blocks done are kept in {staging}: add --resume to the same "
+        "command to continue from them"
+    )
 
 
 def _finetune_interrupted(args) -> str:
@@ -271,14 +346,19 @@ def main(argv: list[str] | None = None) -> int:
         print("\nleanlm: interrupted" + (f"; {interrupted(args)}" if interrupted else ""), file=sys.stderr)
         return INTERRUPTED
     except OSError as error:  # the disk filled up, a file vanished, a path became unreadable mid-run
-        print(f"leanlm: error: {error.strerror or error}" + (f": {error.filename}" if error.filename else ""),
-              file=sys.stderr)
+        print(
+            f"leanlm: error: {error.strerror or error}" + (f": {error.filename}" if error.filename else ""),
+            file=sys.stderr,
+        )
         return 1
     except Exception as error:  # a bug: one line for the user, the traceback on request
         if os.environ.get("LEANLM_TRACEBACK"):
             raise
-        print(f"leanlm: internal error: {type(error).__name__}: {error} (a bug in leanlm; run again with "
-              "LEANLM_TRACEBACK=1 to see where)", file=sys.stderr)
+        print(
+            f"leanlm: internal error: {type(error).__name__}: {error} (a bug in leanlm; run again with "
+            "LEANLM_TRACEBACK=1 to see where)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

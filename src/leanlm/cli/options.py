@@ -68,13 +68,20 @@ def _default(recipe: Recipe | None, item: Field):
 
 
 def add_method_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--method", required=True, choices=list(RECIPES),
-                        help="; ".join(f"{name}: {recipe.help}" for name, recipe in RECIPES.items()))
+    parser.add_argument(
+        "--method",
+        required=True,
+        choices=list(RECIPES),
+        help="; ".join(f"{name}: {recipe.help}" for name, recipe in RECIPES.items()),
+    )
     for name, recipe in RECIPES.items():
         if recipe.bases:
-            parser.add_argument("--base", choices=list(recipe.bases),
-                                help=f"{name}: the int8 recipe after it (default {next(iter(recipe.bases))})")
-    for flag, uses in _flag_table().items():
+            parser.add_argument(
+                "--base",
+                choices=list(recipe.bases),
+                help=f"{name}: the int8 recipe after it (default {next(iter(recipe.bases))})",
+            )
+    for uses in _flag_table().values():
         _, first_type, first = uses[0]
         lines: dict[str, list[str]] = {}
         seen: set[str] = set()
@@ -83,7 +90,9 @@ def add_method_options(parser: argparse.ArgumentParser) -> None:
                 continue
             seen.add(method)
             lines.setdefault(_help_line(_default(RECIPES.get(method), item), item), []).append(method)
-        _add_flag(parser, first_type, first, "; ".join(f"{', '.join(methods)}: {line}" for line, methods in lines.items()))
+        _add_flag(
+            parser, first_type, first, "; ".join(f"{', '.join(methods)}: {line}" for line, methods in lines.items())
+        )
 
 
 def add_settings_options(parser: argparse.ArgumentParser, *settings_types: type, defaults: dict | None = None) -> None:
@@ -105,23 +114,37 @@ def settings_from_args(settings_type: type, args: argparse.Namespace, defaults: 
 def _add_flag(parser: argparse.ArgumentParser, config_type: type, item: Field, text: str) -> None:
     flag, text = flag_of(item), text.replace("%", "%%")
     if item.type in (bool, "bool"):
-        parser.add_argument(flag, dest=option_dest(flag), action="store_const", const=not item.default,
-                            default=argparse.SUPPRESS, help=text)
+        parser.add_argument(
+            flag,
+            dest=option_dest(flag),
+            action="store_const",
+            const=not item.default,
+            default=argparse.SUPPRESS,
+            help=text,
+        )
         return
     choices = _choices(config_type, item)
     metavar = "{" + ",".join(map(str, choices)) + "}" if choices else _metavar(config_type, item)
     repeated = typing.get_origin(_type_of(config_type, item.name)) is tuple  # --setting a --setting b, or a,b
-    parser.add_argument(flag, dest=option_dest(flag), default=argparse.SUPPRESS, help=text, metavar=metavar,
-                        action="append" if repeated else "store")
+    parser.add_argument(
+        flag,
+        dest=option_dest(flag),
+        default=argparse.SUPPRESS,
+        help=text,
+        metavar=metavar,
+        action="append" if repeated else "store",
+    )
 
 
 def _given(args: argparse.Namespace) -> dict:
-    return {key[len(_DEST):]: value for key, value in vars(args).items() if key.startswith(_DEST)}
+    return {key[len(_DEST) :]: value for key, value in vars(args).items() if key.startswith(_DEST)}
 
 
 def _help_line(default, item: Field) -> str:
     if item.type in (bool, "bool"):
-        return f"{item.metadata['help']}" + ("; this flag turns it off" if item.default else "")
+        if item.default:  # a --no- flag: what it does, then what the default does
+            return f"{item.metadata['off']} (default: {item.metadata['help']})"
+        return item.metadata["help"]
     if isinstance(default, tuple):
         default = ",".join(map(str, default))
     if default is None and item.metadata.get("none_word"):
@@ -136,8 +159,9 @@ def _metavar(config_type: type, item: Field) -> str:
     kinds = typing.get_args(hinted) or (hinted,)
     word = "N" if int in kinds else "X" if float in kinds else "TEXT"
     extra = [item.metadata["none_word"]] if item.metadata.get("none_word") else []
-    extra += [literal for kind in kinds if typing.get_origin(kind) is typing.Literal
-              for literal in typing.get_args(kind)]
+    extra += [
+        literal for kind in kinds if typing.get_origin(kind) is typing.Literal for literal in typing.get_args(kind)
+    ]
     return "|".join([word, *extra])
 
 
@@ -163,8 +187,11 @@ def _convert(text, flag: str, config_type: type, item: Field):
             raise ConfigError(f"{flag} {text!r}: choose from {', '.join(map(str, choices))}")
         return chosen
     hinted = _type_of(config_type, item.name)
-    kinds = typing.get_args(hinted) if isinstance(hinted, types.UnionType) or typing.get_origin(hinted) is typing.Union \
+    kinds = (
+        typing.get_args(hinted)
+        if isinstance(hinted, types.UnionType) or typing.get_origin(hinted) is typing.Union
         else (hinted,)
+    )
     words = [word for kind in kinds if typing.get_origin(kind) is typing.Literal for word in typing.get_args(kind)]
     if text in words:
         return text  # a word the field takes beside numbers (SmoothQuant's alpha 'auto')
@@ -175,8 +202,9 @@ def _convert(text, flag: str, config_type: type, item: Field):
                 return kind(text)
             except ValueError:
                 what = "a whole number" if kind is int else "a number"
-                raise ConfigError(f"{flag}: expected {what}{''.join(f' or {w!r}' for w in words)}, "
-                                  f"got {text!r}") from None
+                raise ConfigError(
+                    f"{flag}: expected {what}{''.join(f' or {w!r}' for w in words)}, got {text!r}"
+                ) from None
     return text
 
 
@@ -193,9 +221,11 @@ def method_configs(args: argparse.Namespace) -> tuple[list, Calibration]:
     for flag in given:
         if flag not in allowed:
             owners = sorted({method for method, _, _ in table[flag]})
-            raise ConfigError(f"{flag} is not an option of --method {args.method}"
-                              + (f" --base {args.base or next(iter(recipe.bases))}" if recipe.bases else "")
-                              + f" (it is one of {', '.join(owners)})")
+            raise ConfigError(
+                f"{flag} is not an option of --method {args.method}"
+                + (f" --base {args.base or next(iter(recipe.bases))}" if recipe.bases else "")
+                + f" (it is one of {', '.join(owners)})"
+            )
     configs = [_build(config_type, given, recipe.defaults, f"--method {args.method}") for config_type in step_types]
     if not any(method_spec(config).needs_calibration(config) for config in configs):
         unused = [flag_of(item) for item in command_line_fields(Calibration) if flag_of(item) in given]
@@ -216,8 +246,13 @@ def _build(config_type: type, given: dict, defaults: dict, what: str | None = No
     try:
         return config_type(**settings)
     except ConfigError as error:  # it names the field; say which flag that is
-        named = sorted((item for item in command_line_fields(config_type)
-                        if re.search(rf"\b({item.name}|{item.name.replace('_', ' ')})\b", str(error))),
-                       key=lambda item: -len(item.name))  # "statistic bits" names statistic_bits, not bits
+        named = sorted(
+            (
+                item
+                for item in command_line_fields(config_type)
+                if re.search(rf"\b({item.name}|{item.name.replace('_', ' ')})\b", str(error))
+            ),
+            key=lambda item: -len(item.name),
+        )  # "statistic bits" names statistic_bits, not bits
         where = flag_of(named[0]) if named else what
         raise ConfigError(f"{where}: {error}" if where else str(error)) from None

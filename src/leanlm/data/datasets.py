@@ -81,9 +81,7 @@ def hellaswag_items() -> list[HellaswagItem]:
         lines.pop()
     if len(lines) % 6:
         raise DataError(f"HellaSwag: {len(lines)} lines is not a multiple of 6")
-    return [
-        HellaswagItem(lines[i], tuple(lines[i + 2 : i + 6]), int(lines[i + 1])) for i in range(0, len(lines), 6)
-    ]
+    return [HellaswagItem(lines[i], tuple(lines[i + 2 : i + 6]), int(lines[i + 1])) for i in range(0, len(lines), 6)]
 
 
 @dataclass(frozen=True)
@@ -118,6 +116,4 @@ def winogrande_items() -> list[WinograndeItem]:
     records, labels = _jsonl("winogrande/dev.jsonl"), _labels("winogrande/dev-labels.lst")
     if len(records) != len(labels):
         raise DataError(f"WinoGrande: {len(records)} items but {len(labels)} labels")
-    return [
-        WinograndeItem(r["sentence"], (r["option1"], r["option2"]), label - 1) for r, label in zip(records, labels)
-    ]
+    return [WinograndeItem(r["sentence"], (r["option1"], r["option2"]), label - 1) for r, label in zip(records, labels)]

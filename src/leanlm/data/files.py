@@ -7,7 +7,7 @@ SHA256SUMS), so a fresh clone works with nothing downloaded. `LEANLM_DATA` point
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from leanlm.checksums import sha256_of
@@ -23,7 +23,7 @@ def data_root() -> Path:
     return root
 
 
-@lru_cache(maxsize=None)
+@cache
 def _expected_checksums(root: Path) -> dict[str, str]:
     lines = (root / "SHA256SUMS").read_text().split("\n")
     return {name.strip(): digest for digest, name in (line.split(maxsplit=1) for line in lines if line.strip())}

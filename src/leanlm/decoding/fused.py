@@ -1,4 +1,4 @@
-"""Batch-1 decode in one C++ call per token (issue 27): `FusedDecoder(model)` walks the model through its
+"""Batch-1 decode in one C++ call per token: `FusedDecoder(model)` walks the model through its
 architecture table once, hands every weight (float32 / bfloat16, or 4-bit k-bit codes with their block
 constants) to the C++ decoder (`kernels/csrc/fused_decode.inc`), and then each `step(token)` runs the whole
 decoder block stack, final norm and head without returning to Python.
@@ -55,17 +55,25 @@ _KBIT_KINDS = {3: 5, 4: 2, 8: 3}  # code width -> the C++ step's LinearKind
 
 def _linear_problem(name: str, module: nn.Module) -> str | None:
     if isinstance(module, KbitLinear):
-        runs = (module.bits == 4 and supports_int8_activations(module.block_size, module.in_features)
-                and module.proxy_columns is None) or module._runs_int8_kernel_only()
+        runs = (
+            module.bits == 4
+            and supports_int8_activations(module.block_size, module.in_features)
+            and module.proxy_columns is None
+        ) or module._runs_int8_kernel_only()
         if not runs or module.backend == "reference":
-            return (f"{name}: {module.extra_repr()} (the fused step runs 4-bit codes and 8-bit int codes in blocks of "
-                    "a multiple of 64 and 3-bit codes in blocks of 16, 32 or a multiple of 64, without proxy columns)")
+            return (
+                f"{name}: {module.extra_repr()} (the fused step runs 4-bit codes and 8-bit int codes in blocks of "
+                "a multiple of 64 and 3-bit codes in blocks of 16, 32 or a multiple of 64, without proxy columns)"
+            )
         return None
     if isinstance(module, SpQRLinear):
-        if module._resolve_backend() != "kernel" or not supports_int8_activations(module.kernel_block,
-                                                                                   module.in_features, module.bits):
-            return (f"{name}: {module.extra_repr()} (the fused step runs 3- and 4-bit GPTQ / SpQR codes in kernel "
-                    f"blocks of a multiple of 64, or 3-bit ones of 16 or 32; these are {module.kernel_block} columns)")
+        if module._resolve_backend() != "kernel" or not supports_int8_activations(
+            module.kernel_block, module.in_features, module.bits
+        ):
+            return (
+                f"{name}: {module.extra_repr()} (the fused step runs 3- and 4-bit GPTQ / SpQR codes in kernel "
+                f"blocks of a multiple of 64, or 3-bit ones of 16 or 32; these are {module.kernel_block} columns)"
+            )
         return None
     if isinstance(module, W8A8Linear):
         if module.asymmetric:
@@ -89,8 +97,10 @@ def fused_decoder_problem(model: nn.Module, streaming: StreamingConfig | None = 
         table = architecture_for(model)
         for index, block in enumerate(decoder_blocks(model, table)):
             if _layer_rotary(model, table, index, block)[2] or _bmm_quantization(model, block, table):
-                return ("a sink cache in the fused step runs full-attention layers whose attention matmuls are "
-                        "float (not sliding windows, not SmoothQuant's int8 attention)")
+                return (
+                    "a sink cache in the fused step runs full-attention layers whose attention matmuls are "
+                    "float (not sliding windows, not SmoothQuant's int8 attention)"
+                )
     if compiled_kernels() is None:
         return "leanlm's CPU kernels are not available on this machine"
     table = architecture_for(model)
@@ -155,8 +165,13 @@ class FusedDecoder:
     its 8-bit constants for prefill, and the float32 copy adds 0.5 bits a weight to resident memory (SmolLM2: 7 MiB;
     Llama-3-8B: 0.4 GiB). `compact_constants=True` keeps only the 8-bit ones."""
 
-    def __init__(self, model: nn.Module, capacity: int = 4096, streaming: StreamingConfig | None = None,
-                 compact_constants: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        capacity: int = 4096,
+        streaming: StreamingConfig | None = None,
+        compact_constants: bool = False,
+    ):
         problem = fused_decoder_problem(model, streaming)
         if problem:
             raise ConfigError(f"this model cannot use the fused decode step: {problem}")
@@ -174,8 +189,10 @@ class FusedDecoder:
         embedding = model.get_input_embeddings()
         if isinstance(embedding, KbitEmbedding):  # rows read from the 8-bit head's codes (`--head int8`)
             table_rows = embedding.head.packed.reshape(embedding.num_embeddings, -1)
-            row_codes = {"embedding_absmax": embedding.head._kernel_state()[0].dense(),
-                         "embedding_values": embedding.head.codebook.values.float()}
+            row_codes = {
+                "embedding_absmax": embedding.head._kernel_state()[0].dense(),
+                "embedding_values": embedding.head.codebook.values.float(),
+            }
             embedding_scale = embedding.scale or 1.0
         else:
             table_rows, row_codes = embedding.weight.detach(), {}
@@ -183,9 +200,18 @@ class FusedDecoder:
             embedding_scale = 1.0 if embedding_scale is None else float(embedding_scale.to(embedding.weight.dtype))
         self._norm_offset = table.norm_weight_offset
         self._decoder = compiled_kernels().FusedDecoder(
-            config.hidden_size, heads, kv_heads, head_dim, config.rms_norm_eps, attention.scaling,
-            _ACTIVATIONS[table.mlp_activation][0], table_rows, embedding_scale,
-            self._norm(model.get_submodule(table.final_norm)), **row_codes)
+            config.hidden_size,
+            heads,
+            kv_heads,
+            head_dim,
+            config.rms_norm_eps,
+            attention.scaling,
+            _ACTIVATIONS[table.mlp_activation][0],
+            table_rows,
+            embedding_scale,
+            self._norm(model.get_submodule(table.final_norm)),
+            **row_codes,
+        )
         attention_norm, mlp_norm = (feed.norm for feed in table.norm_feeds)
         for index, block in enumerate(blocks):
             ids = [self._add_linear(block.get_submodule(path)) for path in table.quantizable_linears]
@@ -193,13 +219,22 @@ class FusedDecoder:
             optional = {}
             if table.output_norms:
                 optional["attention_output_norm"], optional["mlp_output_norm"] = (
-                    self._norm(block.get_submodule(path)) for path in table.output_norms)
+                    self._norm(block.get_submodule(path)) for path in table.output_norms
+                )
             if table.qk_norms:
-                optional["q_norm"], optional["k_norm"] = (self._norm(block.get_submodule(path))
-                                                          for path in table.qk_norms)
-            self._decoder.add_layer(self._norm(block.get_submodule(attention_norm)),
-                                    self._norm(block.get_submodule(mlp_norm)), *ids, frequencies, rope_scale,
-                                    window, **optional, **_bmm_quantization(model, block, table))
+                optional["q_norm"], optional["k_norm"] = (
+                    self._norm(block.get_submodule(path)) for path in table.qk_norms
+                )
+            self._decoder.add_layer(
+                self._norm(block.get_submodule(attention_norm)),
+                self._norm(block.get_submodule(mlp_norm)),
+                *ids,
+                frequencies,
+                rope_scale,
+                window,
+                **optional,
+                **_bmm_quantization(model, block, table),
+            )
         self._decoder.set_head(self._add_linear(model.get_output_embeddings()))
         self._cache_shape = (len(blocks), kv_heads, head_dim)
         self.cache: FusedCache | None = None  # prefill's
@@ -209,38 +244,69 @@ class FusedDecoder:
         return module.weight.detach().float() + self._norm_offset
 
     @classmethod
-    def build(cls, model: nn.Module, capacity: int = 4096, streaming: StreamingConfig | None = None,
-              compact_constants: bool = False) -> "FusedDecoder | None":
+    def build(
+        cls,
+        model: nn.Module,
+        capacity: int = 4096,
+        streaming: StreamingConfig | None = None,
+        compact_constants: bool = False,
+    ) -> FusedDecoder | None:
         return None if fused_decoder_problem(model, streaming) else cls(model, capacity, streaming, compact_constants)
 
     def _add_linear(self, module: nn.Module) -> int:
         bias = None if module.bias is None else module.bias.detach()
         if isinstance(module, W8A8Linear):  # a plain int8 copy beside fbgemm's packed one, which prefill runs
-            return self._decoder.add_w8a8_linear(module.weight.contiguous(), module.weight_scale, bias,
-                                                 float(module.input_scale) if module.static else 0.0,
-                                                 module.outlier_threshold or 0.0)
+            return self._decoder.add_w8a8_linear(
+                module.weight.contiguous(),
+                module.weight_scale,
+                bias,
+                float(module.input_scale) if module.static else 0.0,
+                module.outlier_threshold or 0.0,
+            )
         if isinstance(module, SpQRLinear):
             scale, offset = module.kernel_constants()
             values, inverse = int8_kernel_table(IDENTITY_TABLE, module.bits)
-            linear = self._decoder.add_linear(_KBIT_KINDS[module.bits], module.codes, module.in_features,
-                                              module.out_features, bias, scale, values, inverse, module.kernel_block)
+            linear = self._decoder.add_linear(
+                _KBIT_KINDS[module.bits],
+                module.codes,
+                module.in_features,
+                module.out_features,
+                bias,
+                scale,
+                values,
+                inverse,
+                module.kernel_block,
+            )
             outliers = {}
             if module.outlier_count:
-                outliers = {"outlier_row_offsets": module.outlier_row_offsets,
-                            "outlier_columns": module.outlier_columns, "outlier_values": module.outlier_values}
+                outliers = {
+                    "outlier_row_offsets": module.outlier_row_offsets,
+                    "outlier_columns": module.outlier_columns,
+                    "outlier_values": module.outlier_values,
+                }
             self._decoder.add_spqr_parts(linear, offset, module.permutation, **outliers)
             return linear
         if not isinstance(module, KbitLinear):
             weight = module.weight.detach()
-            return self._decoder.add_linear(_FLOAT_KINDS[weight.dtype], weight, module.in_features,
-                                            module.out_features, bias)
+            return self._decoder.add_linear(
+                _FLOAT_KINDS[weight.dtype], weight, module.in_features, module.out_features, bias
+            )
         constants, table = module._kernel_state()
         values, inverse = int8_kernel_table(table, module.bits)
         if not self.compact_constants:
             constants = constants.decoded_once()
-        return self._decoder.add_linear(_KBIT_KINDS[module.bits], module.packed, module.in_features,
-                                        module.out_features, bias, constants.absmax, values, inverse,
-                                        module.block_size, **constants.kernel_arguments())
+        return self._decoder.add_linear(
+            _KBIT_KINDS[module.bits],
+            module.packed,
+            module.in_features,
+            module.out_features,
+            bias,
+            constants.absmax,
+            values,
+            inverse,
+            module.block_size,
+            **constants.kernel_arguments(),
+        )
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Reads `ids` from the start of the sequence through transformers' forward (a batched prefill; in chunks of
@@ -318,9 +384,14 @@ class FusedDecoder:
             raise ConfigError("one token per cache, each cache once")
         for cache in caches:
             _check_room(cache)
-        logits = self._decoder.step_batch([int(token) for token in tokens], [cache.position for cache in caches],
-                                          [cache.keys for cache in caches], [cache.values for cache in caches],
-                                          [cache.sinks for cache in caches], [cache.window for cache in caches])
+        logits = self._decoder.step_batch(
+            [int(token) for token in tokens],
+            [cache.position for cache in caches],
+            [cache.keys for cache in caches],
+            [cache.values for cache in caches],
+            [cache.sinks for cache in caches],
+            [cache.window for cache in caches],
+        )
         for cache in caches:
             cache.position += 1
         return logits
@@ -346,8 +417,11 @@ def _layer_rotary(model: nn.Module, table, index: int, block: nn.Module) -> tupl
     else:
         frequencies, scale = rotary.inv_freq, rotary.attention_scaling
     attention = block.get_submodule(table.attention_module)
-    window = (attention.sliding_window if hasattr(attention, "sliding_window")
-              else getattr(model.config, "sliding_window", None))
+    window = (
+        attention.sliding_window
+        if hasattr(attention, "sliding_window")
+        else getattr(model.config, "sliding_window", None)
+    )
     return frequencies.float(), float(scale), int(window or 0)
 
 
@@ -379,13 +453,18 @@ def read_in_chunks(model: nn.Module, cache, ids: list[int], chunk: int) -> torch
     no forward reads more than the cache keeps); the last position's logits."""
     with torch.inference_mode():
         for start in range(0, len(ids), chunk):
-            logits = model(input_ids=torch.tensor([ids[start : start + chunk]]), past_key_values=cache,
-                           use_cache=True, logits_to_keep=1).logits[0, -1]
+            logits = model(
+                input_ids=torch.tensor([ids[start : start + chunk]]),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[0, -1]
     return logits
 
 
-def greedy_tokens(model: nn.Module, prompt: list[int], new_tokens: int, fused: bool,
-                  streaming: StreamingConfig | None = None) -> list[int]:
+def greedy_tokens(
+    model: nn.Module, prompt: list[int], new_tokens: int, fused: bool, streaming: StreamingConfig | None = None
+) -> list[int]:
     """Greedy decode of `new_tokens` tokens after `prompt`, through the fused step or transformers' forward, with a
     dense cache or StreamingLLM's (`streaming`)."""
     if fused:

@@ -55,8 +55,10 @@ def score_requests(model, tokenizer, requests: list[Request], desc: str = "scori
             if not continuation_ids:
                 raise ConfigError(f"{desc}: a request has an empty continuation: {request.continuation!r}")
             if len(continuation_ids) > limit:
-                raise ConfigError(f"{desc}: a continuation of {len(continuation_ids)} tokens does not fit the "
-                                  f"model's context of {limit} tokens")
+                raise ConfigError(
+                    f"{desc}: a continuation of {len(continuation_ids)} tokens does not fit the "
+                    f"model's context of {limit} tokens"
+                )
             # Like lm-evaluation-harness: keep the last limit + 1 tokens, the final one is only predicted.
             ids = (prefix + context_ids + continuation_ids)[-(limit + 1) :]
             inputs = torch.tensor([ids[:-1]])

@@ -1,4 +1,4 @@
-"""The outlier-feature analysis of LLM.int8() (thesis section 2.3).
+"""The outlier-feature analysis of LLM.int8() (Dettmers' thesis section 2.3).
 
 Hidden states analysed, per layer: the inputs of the attention projections (q/k/v, and o) and of the FFN
 expansion (gate/up or fc1); the FFN contraction's input is left out, as in the chapter. A feature dimension h
@@ -66,17 +66,22 @@ def _analysed_inputs(model: nn.Module) -> list[tuple[int, nn.Module]]:
     return picked
 
 
-def _run_with_hooks(model: nn.Module, batches: torch.Tensor, hooked: list[tuple[int, nn.Module]], hook_for,
-                    desc: str) -> None:
+def _run_with_hooks(
+    model: nn.Module, batches: torch.Tensor, hooked: list[tuple[int, nn.Module]], hook_for, desc: str
+) -> None:
     """Run `batches` through `model` with `hook_for(i, layer)(x)` seeing the input of the i-th (layer, module)."""
     observers = {i: hook_for(i, layer) for i, (layer, _) in enumerate(hooked)}
-    with observe_inputs(((i, module) for i, (_, module) in enumerate(hooked)),
-                        lambda i, x: observers[i](x)), torch.inference_mode():
+    with (
+        observe_inputs(((i, module) for i, (_, module) in enumerate(hooked)), lambda i, x: observers[i](x)),
+        torch.inference_mode(),
+    ):
         for sample in tqdm(batches, desc=desc, unit="sample", leave=False):
             model(input_ids=sample[None], use_cache=False, logits_to_keep=1)
 
 
-def analyze_outliers(model: nn.Module, batches: torch.Tensor, criteria: OutlierCriteria = OutlierCriteria()) -> OutlierReport:
+def analyze_outliers(
+    model: nn.Module, batches: torch.Tensor, criteria: OutlierCriteria = OutlierCriteria()
+) -> OutlierReport:
     """Two passes over `batches` (n, L): per-dimension statistics, then position coverage of the outliers."""
     layers = len(decoder_blocks(model))
     width = model.config.hidden_size
@@ -134,9 +139,15 @@ def block_input_magnitudes(model: nn.Module, batches: torch.Tensor, top: int = 3
     def hook_for(index: int, layer: int):
         def hook(inputs):
             values = inputs.detach().abs().float().reshape(-1)
-            per_sample[layer].append(torch.cat([values.topk(top).values,
-                                                values.kthvalue(int(0.9 * values.numel())).values[None],
-                                                values.median()[None]]))
+            per_sample[layer].append(
+                torch.cat(
+                    [
+                        values.topk(top).values,
+                        values.kthvalue(int(0.9 * values.numel())).values[None],
+                        values.median()[None],
+                    ]
+                )
+            )
 
         return hook
 
@@ -163,12 +174,18 @@ def smoothing_view(model: nn.Module, batches: torch.Tensor, report: OutlierRepor
     def weight_absmax(source: nn.Module) -> torch.Tensor:
         return linear_weight_out_in(source.get_submodule(name), table).detach().abs().amax(dim=0)
 
-    return {"name": name, "alpha": alpha, "x_before": stats[name], "x_after": after,
-            "w_before": weight_absmax(model), "w_after": weight_absmax(smoothed)}
+    return {
+        "name": name,
+        "alpha": alpha,
+        "x_before": stats[name],
+        "x_after": after,
+        "w_before": weight_absmax(model),
+        "w_after": weight_absmax(smoothed),
+    }
 
 
 def plot_outliers(report: OutlierReport, path, title: str, smoothing: dict | None = None) -> None:
-    """A per-layer heat map of channel magnitudes and, if given, thesis Fig. 3.2's before/after-smoothing view
+    """A per-layer heat map of channel magnitudes and, if given, Xiao's thesis Fig. 3.2's before/after-smoothing view
     of one linear: `smoothing` = {"name", "x_before", "x_after", "w_before", "w_after"} (per input channel)."""
     import matplotlib
 
@@ -179,8 +196,13 @@ def plot_outliers(report: OutlierReport, path, title: str, smoothing: dict | Non
     panels = 2 if smoothing else 1
     fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4.5), squeeze=False)
     heat = axes[0][0]
-    image = heat.imshow(report.channel_absmax.clamp(min=1e-3).numpy(), aspect="auto", cmap="magma",
-                        norm=LogNorm(), interpolation="nearest")
+    image = heat.imshow(
+        report.channel_absmax.clamp(min=1e-3).numpy(),
+        aspect="auto",
+        cmap="magma",
+        norm=LogNorm(),
+        interpolation="nearest",
+    )
     fig.colorbar(image, ax=heat, label="max |x| over tokens")
     heat.set_xlabel("feature dimension")
     heat.set_ylabel("layer")
@@ -188,8 +210,12 @@ def plot_outliers(report: OutlierReport, path, title: str, smoothing: dict | Non
     heat.set_title(f"linear inputs (q/k/v, o, FFN in); outlier dims: {dims}", fontsize=9)
     if smoothing:
         ax = axes[0][1]
-        for key, label in (("x_before", "activation, before"), ("x_after", "activation, after"),
-                           ("w_before", "weight, before"), ("w_after", "weight, after")):
+        for key, label in (
+            ("x_before", "activation, before"),
+            ("x_after", "activation, after"),
+            ("w_before", "weight, before"),
+            ("w_after", "weight, after"),
+        ):
             ax.plot(smoothing[key].numpy(), label=label, linewidth=0.8, alpha=0.9)
         ax.set_yscale("log")
         ax.set_xlabel("input channel")

@@ -30,8 +30,9 @@ class PerplexityResult:
     tokens_per_second: float  # model input tokens per second of forward passes
 
 
-def perplexity_windows(tokenizer, text: str, *, seq_len: int = 2048, max_tokens: int | None = None,
-                       desc: str = "perplexity") -> list[list[int]]:
+def perplexity_windows(
+    tokenizer, text: str, *, seq_len: int = 2048, max_tokens: int | None = None, desc: str = "perplexity"
+) -> list[list[int]]:
     """The token ids of every window the protocol scores (the model's BOS, if it has one, then `seq_len` minus
     that many text tokens): what leanlm and, in the benchmarks, other engines are given."""
     if seq_len < 2:

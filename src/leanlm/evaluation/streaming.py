@@ -1,4 +1,4 @@
-"""Streaming evaluation (thesis Figs 4.1/4.3, Tables 4.1/4.2/4.6, Fig 4.8): perplexity, latency and memory of a
+"""Streaming evaluation (Xiao's thesis Figs 4.1/4.3, Tables 4.1/4.2/4.6, Fig 4.8): perplexity, latency and memory of a
 model reading one long text under four attention strategies.
 
 * dense       a growing KV cache; run until the text reaches the model's trained context (beyond it RoPE models
@@ -9,7 +9,7 @@ model reading one long text under four attention strategies.
               targets only (batched, since the windows are independent).
 * streaming   StreamingLLM: the `sinks` first tokens + the last `window` tokens, positions in the cache.
 
-Cache strategies are fed `chunk` tokens per forward (1 is the thesis' token-by-token protocol). With a chunk of
+Cache strategies are fed `chunk` tokens per forward (1 is Xiao's thesis' token-by-token protocol). With a chunk of
 c a token attends to the cache plus the up to c - 1 chunk tokens before it, so its window is between
 L and L + c - 1 tokens: a stated, small superset that makes 100K-token streams affordable on
 a CPU. Latency is always measured token by token.
@@ -43,8 +43,9 @@ STRATEGIES = ("dense", "window", "recompute", "streaming")
 @dataclass(frozen=True)
 class StreamSettings:
     sinks: int = option(4, "StreamingLLM's attention sinks (initial tokens kept)")
-    window: int = option(1020, "recent tokens StreamingLLM keeps; window attention and re-computation get sinks + "
-                               "window tokens")
+    window: int = option(
+        1020, "recent tokens StreamingLLM keeps; window attention and re-computation get sinks + window tokens"
+    )
     max_tokens: int = option(100_000, "stream length: WikiText-2 test then LAMBADA test text")
     chunk: int = option(32, "tokens per forward for the cache strategies; 1 = token by token")
     recompute_tokens: int = option(64, "targets scored by sliding window with re-computation (O(T L^2))")
@@ -140,8 +141,9 @@ def recompute_latency(model, tokens: torch.Tensor, window: int, repeats: int = 3
 
 
 def cache_bytes(cache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if t is not None)
+    return sum(
+        t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None
+    )
 
 
 def windowed_perplexity(nll: torch.Tensor, width: int = 1024) -> list[float]:
@@ -153,15 +155,22 @@ def stream_evaluate(model, tokenizer, settings: StreamSettings) -> dict:
     """Every strategy in `settings` on one long text: {"settings": {strategy: results}, "config", ...}."""
     trained = getattr(model.config, "max_position_embeddings", None)
     if trained is not None and settings.cache_size >= trained:
-        raise ConfigError(f"the cache (sinks + window = {settings.cache_size}) must stay below the trained context "
-                          f"({trained})")
+        raise ConfigError(
+            f"the cache (sinks + window = {settings.cache_size}) must stay below the trained context ({trained})"
+        )
     tokens = torch.tensor(long_text_tokens(tokenizer, settings.max_tokens))
     targets = range(2 * settings.cache_size, 2 * settings.cache_size + settings.recompute_tokens)
     if targets.stop > tokens.numel():
-        raise ConfigError(f"max_tokens {settings.max_tokens} is too short for the re-computation targets "
-                          f"({targets.start}..{targets.stop})")
-    results: dict = {"config": asdict(settings), "trained_context": trained,
-                     "recompute_targets": [targets.start, targets.stop], "settings": {}}
+        raise ConfigError(
+            f"max_tokens {settings.max_tokens} is too short for the re-computation targets "
+            f"({targets.start}..{targets.stop})"
+        )
+    results: dict = {
+        "config": asdict(settings),
+        "trained_context": trained,
+        "recompute_targets": [targets.start, targets.stop],
+        "settings": {},
+    }
     nll_by_strategy = {}
     for strategy in settings.strategies:
         started = time.perf_counter()
@@ -169,9 +178,14 @@ def stream_evaluate(model, tokenizer, settings: StreamSettings) -> dict:
             entry = _run_strategy(model, tokens, strategy, settings, targets, trained)
         nll = entry.pop("nll")
         nll_by_strategy[strategy] = nll
-        entry.update(perplexity=math.exp(nll.mean().item()), tokens=int(nll.numel()),
-                     peak_memory_bytes=memory.peak_bytes, added_memory_bytes=memory.added_bytes, seconds=time.perf_counter() - started,
-                     windowed_perplexity=windowed_perplexity(nll))
+        entry.update(
+            perplexity=math.exp(nll.mean().item()),
+            tokens=int(nll.numel()),
+            peak_memory_bytes=memory.peak_bytes,
+            added_memory_bytes=memory.added_bytes,
+            seconds=time.perf_counter() - started,
+            windowed_perplexity=windowed_perplexity(nll),
+        )
         results["settings"][strategy] = entry
     # Every strategy on the re-computation baseline's targets: the like-for-like comparison.
     for strategy, nll in nll_by_strategy.items():
@@ -201,7 +215,9 @@ def strategy_latency(model, tokens: torch.Tensor, strategy: str, settings: Strea
     of the curve), "latency_curve" ([position, ms, KV bytes] ...)}; re-computation has one forward per token."""
     if strategy == "recompute":
         return {"ms_per_token": recompute_latency(model, tokens, settings.cache_size), "latency_curve": []}
-    steps = min(settings.latency_steps, _dense_length(tokens, trained)) if strategy == "dense" else settings.latency_steps
+    steps = (
+        min(settings.latency_steps, _dense_length(tokens, trained)) if strategy == "dense" else settings.latency_steps
+    )
     curve = decode_latency(model, tokens, _make_cache(model, strategy, settings), steps)
     steady = sorted(ms for _, ms, _ in curve[len(curve) // 2 :]) or [float("nan")]
     return {"ms_per_token": steady[len(steady) // 2], "latency_curve": curve}
@@ -209,16 +225,24 @@ def strategy_latency(model, tokens: torch.Tensor, strategy: str, settings: Strea
 
 def _run_strategy(model, tokens, strategy: str, settings: StreamSettings, targets: range, trained) -> dict:
     if strategy == "recompute":
-        entry = {"nll": recompute_nll(model, tokens, settings.cache_size, targets),
-                 "scored": "re-computation targets only", "cache_bytes": 0}
+        entry = {
+            "nll": recompute_nll(model, tokens, settings.cache_size, targets),
+            "scored": "re-computation targets only",
+            "cache_bytes": 0,
+        }
     else:
         length = _dense_length(tokens, trained) if strategy == "dense" else tokens.numel()
         cache = _make_cache(model, strategy, settings)
-        entry = {"nll": cached_nll(model, tokens[:length], cache, settings.chunk, strategy),
-                 "cache_bytes": cache_bytes(cache)}
+        entry = {
+            "nll": cached_nll(model, tokens[:length], cache, settings.chunk, strategy),
+            "cache_bytes": cache_bytes(cache),
+        }
         if strategy == "dense":
-            entry["stopped"] = (f"stopped at the trained context ({trained} tokens) of a {tokens.numel()}-token "
-                                "stream" if length < tokens.numel() else "whole stream")
+            entry["stopped"] = (
+                f"stopped at the trained context ({trained} tokens) of a {tokens.numel()}-token stream"
+                if length < tokens.numel()
+                else "whole stream"
+            )
         else:
             entry.update(sinks=cache.sinks, window=cache.window)
     entry.update(strategy_latency(model, tokens, strategy, settings, trained))
@@ -227,7 +251,7 @@ def _run_strategy(model, tokens, strategy: str, settings: StreamSettings, target
 
 def attention_sink_mass(model, tokenizer, texts: list[str], length: int = 16) -> list[float]:
     """Per layer: the average attention probability that queries 1..length-1 put on the first token, over
-    `texts` cut to `length` tokens (thesis Fig 1.4's probe, on probabilities rather than logits)."""
+    `texts` cut to `length` tokens (Xiao's thesis Fig 1.4's probe, on probabilities rather than logits)."""
     previous = model.config._attn_implementation
     if previous != SOFTMAX_ONE:  # SoftMax-off-by-one returns its weights; plain softmax needs eager to return them
         model.config._attn_implementation = "eager"
@@ -270,10 +294,21 @@ def plot_stream(results: dict, path, title: str) -> None:
                 memory.plot(positions, [b / 2**20 for b in kv_bytes], label=strategy)
         else:
             start, stop = results["recompute_targets"]
-            quality.scatter([stop], [entry["perplexity"]], marker="*", s=120, color="black",
-                            label=f"recompute (tokens {start}-{stop})", zorder=3)
-            latency.axhline(entry["ms_per_token"], color="black", linestyle="--",
-                            label=f"recompute ({entry['ms_per_token']:.0f} ms)")
+            quality.scatter(
+                [stop],
+                [entry["perplexity"]],
+                marker="*",
+                s=120,
+                color="black",
+                label=f"recompute (tokens {start}-{stop})",
+                zorder=3,
+            )
+            latency.axhline(
+                entry["ms_per_token"],
+                color="black",
+                linestyle="--",
+                label=f"recompute ({entry['ms_per_token']:.0f} ms)",
+            )
     trained = results.get("trained_context")
     if trained:
         quality.axvline(trained, color="gray", linestyle=":", label=f"trained context {trained}")

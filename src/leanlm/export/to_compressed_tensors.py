@@ -43,20 +43,26 @@ def scheme_of(module: nn.Module) -> dict:
     kind = type(module).__name__
     if isinstance(module, W8A8Linear):
         if module.outlier_threshold is not None:
-            raise ConfigError("LLM.int8()'s outlier columns run in float; compressed-tensors has no mixed-precision "
-                              "decomposition")
+            raise ConfigError(
+                "LLM.int8()'s outlier columns run in float; compressed-tensors has no mixed-precision decomposition"
+            )
         if module.asymmetric:
             raise ConfigError("zero-point int8 (LLM.int8()'s zeropoint baseline) is not exported")
         if module.activation == "per_tensor" and not module.static:
-            raise ConfigError("dynamic per-tensor int8 activations (W8A8 O2) have no vLLM kernel: vLLM's int8 W8A8 "
-                              "takes activations dynamic per token or static per tensor; quantize with --level O1 "
-                              "or O3")
+            raise ConfigError(
+                "dynamic per-tensor int8 activations (W8A8 O2) have no vLLM kernel: vLLM's int8 W8A8 "
+                "takes activations dynamic per token or static per tensor; quantize with --level O1 "
+                "or O3"
+            )
         per_tensor = bool((module.weight_scale == module.weight_scale[0]).all())
-        weights = {"num_bits": 8, "type": "int", "symmetric": True,
-                   "strategy": "tensor" if per_tensor else "channel"}
-        activations = {"num_bits": 8, "type": "int", "symmetric": True,
-                       "strategy": "token" if module.activation == "per_token" else "tensor",
-                       "dynamic": not module.static}
+        weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor" if per_tensor else "channel"}
+        activations = {
+            "num_bits": 8,
+            "type": "int",
+            "symmetric": True,
+            "strategy": "token" if module.activation == "per_token" else "tensor",
+            "dynamic": not module.static,
+        }
         return {"weights": weights, "input_activations": activations}
     if isinstance(module, SpQRLinear):
         problems = []
@@ -68,19 +74,25 @@ def scheme_of(module: nn.Module) -> dict:
         if module.bits not in (4, 8):
             problems.append(f"{module.bits}-bit codes (int4 and int8 are written)")
         if not module.per_row and module.in_features % module.group_size:
-            problems.append(f"a last group of {module.in_features % module.group_size} columns ({module.in_features} "
-                            f"input columns in groups of {module.group_size}; compressed-tensors packs whole groups: "
-                            "a --group-size that divides every layer's input columns)")
+            problems.append(
+                f"a last group of {module.in_features % module.group_size} columns ({module.in_features} "
+                f"input columns in groups of {module.group_size}; compressed-tensors packs whole groups: "
+                "a --group-size that divides every layer's input columns)"
+            )
         if not problems and not bool((module.zero == half).all()):
-            problems.append(f"the min-max grid's fractional zeros (compressed-tensors' symmetric grid has zero at "
-                            f"{half}: --grid symmetric)")
+            problems.append(
+                f"the min-max grid's fractional zeros (compressed-tensors' symmetric grid has zero at "
+                f"{half}: --grid symmetric)"
+            )
         if problems:
             raise ConfigError(f"this SpQRLinear has no exact compressed-tensors form: {'; '.join(problems)}")
         strategy = {"strategy": "channel"} if module.per_row else {"strategy": "group", "group_size": module.group_size}
         return {"weights": {"num_bits": module.bits, "type": "int", "symmetric": True, **strategy}}
     if kind == "BmmQuantizer":
-        raise ConfigError("attention's int8 q / k / v products (BmmQuantizer) have no compressed-tensors form (it "
-                          "quantizes the KV cache, never q): quantize with --no-bmm")
+        raise ConfigError(
+            "attention's int8 q / k / v products (BmmQuantizer) have no compressed-tensors form (it "
+            "quantizes the KV cache, never q): quantize with --no-bmm"
+        )
     raise ConfigError(f"{kind} has no compressed-tensors form (k-bit codebooks such as NF4 are not integer grids)")
 
 
@@ -100,16 +112,18 @@ def export_compressed_tensors(source: str | os.PathLike, out: str | os.PathLike)
 
     _require_compressed_tensors()
     if not is_quantized_checkpoint(source):
-        raise ConfigError(f"{source}: compressed-tensors export takes a leanlm quantized checkpoint "
-                          "(leanlm quantize ... --out DIR)")
+        raise ConfigError(
+            f"{source}: compressed-tensors export takes a leanlm quantized checkpoint (leanlm quantize ... --out DIR)"
+        )
     check_output_directory(out)
     loaded, _ = load_quantized(source)
     model = loaded.model
     if attached_cushion(model) is not None:
-        raise ConfigError("this checkpoint carries a CushionCache prefix; compressed-tensors has no place for a "
-                          "prefix KV cache, and without it the int8 activations it protects break")
-    quantized = {name: module for name, module in model.named_modules()
-                 if type(module).__name__ in QUANTIZED_MODULES}
+        raise ConfigError(
+            "this checkpoint carries a CushionCache prefix; compressed-tensors has no place for a "
+            "prefix KV cache, and without it the int8 activations it protects break"
+        )
+    quantized = {name: module for name, module in model.named_modules() if type(module).__name__ in QUANTIZED_MODULES}
     schemes = {name: scheme_of(module) for name, module in quantized.items()}  # every refusal before any work
     distinct = {repr(scheme) for scheme in schemes.values()}
     if len(distinct) != 1:
@@ -121,8 +135,12 @@ def export_compressed_tensors(source: str | os.PathLike, out: str | os.PathLike)
 
 def _write(loaded, quantized: dict, scheme: dict, form: str, out: Path) -> dict:
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 apply_quantization_config)
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
 
     from leanlm.storage import staged_directory
 
@@ -134,12 +152,17 @@ def _write(loaded, quantized: dict, scheme: dict, form: str, out: Path) -> dict:
         if module.bias is not None:
             linear.bias = nn.Parameter(module.bias.float().clone(), requires_grad=False)
         model.set_submodule(name, linear)
-    group = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**scheme["weights"]),
-                               input_activations=QuantizationArgs(**scheme["input_activations"])
-                               if "input_activations" in scheme else None)
+    group = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(**scheme["weights"]),
+        input_activations=QuantizationArgs(**scheme["input_activations"]) if "input_activations" in scheme else None,
+    )
     use_gemv_(model, use=False)  # compressed-tensors targets modules by class name ("Linear")
-    left_float = [name for name, module in model.named_modules()  # lm_head and anything else leanlm kept float
-                  if isinstance(module, nn.Linear) and name not in quantized]
+    left_float = [
+        name
+        for name, module in model.named_modules()  # lm_head and anything else leanlm kept float
+        if isinstance(module, nn.Linear) and name not in quantized
+    ]
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": group}, ignore=left_float))
     for name, module in quantized.items():
         linear = model.get_submodule(name)

@@ -80,8 +80,10 @@ def _bpe_vocabulary(tokenizer, vocab_size: int) -> tuple[str, list[str], list[in
     model = spec.get("model", {})
     byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
     if model.get("type") != "BPE" or model.get("byte_fallback") or not byte_level:
-        raise ConfigError("GGUF export writes a tokenizer only for byte-level BPE (GPT-2's kind); this model's is "
-                          f"{model.get('type', type(tokenizer).__name__)}: export from the GGUF it came from")
+        raise ConfigError(
+            "GGUF export writes a tokenizer only for byte-level BPE (GPT-2's kind); this model's is "
+            f"{model.get('type', type(tokenizer).__name__)}: export from the GGUF it came from"
+        )
     ids = dict(model["vocab"])
     kinds = {}
     for added in spec.get("added_tokens", []):
@@ -90,8 +92,10 @@ def _bpe_vocabulary(tokenizer, vocab_size: int) -> tuple[str, list[str], list[in
     tokens: list[str | None] = [None] * max(vocab_size, max(ids.values()) + 1)
     for text, index in ids.items():
         tokens[index] = text
-    types = [int(kinds.get(index, gguf.TokenType.NORMAL if text is not None else gguf.TokenType.UNUSED))
-             for index, text in enumerate(tokens)]
+    types = [
+        int(kinds.get(index, gguf.TokenType.NORMAL if text is not None else gguf.TokenType.UNUSED))
+        for index, text in enumerate(tokens)
+    ]
     tokens = [text if text is not None else f"[PAD{index}]" for index, text in enumerate(tokens)]
     merges = [" ".join(merge) if isinstance(merge, list) else merge for merge in model.get("merges", [])]
     # A plain ByteLevel pre-tokenizer splits text with GPT-2's pattern, which llama.cpp calls "gpt-2"; any other
@@ -104,12 +108,16 @@ def _bpe_vocabulary(tokenizer, vocab_size: int) -> tuple[str, list[str], list[in
 def _config_metadata_problem(config, table) -> str | None:
     """Why `metadata_from_transformers` cannot describe this model to llama.cpp, or None."""
     if table.gguf_architecture not in _FROM_CONFIG:
-        return (f"GGUF export writes {table.gguf_architecture or table.family} metadata only from the GGUF the model "
-                f"came from (from a transformers config it knows {', '.join(_FROM_CONFIG)})")
+        return (
+            f"GGUF export writes {table.gguf_architecture or table.family} metadata only from the GGUF the model "
+            f"came from (from a transformers config it knows {', '.join(_FROM_CONFIG)})"
+        )
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
-        return (f"rope type {rope['rope_type']!r}: llama.cpp reads its frequencies from a rope_freqs tensor this "
-                "export does not write")
+        return (
+            f"rope type {rope['rope_type']!r}: llama.cpp reads its frequencies from a rope_freqs tensor this "
+            "export does not write"
+        )
     return None
 
 
@@ -154,10 +162,12 @@ def metadata_from_transformers(writer: gguf.GGUFWriter, config, tokenizer, vocab
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    for setter, token_id in ((writer.add_bos_token_id, tokenizer.bos_token_id),
-                             (writer.add_eos_token_id, tokenizer.eos_token_id),
-                             (writer.add_unk_token_id, tokenizer.unk_token_id),
-                             (writer.add_pad_token_id, tokenizer.pad_token_id)):
+    for setter, token_id in (
+        (writer.add_bos_token_id, tokenizer.bos_token_id),
+        (writer.add_eos_token_id, tokenizer.eos_token_id),
+        (writer.add_unk_token_id, tokenizer.unk_token_id),
+        (writer.add_pad_token_id, tokenizer.pad_token_id),
+    ):
         if token_id is not None:
             setter(token_id)
     writer.add_add_bos_token(bool(getattr(tokenizer, "add_bos_token", False)))
@@ -185,17 +195,21 @@ def gguf_block_type(module: nn.Module) -> gguf.GGMLQuantizationType:
     """The GGUF block type that holds a quantized module's weight exactly, or a ConfigError naming why none does."""
     kind = type(module).__name__
     if not isinstance(module, SpQRLinear):
-        raise ConfigError(f"{kind} has no GGUF block type (NF4 / FP4 / dynamic codebooks are not uniform grids; "
-                          "k-bit int blocks keep a float32 absmax, not Q4_0's float16 scale; int8 W8A8 is per "
-                          "channel): quantize with rtn or gptq --grid symmetric --group-size 32")
+        raise ConfigError(
+            f"{kind} has no GGUF block type (NF4 / FP4 / dynamic codebooks are not uniform grids; "
+            "k-bit int blocks keep a float32 absmax, not Q4_0's float16 scale; int8 W8A8 is per "
+            "channel): quantize with rtn or gptq --grid symmetric --group-size 32"
+        )
     problems = []
     if module.statistic_bits is not None or module.outlier_count:
         problems.append("SpQR's quantized statistics and outliers")
     if module.bits not in _BLOCK_TYPES:
         problems.append(f"{module.bits}-bit codes (Q4_0 holds 4, Q8_0 8)")
     if module.per_row or module.group_size != BLOCK:
-        problems.append(f"groups of {module.in_features if module.per_row else module.group_size} (blocks are "
-                        f"{BLOCK}: --group-size {BLOCK})")
+        problems.append(
+            f"groups of {module.in_features if module.per_row else module.group_size} (blocks are "
+            f"{BLOCK}: --group-size {BLOCK})"
+        )
     if module.permutation is not None:
         problems.append("act-order columns (a block is 32 consecutive columns: --static-groups or --no-act-order)")
     half = 2 ** (module.bits - 1)
@@ -215,7 +229,7 @@ def gguf_blocks(module: nn.Module) -> tuple[np.ndarray, gguf.GGMLQuantizationTyp
     codes = unpack(module.codes, module.bits, rows * columns, module.code_layout).reshape(rows, columns // BLOCK, BLOCK)
     scales = module.scale.numpy().astype(np.float16).view(np.uint8).reshape(rows, columns // BLOCK, 2)
     if module.bits == 4:  # 16 bytes: weight j in the low nibble of byte j, weight j + 16 in its high nibble
-        values = (codes[..., :BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)).numpy()
+        values = (codes[..., : BLOCK // 2] | (codes[..., BLOCK // 2 :] << 4)).numpy()
     else:  # 32 signed bytes: code - 128
         values = (codes.to(torch.int16) - half).to(torch.int8).numpy().view(np.uint8)
     blocks = np.concatenate([scales, values], axis=-1).reshape(rows, -1)
@@ -241,20 +255,26 @@ def export_gguf(source: str | os.PathLike, out: str | os.PathLike, file_type: st
         _, tokenizer, vocabulary = transformers_vocabulary(Path(source))
     loaded = load_any(source)
     if attached_cushion(loaded.model) is not None:
-        raise ConfigError("this checkpoint carries a CushionCache prefix; a GGUF file has no place for a prefix "
-                          "KV cache, and without it the int8 activations it protects break")
+        raise ConfigError(
+            "this checkpoint carries a CushionCache prefix; a GGUF file has no place for a prefix "
+            "KV cache, and without it the int8 activations it protects break"
+        )
     config = loaded.model.config
     table = loaded.table
     architecture = original.fields["general.architecture"].contents() if original else table.gguf_architecture
     if table.gguf_architecture != architecture or architecture is None:
-        raise ConfigError(f"GGUF export knows the layout of {table.family} as {table.gguf_architecture!r}, not the "
-                          f"source file's {architecture!r}" if table.gguf_architecture else
-                          f"GGUF export does not know the {table.family} layout")
+        raise ConfigError(
+            f"GGUF export knows the layout of {table.family} as {table.gguf_architecture!r}, not the "
+            f"source file's {architecture!r}"
+            if table.gguf_architecture
+            else f"GGUF export does not know the {table.family} layout"
+        )
     names = gguf_tensor_names(loaded.model)
     tensor_type, llama_file_type = FILE_TYPES[file_type]
     modules = dict(loaded.model.named_modules())
-    quantized = {name: gguf_block_type(module) for name, module in modules.items()
-                 if type(module).__name__ in QUANTIZED_MODULES}  # every refusal before anything is written
+    quantized = {
+        name: gguf_block_type(module) for name, module in modules.items() if type(module).__name__ in QUANTIZED_MODULES
+    }  # every refusal before anything is written
     block_types = sorted({kind.name for kind in quantized.values()})
     if len(block_types) == 1:  # the file type llama.cpp reports: the blocks' own where they are all one kind
         llama_file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{block_types[0]}")
@@ -285,8 +305,9 @@ def export_gguf(source: str | os.PathLike, out: str | os.PathLike, file_type: st
             if key.startswith("GGUF.") or key in _NOT_CARRIED:
                 continue
             kind = field.types[0]
-            writer.add_key_value(key, field.contents(), kind,
-                                 sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+            writer.add_key_value(
+                key, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            )
     else:
         pre = metadata_from_transformers(writer, config, tokenizer, vocabulary, Path(str(source)).name)
         metadata = f"written from the config and tokenizer (pre-tokenizer {pre!r})"
@@ -321,8 +342,14 @@ def export_gguf(source: str | os.PathLike, out: str | os.PathLike, file_type: st
         partial.unlink(missing_ok=True)
         raise
     os.replace(partial, out)  # the file appears only when complete
-    return {"path": str(out), "file_type": file_type, "tensors": len(plan), "block_types": block_types,
-            "bytes": out.stat().st_size, "metadata": metadata}
+    return {
+        "path": str(out),
+        "file_type": file_type,
+        "tensors": len(plan),
+        "block_types": block_types,
+        "bytes": out.stat().st_size,
+        "metadata": metadata,
+    }
 
 
 def _tensors(model: nn.Module, quantized: dict):

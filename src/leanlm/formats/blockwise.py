@@ -1,4 +1,4 @@
-"""Block-wise k-bit quantization (thesis eq. 3.1) with optional double quantization of the block constants
+"""Block-wise k-bit quantization (Dettmers' thesis eq. 3.1) with optional double quantization of the block constants
 (QLoRA section 5.2), and the exact bits-per-parameter account of every configuration.
 
 Blocking views the tensor as one flat sequence cut into blocks of `block_size` values (the last block may be
@@ -62,13 +62,19 @@ def _quantize_flat(flat: torch.Tensor, codebook: Codebook, block_size: int) -> t
     step = max(1, _CHUNK_VALUES // block_size) * block_size
     for start in range(0, flat.numel(), step):
         stop = min(start + step, flat.numel())
-        _quantize_chunk(flat[start:stop], codebook, block_size, codes[start:stop],
-                        absmax[start // block_size: -(-stop // block_size)])
+        _quantize_chunk(
+            flat[start:stop],
+            codebook,
+            block_size,
+            codes[start:stop],
+            absmax[start // block_size : -(-stop // block_size)],
+        )
     return codes, absmax
 
 
-def _quantize_chunk(flat: torch.Tensor, codebook: Codebook, block_size: int, codes: torch.Tensor,
-                    absmax: torch.Tensor) -> None:
+def _quantize_chunk(
+    flat: torch.Tensor, codebook: Codebook, block_size: int, codes: torch.Tensor, absmax: torch.Tensor
+) -> None:
     """Quantize `flat` (whole blocks, but for a shorter last one) into `codes` and `absmax`."""
     full = flat.numel() - flat.numel() % block_size
     torch.amax(flat[:full].reshape(-1, block_size).abs(), dim=1, out=absmax[: full // block_size])
@@ -78,9 +84,12 @@ def _quantize_chunk(flat: torch.Tensor, codebook: Codebook, block_size: int, cod
     # in place.
     inverse = 1.0 / absmax.clamp(min=_TINY)
     normalized = torch.empty_like(flat)
-    torch.mul(flat[:full].reshape(-1, block_size), inverse[: full // block_size, None],
-              out=normalized[:full].view(-1, block_size))
-    torch.mul(flat[full:], inverse[full // block_size:], out=normalized[full:])
+    torch.mul(
+        flat[:full].reshape(-1, block_size),
+        inverse[: full // block_size, None],
+        out=normalized[:full].view(-1, block_size),
+    )
+    torch.mul(flat[full:], inverse[full // block_size :], out=normalized[full:])
     codebook.nearest(normalized.clamp_(-1, 1), out=codes)
 
 
@@ -107,12 +116,15 @@ def quantize_blockwise(
     return result
 
 
-def bits_per_parameter(bits: int, block_size: int, double_quant: bool, outlier_fraction: float = 0.0,
-                       constant_bits: int = 32) -> float:
+def bits_per_parameter(
+    bits: int, block_size: int, double_quant: bool, outlier_fraction: float = 0.0, constant_bits: int = 32
+) -> float:
     """Exact storage per weight: k-bit codes, the block constants (float32, or 8-bit + float32 per 256 blocks
     with double quantization, plus one float32 mean per tensor, which vanishes per parameter) and 16-bit
     outlier columns kept aside at `outlier_fraction` (proxy quantization). leanlm keeps the k-bit codes of those
-    columns (as zeros) so the packed layout stays regular: +16p, where the thesis' account, which drops them,
+    columns (as zeros) so the packed layout stays regular: +16p, where Dettmers' thesis' account, which drops them,
     has +p(16 - k). The codebook and the column indices (32 bits per column, not per weight) are left out."""
-    constants = (8 / block_size + 32 / (block_size * SECOND_LEVEL_BLOCK)) if double_quant else constant_bits / block_size
+    constants = (
+        (8 / block_size + 32 / (block_size * SECOND_LEVEL_BLOCK)) if double_quant else constant_bits / block_size
+    )
     return bits + constants + outlier_fraction * 16

@@ -1,5 +1,5 @@
 """k-bit data types as normalized codebooks: 2^k values in [-1, 1]; a block of weights divided by its absmax is
-mapped to the nearest value (thesis eq. 3.1). Codes are indices into `values`.
+mapped to the nearest value (Dettmers' thesis eq. 3.1). Codes are indices into `values`.
 
 - integer: k-bit signed integers; symmetric (2^k - 1 levels with an exact zero, one code unused) or asymmetric
   (all 2^k levels, -2^(k-1)..2^(k-1)-1 scaled by 2^(k-1), so +1 is missing).
@@ -14,7 +14,7 @@ mapped to the nearest value (thesis eq. 3.1). Codes are indices into `values`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -55,8 +55,9 @@ class Codebook:
                 if step:
                     codes.sub_((flat <= midpoint).view(torch.uint8), alpha=step)
         else:  # int32 positions into a uint8 table: 4 bytes a value of temporaries, not 16 for int64 positions
-            codes = torch.index_select(order.to(torch.uint8), 0, torch.bucketize(flat, midpoints, out_int32=True),
-                                       out=out)
+            codes = torch.index_select(
+                order.to(torch.uint8), 0, torch.bucketize(flat, midpoints, out_int32=True), out=out
+            )
         return codes if out is not None else codes.reshape(normalized.shape)
 
 
@@ -85,7 +86,9 @@ def floating(exponent_bits: int, mantissa_bits: int) -> Codebook:
             fraction = mantissa / 2**mantissa_bits
             # exponent field 0: subnormal 0.m x 2^(1 - bias); otherwise 1.m x 2^(e - bias); bias = 2^(E-1) - 1
             bias = 2 ** (exponent_bits - 1) - 1
-            magnitudes.append(fraction * 2.0 ** (1 - bias) if exponent == 0 else (1 + fraction) * 2.0 ** (exponent - bias))
+            magnitudes.append(
+                fraction * 2.0 ** (1 - bias) if exponent == 0 else (1 + fraction) * 2.0 ** (exponent - bias)
+            )
     magnitudes = torch.tensor(magnitudes)
     values = torch.cat([magnitudes, -magnitudes]) / magnitudes.max()  # sign bit on top: codes >= 2^(k-1) negative
     return Codebook(f"fp{bits}_e{exponent_bits}m{mantissa_bits}", bits, values)
@@ -126,22 +129,60 @@ def dynamic_exponent(bits: int, signed: bool = True) -> Codebook:
 # bitsandbytes' FP4 as its kernels index it (sign bit on top, then e2m1 with its own subnormal 0.0625 / 12):
 # the same codes as `floating(2, 1)` up to that subnormal, kept for bit-exact checkpoints.
 FP4_BITSANDBYTES = Codebook(
-    "fp4_bnb", 4,
-    torch.tensor([0.0, 0.0625 / 12, 2 / 3, 1.0, 1 / 3, 0.5, 1 / 6, 0.25,
-                  -0.0, -0.0625 / 12, -2 / 3, -1.0, -1 / 3, -0.5, -1 / 6, -0.25]),
+    "fp4_bnb",
+    4,
+    torch.tensor(
+        [
+            0.0,
+            0.0625 / 12,
+            2 / 3,
+            1.0,
+            1 / 3,
+            0.5,
+            1 / 6,
+            0.25,
+            -0.0,
+            -0.0625 / 12,
+            -2 / 3,
+            -1.0,
+            -1 / 3,
+            -0.5,
+            -1 / 6,
+            -0.25,
+        ]
+    ),
 )
 # NF4 exactly as published with QLoRA (float32). `normal_float(4)` rebuilds it to within 2e-7; the published
 # constants are used so that codes agree bit for bit with existing NF4 checkpoints and with bitsandbytes.
-NF4 = Codebook("nf4", 4, torch.tensor([
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-]))
+NF4 = Codebook(
+    "nf4",
+    4,
+    torch.tensor(
+        [
+            -1.0,
+            -0.6961928009986877,
+            -0.5250730514526367,
+            -0.39491748809814453,
+            -0.28444138169288635,
+            -0.18477343022823334,
+            -0.09105003625154495,
+            0.0,
+            0.07958029955625534,
+            0.16093020141124725,
+            0.24611230194568634,
+            0.33791524171829224,
+            0.44070982933044434,
+            0.5626170039176941,
+            0.7229568362236023,
+            1.0,
+        ]
+    ),
+)
 DYNAMIC8 = dynamic_exponent(8)  # the map of double quantization's second level (and of 8-bit Adam's 1st moment)
 DYNAMIC8_UNSIGNED = dynamic_exponent(8, signed=False)  # 8-bit Adam's 2nd moment
 
 
-@lru_cache(maxsize=None)
+@cache
 def codebook(dtype: str, bits: int, exponent_bits: int | None = None) -> Codebook:
     """The codebook for a data-type name: int, int_asym, fp (with `exponent_bits`; default half of the non-sign
     bits, rounded up: e2m1 at 4 bits, e4m3 at 8), nf, dynamic."""

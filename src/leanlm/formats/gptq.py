@@ -1,4 +1,4 @@
-"""The GPTQ / SpQR weight solver (thesis ch. 4): quantize one weight matrix column by column, feeding each column's
+"""The GPTQ / SpQR weight solver (Dettmers' thesis ch. 4): quantize one weight matrix column by column, feeding each column's
 error forward into the columns not yet quantized through the inverse Hessian of the layer's inputs.
 
 One solver serves three methods:
@@ -24,8 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from leanlm.errors import ConfigError
-from leanlm.formats.minmax import (GRIDS, dequantize_minmax, fit_minmax, quantize_minmax, round_trip_minmax,
-                                   search_symmetric)
+from leanlm.formats.minmax import (
+    GRIDS,
+    dequantize_minmax,
+    fit_minmax,
+    quantize_minmax,
+    round_trip_minmax,
+    search_symmetric,
+)
 
 FLOAT16_MAX = 65504.0
 
@@ -77,8 +83,10 @@ class SolverSettings:
         if self.static_groups and self.outlier_threshold is not None:
             raise ConfigError("static groups are fitted once, before solving; SpQR's outlier search refits them")
         if self.grid != "minmax" and (self.statistic_bits is not None or self.outlier_threshold is not None):
-            raise ConfigError(f"the {self.grid} grid keeps float16 statistics and no outliers (SpQR's quantized "
-                              "statistics and outlier search are min-max only)")
+            raise ConfigError(
+                f"the {self.grid} grid keeps float16 statistics and no outliers (SpQR's quantized "
+                "statistics and outlier search are min-max only)"
+            )
 
 
 @dataclass
@@ -134,8 +142,9 @@ def _leave_one_out_outliers(group: torch.Tensor, diagonal: torch.Tensor, bits: i
     return (base - loo) > threshold
 
 
-def _group_statistics(group: torch.Tensor, outliers: torch.Tensor, settings: SolverSettings,
-                      importance: torch.Tensor | None = None) -> tuple[QuantizedStatistic, QuantizedStatistic]:
+def _group_statistics(
+    group: torch.Tensor, outliers: torch.Tensor, settings: SolverSettings, importance: torch.Tensor | None = None
+) -> tuple[QuantizedStatistic, QuantizedStatistic]:
     """Statistics of a group, fitted without its outliers (replaced by the mean of the row's others);
     `importance` (one weight per column: the Hessian's diagonal) weighs the scale search."""
     if outliers.any():
@@ -156,36 +165,45 @@ def inverse_hessian_factor(hessian: torch.Tensor, damping: float, overwrite: boo
     try:
         lower = torch.linalg.cholesky(damped)
     except torch.linalg.LinAlgError as error:
-        raise ConfigError(f"the Hessian is not positive definite even with damping {damping}; raise the damping "
-                          "or give more calibration samples") from error
+        raise ConfigError(
+            f"the Hessian is not positive definite even with damping {damping}; raise the damping "
+            "or give more calibration samples"
+        ) from error
     del damped
     inverse = torch.cholesky_inverse(lower)
     del lower  # at most three in_features^2 matrices at once: 2.5 GB for an 8B model's down_proj
     return torch.linalg.cholesky(inverse, upper=True)
 
 
-def _round_to_nearest(W: torch.Tensor, group: int, settings: SolverSettings,
-                      importance: torch.Tensor | None = None) -> SolvedWeight:
+def _round_to_nearest(
+    W: torch.Tensor, group: int, settings: SolverSettings, importance: torch.Tensor | None = None
+) -> SolvedWeight:
     """RTN without outliers: what the column loop of `solve` gives with no feedback, one group at a time
     (`importance`: one weight per column for the scale search)."""
     rows, columns = W.shape
     codes = torch.zeros(rows, columns, dtype=torch.uint8)
     scales, zeros = [], []
     for start in range(0, columns, group):
-        values = W[:, start:start + group]
-        weights = None if importance is None else importance[start:start + group]
+        values = W[:, start : start + group]
+        weights = None if importance is None else importance[start : start + group]
         scale, zero = _group_statistics(values, torch.zeros_like(values, dtype=torch.bool), settings, weights)
         q = quantize_minmax(values, scale.values, zero.values, settings.bits)
-        codes[:, start:start + group] = q.to(torch.uint8)
-        W[:, start:start + group] = dequantize_minmax(q, scale.values, zero.values)
+        codes[:, start : start + group] = q.to(torch.uint8)
+        W[:, start : start + group] = dequantize_minmax(q, scale.values, zero.values)
         scales.append(scale)
         zeros.append(zero)
     nothing = torch.zeros(rows, columns, dtype=torch.bool)
     return SolvedWeight(codes, scales, zeros, None, nothing, torch.zeros(rows, columns), W)
 
 
-def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSettings, *,
-          overwrite_hessian: bool = False, importance: torch.Tensor | None = None) -> SolvedWeight:
+def solve(
+    weight: torch.Tensor,
+    hessian: torch.Tensor | None,
+    settings: SolverSettings,
+    *,
+    overwrite_hessian: bool = False,
+    importance: torch.Tensor | None = None,
+) -> SolvedWeight:
     """Quantize `weight` (out, in) given the Hessian of its inputs (in, in); None or RTN settings: no feedback.
     `overwrite_hessian`: the caller is done with `hessian` (a float32 tensor), which is then worked on in place
     instead of copied (an 8B model's down_proj has a 0.8 GB one). `importance` (RTN only): the Hessian's diagonal
@@ -198,8 +216,9 @@ def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSe
         if settings.error_feedback or settings.outlier_threshold is not None:
             raise ConfigError("an importance vector weighs RTN's scale search; GPTQ and SpQR take the Hessian")
         if importance.shape != (columns,):
-            raise ConfigError(f"importance of shape {tuple(importance.shape)} does not fit a weight with {columns} "
-                              "input columns")
+            raise ConfigError(
+                f"importance of shape {tuple(importance.shape)} does not fit a weight with {columns} input columns"
+            )
     if not settings.error_feedback and settings.outlier_threshold is None:  # RTN: no Hessian, no factor
         return _round_to_nearest(W, settings.group_size or columns, settings, importance)
     if not settings.error_feedback:
@@ -219,8 +238,15 @@ def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSe
     static = None
     if settings.static_groups and settings.error_feedback:
         unmasked = torch.zeros(rows, group, dtype=torch.bool)
-        static = [_group_statistics(W[:, start:start + group], unmasked[:, : min(group, columns - start)], settings,
-                                    H.diagonal()[start:start + group]) for start in range(0, columns, group)]
+        static = [
+            _group_statistics(
+                W[:, start : start + group],
+                unmasked[:, : min(group, columns - start)],
+                settings,
+                H.diagonal()[start : start + group],
+            )
+            for start in range(0, columns, group)
+        ]
     permutation = None
     if settings.act_order and settings.error_feedback:
         permutation = torch.argsort(H.diagonal(), descending=True)
@@ -259,7 +285,7 @@ def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSe
                 scale, zero = static[(int(permutation[j]) if permutation is not None else j) // group]
             elif j % group == 0:
                 stop = min(j + group, columns)
-                values = lazy[local:stop - start].T.contiguous()
+                values = lazy[local : stop - start].T.contiguous()
                 if threshold is not None:
                     outliers[:, j:stop] |= _leave_one_out_outliers(values, diagonal[j:stop], settings.bits, threshold)
                 scale, zero = _group_statistics(values, outliers[:, j:stop], settings, h_diagonal[j:stop])
@@ -275,7 +301,7 @@ def solve(weight: torch.Tensor, hessian: torch.Tensor | None, settings: SolverSe
                 kept = torch.where(outliers[:, j], kept + residuals[:, j], kept)
             error = torch.div(w - kept, diagonal[j], out=errors[local])
             lazy[local] = kept
-            lazy[local + 1:] -= U[j, j + 1:end][:, None] * error[None, :]
+            lazy[local + 1 :] -= U[j, j + 1 : end][:, None] * error[None, :]
         W[:, start:end] = lazy.T
         codes[:, start:end] = block_codes.T
         W[:, end:] -= errors.T.contiguous() @ U[start:end, end:]

@@ -36,8 +36,9 @@ def fit_symmetric(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     return scale, torch.full_like(scale, float(half))
 
 
-def search_symmetric(x: torch.Tensor, bits: int, importance: torch.Tensor | None = None,
-                     steps: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+def search_symmetric(
+    x: torch.Tensor, bits: int, importance: torch.Tensor | None = None, steps: int = 9
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero) of the symmetric grid with each slice's scale chosen by weighted squared error, as
     llama.cpp's importance-matrix quantizer chooses a block's: for 2 * steps + 1 candidate rounding scales
     (the rule's -2^(b-1) / extreme, moved by tenths of a code), round, take the least-squares scale of those codes

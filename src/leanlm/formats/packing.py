@@ -19,7 +19,6 @@ import torch
 
 from leanlm.errors import ConfigError
 
-
 CodeLayout = Literal["stream", "planes"]
 PLANE_CHUNK = 64  # codes per chunk of the planes layout (24 bytes)
 

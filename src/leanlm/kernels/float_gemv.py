@@ -51,9 +51,14 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     weight, no autograd, the kernels built); None where it does not, for the caller's usual path. The result
     has x's dtype."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if (not 1 <= rows <= MAX_ROWS or weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) or weight.is_meta
-            or compiled_kernels() is None):
+    if (
+        not 1 <= rows <= MAX_ROWS
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or weight.dim() != 2
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        or weight.is_meta
+        or compiled_kernels() is None
+    ):
         return None
     out = compiled_kernels().float_gemv(x.reshape(rows, -1).float().contiguous(), weight.contiguous(), 0)
     if bias is not None:

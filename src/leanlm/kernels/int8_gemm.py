@@ -40,7 +40,7 @@ def default_backend() -> Backend:
 @dataclass
 class PackedInt8Weight:
     """fbgemm's pre-packed int8 weight: a copy in its own layout, which becomes the only copy a layer keeps (the
-    plain int8 tensor is released, issue 24); `unpacked` gives it back exactly. The bias is not packed in: a
+    plain int8 tensor is released); `unpacked` gives it back exactly. The bias is not packed in: a
     per-token scale must be applied before the bias is added, and one packed copy serves every path. Derived
     data: rebuilt from the int8 weight, never saved."""
 
@@ -63,9 +63,15 @@ class PackedInt8Weight:
 _GEMM = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
 
 
-def int8_gemv(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-              input_scale: float | None = None, outlier_threshold: float | None = None,
-              isa: str = "auto") -> torch.Tensor:
+def int8_gemv(
+    x: torch.Tensor,
+    weight_int8: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: float | None = None,
+    outlier_threshold: float | None = None,
+    isa: str = "auto",
+) -> torch.Tensor:
     """One token x (1, K) float32 times the int8 weight (N, K): x quantized with the calibrated `input_scale`
     (static) or its own absmax (dynamic: per token and per tensor are one scale here), LLM.int8()'s
     |x| >= outlier_threshold positions multiplied in float. (1, N) float32, `int8_linear`'s result. `isa`: auto or
@@ -75,9 +81,15 @@ def int8_gemv(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Te
         raise ConfigError("leanlm's CPU kernels are not available on this machine (see the warning logged)")
     if isa != "auto" and isa not in INT8_ISA_CODES:
         raise ConfigError(f"unknown W8A8 kernel {isa!r}; choose auto or one of {', '.join(INT8_ISA_CODES)}")
-    return extension.w8a8_gemv(x.float().contiguous(), weight_int8.contiguous(), weight_scale.float().contiguous(),
-                               bias, float(input_scale or 0.0), float(outlier_threshold or 0.0),
-                               INT8_ISA_CODES.get(isa, 0))
+    return extension.w8a8_gemv(
+        x.float().contiguous(),
+        weight_int8.contiguous(),
+        weight_scale.float().contiguous(),
+        bias,
+        float(input_scale or 0.0),
+        float(outlier_threshold or 0.0),
+        INT8_ISA_CODES.get(isa, 0),
+    )
 
 
 def pack_weight(weight_int8: torch.Tensor, weight_scale: torch.Tensor, weight_zero_point: int = 0) -> PackedInt8Weight:
@@ -125,8 +137,9 @@ def int8_linear(
     # Per tensor, the op is handed whole steps of s, so its scaling stays acc * (s * s_w), the one-token kernel's;
     # per token, bare codes scaled after.
     per_tensor = x_scale.numel() == 1
-    codes = rounded_codes(x, x_scale, x_zero_point, rescale=per_tensor, overwrite_input=overwrite_input,
-                          compiled=compiled_rounding)
+    codes = rounded_codes(
+        x, x_scale, x_zero_point, rescale=per_tensor, overwrite_input=overwrite_input, compiled=compiled_rounding
+    )
     if per_tensor:
         out = _GEMM(codes, float(x_scale), 128 + x_zero_point, packed.params)
     else:
@@ -134,8 +147,15 @@ def int8_linear(
     return out.add_(bias) if bias is not None else out
 
 
-def rounded_codes(x: torch.Tensor, x_scale: torch.Tensor, x_zero_point: int = 0, *, rescale: bool,
-                  overwrite_input: bool = False, compiled: bool = True) -> torch.Tensor:
+def rounded_codes(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    x_zero_point: int = 0,
+    *,
+    rescale: bool,
+    overwrite_input: bool = False,
+    compiled: bool = True,
+) -> torch.Tensor:
     """x's int8 codes, clamp(round(x / s) + z, -128, 127) - z (half to even), as float32 (times s if `rescale`).
     One C++ pass (`round_to_int8_codes`) where the kernels are built, else the PyTorch ops it equals bit for bit
     (its oracle, tested), which pass over x six times (`benchmarks/w8a8_speed.py --only rounding` times both)."""

@@ -70,10 +70,14 @@ def compiled_kernels():
         with open(directory / "build.flock", "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
             (directory / "lock").unlink(missing_ok=True)
-            return cpp_extension.load(name="leanlm_kbit4", sources=[str(_SOURCE)], build_directory=str(directory),
-                                      extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp",
-                                                    "-ffp-contract=off"],
-                                      extra_ldflags=["-fopenmp"], verbose=False)
+            return cpp_extension.load(
+                name="leanlm_kbit4",
+                sources=[str(_SOURCE)],
+                build_directory=str(directory),
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as error:  # no compiler, no headers: the reference path still works
         _log.warning("k-bit kernel could not be built (%s); using the reference path", str(error).splitlines()[0])
         return None
@@ -166,9 +170,15 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.to(torch.int8), scale
 
 
-def reference_int8_activations(x: torch.Tensor, packed: torch.Tensor, constants: "BlockConstants",
-                               table: torch.Tensor | None, out_features: int, block_size: int,
-                               bits: int = 4) -> torch.Tensor:
+def reference_int8_activations(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    constants: BlockConstants,
+    table: torch.Tensor | None,
+    out_features: int,
+    block_size: int,
+    bits: int = 4,
+) -> torch.Tensor:
     """The int8 kernel's oracle in plain PyTorch: x quantized per chunk, the 3- or 4-bit code book rounded to int8
     (8-bit codes are int8 values already), the dot product of each chunk (or of each block, where blocks are
     smaller) exact (int64), then scaled by the block constant and the chunk's scale (in float64)."""
@@ -181,8 +191,9 @@ def reference_int8_activations(x: torch.Tensor, packed: torch.Tensor, constants:
     part = min(block_size, INT8_CHUNK)  # columns of one exact dot product: one weight and one x scale
     weight_codes = weight_codes.reshape(out_features, -1, part)
     dots = torch.einsum("mck,nck->mnc", codes.reshape(x.shape[0], -1, part).long(), weight_codes.long())  # exact
-    weight_scale = constants.dense().double().reshape(out_features, -1).repeat_interleave(
-        block_size // part, dim=1) * inverse
+    weight_scale = (
+        constants.dense().double().reshape(out_features, -1).repeat_interleave(block_size // part, dim=1) * inverse
+    )
     x_scale = x_scale.double().repeat_interleave(INT8_CHUNK // part, dim=1)
     return (dots.double() * weight_scale[None] * x_scale[:, None, :]).sum(dim=2).float()
 
@@ -219,7 +230,7 @@ class BlockConstants:
         """The double-quantized constants of block numbers `blocks` (any shape), in float32."""
         return self.code_values[self.absmax[blocks].long()] * self.scales[blocks // self.group] + self.offset
 
-    def decoded_once(self) -> "BlockConstants":
+    def decoded_once(self) -> BlockConstants:
         """These constants in float32, decoded by the C++ kernel (`dense()` is its oracle, bit for bit): kernels
         then read them without decoding one per block, for 0.5 bits a weight (blocks of 64) more memory."""
         if self.scales is None:
@@ -229,8 +240,12 @@ class BlockConstants:
     def kernel_arguments(self) -> dict:
         if self.scales is None:
             return {}
-        return {"dq_scales": self.scales, "dq_values": self.code_values, "dq_offset": self.offset,
-                "dq_group": self.group}
+        return {
+            "dq_scales": self.scales,
+            "dq_values": self.code_values,
+            "dq_offset": self.offset,
+            "dq_group": self.group,
+        }
 
 
 class SparseRows:
@@ -243,8 +258,9 @@ class SparseRows:
         self.rows = torch.repeat_interleave(torch.arange(shape[0]), self.row_offsets.diff())
         with warnings.catch_warnings():  # "sparse CSR support is in beta": the ops used here are stable
             warnings.simplefilter("ignore", UserWarning)
-            self.matrix = torch.sparse_csr_tensor(self.row_offsets, self.columns, self.values, shape,
-                                                  check_invariants=False)
+            self.matrix = torch.sparse_csr_tensor(
+                self.row_offsets, self.columns, self.values, shape, check_invariants=False
+            )
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, K) float32 times the sparse part, transposed: (M, N)."""
@@ -253,8 +269,9 @@ class SparseRows:
     def add_to(self, tile: torch.Tensor, first_row: int) -> None:
         """Adds the entries of rows first_row .. first_row + len(tile) into `tile` (float32, those rows)."""
         start, end = int(self.row_offsets[first_row]), int(self.row_offsets[first_row + tile.shape[0]])
-        tile.index_put_((self.rows[start:end] - first_row, self.columns[start:end]), self.values[start:end],
-                        accumulate=True)
+        tile.index_put_(
+            (self.rows[start:end] - first_row, self.columns[start:end]), self.values[start:end], accumulate=True
+        )
 
 
 def prefill_dtype(activations: torch.dtype) -> torch.dtype:
@@ -300,17 +317,39 @@ def kbit_linear(
     if extension is None:
         raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
     x = x.contiguous()
-    int8 = isa in INT8_ISA_CODES or (isa == "auto" and int8_activations and x.shape[0] <= SMALL_M
-                                        and supports_int8_activations(block_size, in_features, bits))
+    int8 = isa in INT8_ISA_CODES or (
+        isa == "auto"
+        and int8_activations
+        and x.shape[0] <= SMALL_M
+        and supports_int8_activations(block_size, in_features, bits)
+    )
     # 3- and 8-bit codes have no float-activation GEMV: outside the int8 kernel they take the tiles at any M
     small = int8 or bits == 4 and x.shape[0] <= SMALL_M
     if int8:
         values, inverse = int8_kernel_table(table, bits)
-        out = extension.kbit_gemv_int8(x, packed, constants.absmax, values, inverse, out_features, block_size, bits,
-                                       INT8_ISA_CODES.get(isa, 0), **constants.kernel_arguments())
+        out = extension.kbit_gemv_int8(
+            x,
+            packed,
+            constants.absmax,
+            values,
+            inverse,
+            out_features,
+            block_size,
+            bits,
+            INT8_ISA_CODES.get(isa, 0),
+            **constants.kernel_arguments(),
+        )
     elif small:
-        out = extension.kbit4_gemv(x, packed, constants.absmax, table, out_features, block_size, _ISA_CODES[isa],
-                                   **constants.kernel_arguments())
+        out = extension.kbit4_gemv(
+            x,
+            packed,
+            constants.absmax,
+            table,
+            out_features,
+            block_size,
+            _ISA_CODES[isa],
+            **constants.kernel_arguments(),
+        )
     else:
         # Computed as out^T = W x^T, so that each tile's result is a contiguous block of rows; the table is the
         # code book in float32 (3 bits: 8 entries padded to 16; 8 bits: 256). In bfloat16 (a model
@@ -324,8 +363,9 @@ def kbit_linear(
         rounded = scratch if compute_dtype == torch.float32 else torch.empty_like(scratch, dtype=compute_dtype)
         for first in range(0, out_features, TILE_ROWS):
             tile = scratch[: min(TILE_ROWS, out_features - first)]
-            extension.dequantize_rows(packed, constants.absmax, table, block_size, first, tile,
-                                      **constants.kernel_arguments(), bits=bits)
+            extension.dequantize_rows(
+                packed, constants.absmax, table, block_size, first, tile, **constants.kernel_arguments(), bits=bits
+            )
             if block_offsets is not None:
                 blocks = tile.view(tile.shape[0], -1, block_size)
                 blocks += block_offsets[first : first + tile.shape[0], :, None]
@@ -341,8 +381,14 @@ def kbit_linear(
     return out.add_(bias) if bias is not None else out
 
 
-def dequantize_weight(packed: torch.Tensor, absmax: torch.Tensor | BlockConstants, table: torch.Tensor,
-                      out_features: int, in_features: int, block_size: int) -> torch.Tensor:
+def dequantize_weight(
+    packed: torch.Tensor,
+    absmax: torch.Tensor | BlockConstants,
+    table: torch.Tensor,
+    out_features: int,
+    in_features: int,
+    block_size: int,
+) -> torch.Tensor:
     """The whole (out, in) float32 weight, decoded by the kernel (the backward pass of a frozen k-bit layer)."""
     extension = compiled_kernels()
     if extension is None:

@@ -17,8 +17,9 @@ block in float at a time.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, ContextManager, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,12 +31,15 @@ BlockVisitor = Callable[[int, nn.Module], Any]
 
 
 @contextmanager
-def observe_inputs(modules: Iterable[tuple[Any, nn.Module]], observer: Callable[[Any, torch.Tensor], None]
-                   ) -> Iterator[None]:
+def observe_inputs(
+    modules: Iterable[tuple[Any, nn.Module]], observer: Callable[[Any, torch.Tensor], None]
+) -> Iterator[None]:
     """While active, `observer(key, x)` sees the first positional input of each (key, module) on every forward
     (not detached: prefix tuning needs its gradient)."""
-    handles = [module.register_forward_pre_hook(lambda module, args, key=key: observer(key, args[0]))
-               for key, module in modules]
+    handles = [
+        module.register_forward_pre_hook(lambda module, args, key=key: observer(key, args[0]))
+        for key, module in modules
+    ]
     try:
         yield
     finally:
@@ -98,7 +102,7 @@ class ResidentBlocks:
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def inputs(self) -> ContextManager:
+    def inputs(self) -> AbstractContextManager:
         """Active while the calibration windows enter the model: what they pass through before the blocks must
         be there then (in memory it always is)."""
         return nullcontext()
@@ -115,10 +119,16 @@ class ResidentBlocks:
         """`block` is done (`quantize_block` returned `result`); `hidden` holds the next block's inputs."""
 
 
-def walk_blocks(model: nn.Module, batches: torch.Tensor | None, *,
-                observe: Callable[[int, nn.Module], ContextManager] | None = None,
-                quantize_block: BlockVisitor | None = None, feed_quantized: bool | None = None,
-                source: ResidentBlocks | None = None, desc: str = "blocks") -> list:
+def walk_blocks(
+    model: nn.Module,
+    batches: torch.Tensor | None,
+    *,
+    observe: Callable[[int, nn.Module], AbstractContextManager] | None = None,
+    quantize_block: BlockVisitor | None = None,
+    feed_quantized: bool | None = None,
+    source: ResidentBlocks | None = None,
+    desc: str = "blocks",
+) -> list:
     """Run `batches` (windows, seq_len) through `model` block by block: `observe(index, block)` is active while
     the float block runs on every window; `quantize_block(index, block)` may then change the block. The next
     block reads the quantized block's outputs (`feed_quantized`, the default when there is a `quantize_block`:
@@ -135,8 +145,9 @@ def walk_blocks(model: nn.Module, batches: torch.Tensor | None, *,
     results, hidden = source.resume(hidden)
     start = len(results)
     with torch.inference_mode():
-        for index in tqdm(range(start, len(source)), desc=desc, unit="block", initial=start, total=len(source),
-                          leave=False):
+        for index in tqdm(
+            range(start, len(source)), desc=desc, unit="block", initial=start, total=len(source), leave=False
+        ):
             block = source.load(index)
             last = index + 1 == len(source)
             if hidden is not None:

@@ -26,8 +26,10 @@ def collect_input_absmax(
 
     def observe(index: int, block: nn.Module):
         prefix = f"{table.blocks}.{index}."
-        return observe_inputs(((prefix + path, block.get_submodule(path)) for path in table.quantizable_linears),
-                              lambda name, x: record_channel_absmax(stats, name, x))
+        return observe_inputs(
+            ((prefix + path, block.get_submodule(path)) for path in table.quantizable_linears),
+            lambda name, x: record_channel_absmax(stats, name, x),
+        )
 
     walk_blocks(model, batches, observe=observe, desc=desc)
     return stats

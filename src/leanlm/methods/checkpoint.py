@@ -15,8 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from accelerate import init_empty_weights
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_model as save_safetensors_from
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -27,8 +27,15 @@ from leanlm.kernels.kbit_gemm import prefill_dtype
 from leanlm.memory import trim_freed_memory
 from leanlm.methods.quantize import after_load, method_names
 from leanlm.models.architectures import architecture_for
-from leanlm.models.loading import (LoadedModel, LoadSettings, compute_dtype, dtype_name, load_model,
-                                   read_model_config, read_tokenizer)
+from leanlm.models.loading import (
+    LoadedModel,
+    LoadSettings,
+    compute_dtype,
+    dtype_name,
+    load_model,
+    read_model_config,
+    read_tokenizer,
+)
 from leanlm.nn import QUANTIZED_MODULES, KbitLinear, SpQRLinear, use_gemv_
 from leanlm.nn.kbit_linear import KbitEmbedding
 from leanlm.storage import QUANT_FILE, QUANTIZED_MARKER, staged_directory
@@ -38,23 +45,41 @@ INDEX_FILE = "model.safetensors.index.json"  # a checkpoint in several files (on
 # What a checkpoint may store its token embedding and float output head in: bfloat16 halves what are then its
 # largest float tensors (a Llama-3-8B's two are 4.2 GB in float32) for their rounding to 8 significant bits.
 TABLE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-                       torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
-def checkpoint_record(record: dict, source_model: str, weights_note: str | None, attn_implementation: str,
-                      modules: dict[str, dict]) -> dict:
+def checkpoint_record(
+    record: dict, source_model: str, weights_note: str | None, attn_implementation: str, modules: dict[str, dict]
+) -> dict:
     """A checkpoint's `leanlm_quant.json`: the method's record, where the weights came from and every replaced
     module as {name: {"class", "args"}}."""
-    return {**record, "source_model": source_model, "weights_note": weights_note,
-            "attn_implementation": attn_implementation, "modules": modules}
+    return {
+        **record,
+        "source_model": source_model,
+        "weights_note": weights_note,
+        "attn_implementation": attn_implementation,
+        "modules": modules,
+    }
 
 
 def quantized_module_records(module: nn.Module, prefix: str = "") -> dict[str, dict]:
     """{prefix + name: {"class", "args"}} of every leanlm quantized module in `module`, as the record keeps them
     for the loader to rebuild."""
-    return {prefix + name: {"class": type(child).__name__, "args": child.constructor_args()}
-            for name, child in module.named_modules() if type(child).__name__ in QUANTIZED_MODULES}
+    return {
+        prefix + name: {"class": type(child).__name__, "args": child.constructor_args()}
+        for name, child in module.named_modules()
+        if type(child).__name__ in QUANTIZED_MODULES
+    }
 
 
 def write_checkpoint_files(config, tokenizer, quant: dict, staging: Path) -> None:
@@ -64,13 +89,19 @@ def write_checkpoint_files(config, tokenizer, quant: dict, staging: Path) -> Non
     (staging / QUANT_FILE).write_text(json.dumps(quant, indent=2) + "\n")
 
 
-def save_quantized(loaded: LoadedModel, model: nn.Module, record: dict, out_dir: str | os.PathLike,
-                   table_dtype: str = "float32") -> Path:
+def save_quantized(
+    loaded: LoadedModel, model: nn.Module, record: dict, out_dir: str | os.PathLike, table_dtype: str = "float32"
+) -> Path:
     """Write `model` (quantized from `loaded`) with `record` (method and settings) to `out_dir`, which appears
     only once every file is written; the token embedding and a float output head stored in `table_dtype` (one of
     TABLE_DTYPES; the model in memory keeps its own)."""
-    quant = checkpoint_record({**record, "table_dtype": check_table_dtype(table_dtype)}, loaded.name,
-                              loaded.weights_note, model.config._attn_implementation, quantized_module_records(model))
+    quant = checkpoint_record(
+        {**record, "table_dtype": check_table_dtype(table_dtype)},
+        loaded.name,
+        loaded.weights_note,
+        model.config._attn_implementation,
+        quantized_module_records(model),
+    )
     with staged_directory(out_dir) as staging, tables_held_as(model, TABLE_DTYPES[table_dtype]):
         save_safetensors_from(model, str(staging / WEIGHTS_FILE), metadata={"format": "pt", QUANTIZED_MARKER: "1"})
         cushion = attached_cushion(model)
@@ -96,9 +127,13 @@ def _tables(model: nn.Module) -> dict[str, nn.Module]:
 
 def float_tables(model: nn.Module) -> dict[str, nn.Module]:
     """`_tables` where they are float tables (not quantized modules such as an 8-bit head)."""
-    return {name: module for name, module in _tables(model).items()
-            if isinstance(module, (nn.Embedding, nn.Linear)) and type(module).__name__ not in QUANTIZED_MODULES
-            and module.weight.is_floating_point()}
+    return {
+        name: module
+        for name, module in _tables(model).items()
+        if isinstance(module, (nn.Embedding, nn.Linear))
+        and type(module).__name__ not in QUANTIZED_MODULES
+        and module.weight.is_floating_point()
+    }
 
 
 @contextmanager
@@ -135,20 +170,27 @@ def read_record(directory: str | os.PathLike) -> dict:
         raise CorruptModelError(f"{path} holds a JSON {type(record).__name__}; a checkpoint record is an object")
     method = record.get("method")
     if not isinstance(method, str) or not set(method.split("+")) <= set(method_names()):
-        raise CorruptModelError(f"{path}: method {method!r} is not a leanlm method or composition of them "
-                                f"({', '.join(method_names())}, joined by +)")
+        raise CorruptModelError(
+            f"{path}: method {method!r} is not a leanlm method or composition of them "
+            f"({', '.join(method_names())}, joined by +)"
+        )
     modules = record.get("modules")
     if not isinstance(modules, dict):
         raise CorruptModelError(f"{path}: 'modules' must be an object mapping module names to their class and args")
     if record.get("table_dtype", "float32") not in TABLE_DTYPES:
-        raise CorruptModelError(f"{path}: table_dtype {record['table_dtype']!r} is not one of "
-                                f"{', '.join(TABLE_DTYPES)}")
+        raise CorruptModelError(
+            f"{path}: table_dtype {record['table_dtype']!r} is not one of {', '.join(TABLE_DTYPES)}"
+        )
     for name, entry in modules.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("args"), dict):
-            raise CorruptModelError(f"{path}: module {name} must be {{'class': ..., 'args': {{...}}}}, got {entry!r:.80}")
+            raise CorruptModelError(
+                f"{path}: module {name} must be {{'class': ..., 'args': {{...}}}}, got {entry!r:.80}"
+            )
         if entry.get("class") not in QUANTIZED_MODULES:
-            raise CorruptModelError(f"{path}: unknown module class {entry.get('class')!r} at {name} (leanlm's are "
-                                    f"{', '.join(QUANTIZED_MODULES)})")
+            raise CorruptModelError(
+                f"{path}: unknown module class {entry.get('class')!r} at {name} (leanlm's are "
+                f"{', '.join(QUANTIZED_MODULES)})"
+            )
     return record
 
 
@@ -161,7 +203,9 @@ def _rebuilt_modules(model: nn.Module, modules: dict, source: Path) -> dict[str,
             with torch.device("meta"):
                 module = QUANTIZED_MODULES[entry["class"]](**entry["args"])
         except Exception as error:  # a constructor rejects bad args with TypeError, ValueError or ConfigError
-            raise CorruptModelError(f"{source}: module {name} cannot be rebuilt from {entry['args']}: {error}") from None
+            raise CorruptModelError(
+                f"{source}: module {name} cannot be rebuilt from {entry['args']}: {error}"
+            ) from None
         if not all(name.split(".")):
             raise CorruptModelError(f"{source}: module name {name!r} is not a module path (dotted names, none empty)")
         parent_name, _, leaf = name.rpartition(".")
@@ -173,10 +217,15 @@ def _rebuilt_modules(model: nn.Module, modules: dict, source: Path) -> dict[str,
         if replaced is not None and not isinstance(replaced, nn.Module):
             raise CorruptModelError(f"{source}: {name} is a {type(replaced).__name__} of the model, not a module")
         expected = getattr(replaced, "weight", None)
-        if hasattr(module, "in_features") and (expected is None or expected.shape not in (
-                (module.out_features, module.in_features), (module.in_features, module.out_features))):
-            raise CorruptModelError(f"{source}: module {name} ({module.out_features} x {module.in_features}) does "
-                                    f"not replace a linear of that shape in this model")
+        if hasattr(module, "in_features") and (
+            expected is None
+            or expected.shape
+            not in ((module.out_features, module.in_features), (module.in_features, module.out_features))
+        ):
+            raise CorruptModelError(
+                f"{source}: module {name} ({module.out_features} x {module.in_features}) does "
+                f"not replace a linear of that shape in this model"
+            )
         rebuilt[name] = module
     return rebuilt
 
@@ -230,15 +279,19 @@ def _check_weights_files(paths: list[Path], model: nn.Module, table_dtype: str =
     present = {id(tensor) for name, tensor in model.state_dict(keep_vars=True).items() if name in found}
     missing = sorted(name for name, tensor in model.state_dict(keep_vars=True).items() if id(tensor) not in present)
     if problems or unexpected or missing:
-        detail = (problems[:2] + [f"unexpected {name}" for name in unexpected[:2]]
-                  + [f"missing {name}" for name in missing[:2]])
+        detail = (
+            problems[:2]
+            + [f"unexpected {name}" for name in unexpected[:2]]
+            + [f"missing {name}" for name in missing[:2]]
+        )
         where = paths[0] if len(paths) == 1 else paths[0].parent
         raise CorruptModelError(f"{where} does not match its {QUANT_FILE}: {'; '.join(detail)}")
     return found
 
 
-def load_quantized(directory: str | os.PathLike, table_dtype: torch.dtype = torch.float32,
-                   head: str = "float") -> tuple[LoadedModel, dict]:
+def load_quantized(
+    directory: str | os.PathLike, table_dtype: torch.dtype = torch.float32, head: str = "float"
+) -> tuple[LoadedModel, dict]:
     """(the rebuilt model, its leanlm_quant.json record). The token embedding and a float output head are held in
     `table_dtype` (`embeddings_to_`); `head="int8"` makes the head 8-bit int blocks (`quantize_head_`). Both are
     done as the tables are read, a MiB at a time, so their stored float32 form is never whole in
@@ -269,8 +322,9 @@ def load_quantized(directory: str | os.PathLike, table_dtype: torch.dtype = torc
     unexpected = []
     for path in files:
         try:
-            unexpected += model.load_state_dict(_read_file(path, skip=tables), strict=False,
-                                                assign=True).unexpected_keys
+            unexpected += model.load_state_dict(
+                _read_file(path, skip=tables), strict=False, assign=True
+            ).unexpected_keys
         except Exception as error:  # safetensors raises its own error types for damaged files
             raise CorruptModelError(f"the weights in {path} cannot be loaded: {error}") from None
     _load_tables(model, tables, table_dtype, head)
@@ -309,7 +363,7 @@ def _read_rows(path: Path, name: str, dtype: torch.dtype):
     rows = _rows_per_chunk(shape[-1])
     for first in range(0, shape[0], rows):
         with safe_open(str(path), "pt") as handle:
-            yield handle.get_slice(name)[first:first + rows].to(dtype)
+            yield handle.get_slice(name)[first : first + rows].to(dtype)
 
 
 def _read_table(path: Path, name: str, dtype: torch.dtype) -> nn.Parameter:
@@ -317,7 +371,7 @@ def _read_table(path: Path, name: str, dtype: torch.dtype) -> nn.Parameter:
         shape = handle.get_slice(name).get_shape()
     table, first = torch.empty(shape, dtype=dtype), 0
     for chunk in _read_rows(path, name, dtype):
-        table[first:first + len(chunk)] = chunk
+        table[first : first + len(chunk)] = chunk
         first += len(chunk)
     return nn.Parameter(table, requires_grad=False)
 
@@ -376,10 +430,15 @@ def embeddings_to_(model: nn.Module, dtype: torch.dtype) -> None:
 def _compute_dtype(model: nn.Module) -> torch.dtype:
     """What the model's layers compute in: the type of its float parameters besides the embedding and head
     (which `embeddings_to_` may hold in another)."""
-    tables = {id(module.weight) for module in (model.get_input_embeddings(), model.get_output_embeddings())
-              if module is not None and isinstance(getattr(module, "weight", None), torch.Tensor)}
-    return next((p.dtype for p in model.parameters() if p.is_floating_point() and not p.is_meta
-                 and id(p) not in tables), torch.float32)
+    tables = {
+        id(module.weight)
+        for module in (model.get_input_embeddings(), model.get_output_embeddings())
+        if module is not None and isinstance(getattr(module, "weight", None), torch.Tensor)
+    }
+    return next(
+        (p.dtype for p in model.parameters() if p.is_floating_point() and not p.is_meta and id(p) not in tables),
+        torch.float32,
+    )
 
 
 def load_any(source: str | os.PathLike, dtype: str = "float32", head: str = "float") -> LoadedModel:
@@ -399,8 +458,10 @@ def load_any(source: str | os.PathLike, dtype: str = "float32", head: str = "flo
             for module in loaded.model.modules():
                 if isinstance(module, (KbitLinear, SpQRLinear)):
                     module.gemm_dtype = gemm
-            loaded.dtype = (f"float32, embedding and output head in {dtype_name(storage)}, k-bit / GPTQ prefill GEMMs "
-                            f"in {dtype_name(gemm)}")
+            loaded.dtype = (
+                f"float32, embedding and output head in {dtype_name(storage)}, k-bit / GPTQ prefill GEMMs "
+                f"in {dtype_name(gemm)}"
+            )
     else:
         loaded = load_model(source, dtype=dtype)
         if head == "int8":
@@ -428,14 +489,14 @@ def quantize_head_(model: nn.Module, rows=None, tied: bool | None = None) -> Non
         # A MiB at a time: the whole head in float32 beside its codes would be the load's peak memory (671 MiB
         # for Gemma-3's 262144 x 640), and quantizing takes several times a chunk's bytes while it runs.
         weight, step = head.weight.detach(), _rows_per_chunk(in_features)
-        rows = (weight[first:first + step] for first in range(0, out_features, step))
+        rows = (weight[first : first + step] for first in range(0, out_features, step))
     bias = getattr(head, "bias", None)
     quantized = KbitLinear(in_features, out_features, bias is not None, "int", 8, 64)
     codes = blocks = 0
     for chunk in rows:
         part = KbitLinear.from_float(chunk, None, "int", 8, 64)
-        quantized.packed[codes:codes + part.packed.numel()] = part.packed
-        quantized.absmax[blocks:blocks + part.absmax.numel()] = part.absmax
+        quantized.packed[codes : codes + part.packed.numel()] = part.packed
+        quantized.absmax[blocks : blocks + part.absmax.numel()] = part.absmax
         codes, blocks = codes + part.packed.numel(), blocks + part.absmax.numel()
     if bias is not None:
         quantized.bias = bias.detach().float().clone()

@@ -45,40 +45,58 @@ from leanlm.data import calibration_batches, plain_text
 from leanlm.errors import ConfigError
 from leanlm.methods.blocks import observe_inputs
 from leanlm.methods.quantize import Calibration, QuantRun, quantize_, register_after_load, register_method
-from leanlm.settings import option
 from leanlm.methods.w8a8 import W8A8Config
 from leanlm.models.architectures import iter_quantizable_linears
 from leanlm.optim import AdamW
-
+from leanlm.settings import option
 
 
 @dataclass(frozen=True)
 class CushionConfig:
-    candidates: int = option(512, "candidate tokens per search step: the most frequent of the search text plus "
-                                  "special tokens (the paper searches the whole vocabulary)", flag="--cushion-candidates")
+    candidates: int = option(
+        512,
+        "candidate tokens per search step: the most frequent of the search text plus "
+        "special tokens (the paper searches the whole vocabulary)",
+        flag="--cushion-candidates",
+    )
     max_length: int = option(4, "prefix tokens at most", flag="--cushion-max-length")
-    min_improvement: float = option(0.1, "tau: the error cut a token must bring to be appended (the paper's value "
-                                         "was lost; below 0 appends up to max_length tokens whatever they do)",
-                                    flag="--cushion-min-improvement")
+    min_improvement: float = option(
+        0.1,
+        "tau: the error cut a token must bring to be appended (the paper's value "
+        "was lost; below 0 appends up to max_length tokens whatever they do)",
+        flag="--cushion-min-improvement",
+    )
     sample_tokens: int = option(64, "tokens of each search sample", cli=False)
-    search_samples: int = option(2, "samples scored per step (the paper draws one; more resists a lucky sample)",
-                                 cli=False)
+    search_samples: int = option(
+        2, "samples scored per step (the paper draws one; more resists a lucky sample)", cli=False
+    )
     batch_size: int = option(32, "candidates per forward", cli=False)
     initial: tuple[int, ...] = option((), "token ids the search starts from (e.g. the model's BOS)", cli=False)
-    initial_text: str = option("", "text the search starts from (e.g. a newline), tokenized by the model's tokenizer",
-                               flag="--cushion-init")
+    initial_text: str = option(
+        "", "text the search starts from (e.g. a newline), tokenized by the model's tokenizer", flag="--cushion-init"
+    )
     tune_steps: int = option(0, "quantization-aware prefix-tuning steps after the search", flag="--cushion-tune-steps")
     tune_lr: float = option(1e-3, "prefix-tuning learning rate", cli=False)
-    tune_lambda: float = option(1e-3, "lambda: weight of the quantization error in the tuning loss (the paper's "
-                                      "value was lost)", flag="--cushion-lambda")
+    tune_lambda: float = option(
+        1e-3,
+        "lambda: weight of the quantization error in the tuning loss (the paper's value was lost)",
+        flag="--cushion-lambda",
+    )
     tune_batch_size: int = option(4, "prefix-tuning batch", cli=False)
     tune_seq_len: int = option(256, "prefix-tuning sequence length", cli=False)
     source: str = option("lambada-dev", "search and tuning text (never an evaluation set)", cli=False)
     seed: int = option(0, "seed of the search samples and tuning batches")
 
     def __post_init__(self):
-        for name in ("candidates", "max_length", "sample_tokens", "search_samples", "batch_size", "tune_batch_size",
-                     "tune_seq_len"):
+        for name in (
+            "candidates",
+            "max_length",
+            "sample_tokens",
+            "search_samples",
+            "batch_size",
+            "tune_batch_size",
+            "tune_seq_len",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"cushion {name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
         if not self.min_improvement < 1.0:  # 1 or more could never be met: no search would append anything
@@ -127,8 +145,9 @@ def candidate_pool(tokenizer, text: str, size: int) -> list[int]:
     return pool[:size]
 
 
-def search_cushion(model: nn.Module, tokenizer, config: CushionConfig = CushionConfig(), progress: bool = True
-                   ) -> Cushion:
+def search_cushion(
+    model: nn.Module, tokenizer, config: CushionConfig = CushionConfig(), progress: bool = True
+) -> Cushion:
     """Greedy prefix search (section 4.1) on the float model."""
     check_cushion_support(model)
     started = time.perf_counter()
@@ -141,34 +160,58 @@ def search_cushion(model: nn.Module, tokenizer, config: CushionConfig = CushionC
     model.eval()
     for step in range(config.max_length - len(tokens)):
         current = Cushion(tokens, *cushion_keys_values(model, tokens)) if tokens else None
-        samples = calibration_batches(tokenizer, config.search_samples, config.sample_tokens,
-                                      seed=int(torch.randint(0, 2**31, (1,), generator=generator)), source=config.source)
+        samples = calibration_batches(
+            tokenizer,
+            config.search_samples,
+            config.sample_tokens,
+            seed=int(torch.randint(0, 2**31, (1,), generator=generator)),
+            source=config.source,
+        )
         baseline = sum(_errors_after(model, current, sample[None], skip=0).item() for sample in samples)
         scores = torch.zeros(len(pool))
-        bar = tqdm(range(0, len(pool), config.batch_size), desc=f"cushion search, token {len(tokens) + 1}",
-                   unit="batch", disable=not progress, leave=False)
+        bar = tqdm(
+            range(0, len(pool), config.batch_size),
+            desc=f"cushion search, token {len(tokens) + 1}",
+            unit="batch",
+            disable=not progress,
+            leave=False,
+        )
         for start in bar:
-            candidates = pool[start:start + config.batch_size]
+            candidates = pool[start : start + config.batch_size]
             for sample in samples:
                 inputs = torch.cat([candidates[:, None], sample.expand(len(candidates), -1)], dim=1)
-                scores[start:start + len(candidates)] += _errors_after(model, current, inputs, skip=1)
+                scores[start : start + len(candidates)] += _errors_after(model, current, inputs, skip=1)
         best = int(scores.argmin())
         improvement = 1 - scores[best].item() / baseline if baseline > 0 else 0.0
-        history.append({"step": step + 1, "error_before": baseline, "best_token": int(pool[best]),
-                        "best_text": tokenizer.decode([int(pool[best])]), "error_after": scores[best].item(),
-                        "improvement": improvement})
+        history.append(
+            {
+                "step": step + 1,
+                "error_before": baseline,
+                "best_token": int(pool[best]),
+                "best_text": tokenizer.decode([int(pool[best])]),
+                "error_after": scores[best].item(),
+                "improvement": improvement,
+            }
+        )
         if improvement < config.min_improvement:
             break
         tokens.append(int(pool[best]))
     model.train(model_was_training)
     keys, values = cushion_keys_values(model, tokens)
-    record = {"tokens": tokens, "text": tokenizer.decode(tokens), "search_seconds": time.perf_counter() - started,
-              "candidates": len(pool), "history": history, "config": asdict(config)}
+    record = {
+        "tokens": tokens,
+        "text": tokenizer.decode(tokens),
+        "search_seconds": time.perf_counter() - started,
+        "candidates": len(pool),
+        "history": history,
+        "config": asdict(config),
+    }
     return Cushion(tokens, keys, values, record)
 
 
-def tune_cushion(model: nn.Module, tokenizer, cushion: Cushion, config: CushionConfig, progress: bool = True
-                 ) -> Cushion:
+def tune_cushion(
+    model: nn.Module, tokenizer, cushion: Cushion, config: CushionConfig, progress: bool = True
+) -> Cushion:
     """Quantization-aware prefix tuning (section 4.2): returns a cushion with trained keys and values."""
     if config.tune_steps == 0:
         return cushion
@@ -178,22 +221,28 @@ def tune_cushion(model: nn.Module, tokenizer, cushion: Cushion, config: CushionC
     keys = [nn.Parameter(k.clone()) for k in cushion.keys]
     values = [nn.Parameter(v.clone()) for v in cushion.values]
     optimizer = AdamW(keys + values, lr=config.tune_lr, state_bits=32)
-    batches = calibration_batches(tokenizer, config.tune_steps * config.tune_batch_size, config.tune_seq_len,
-                                  seed=config.seed + 1, source=config.source)
+    batches = calibration_batches(
+        tokenizer,
+        config.tune_steps * config.tune_batch_size,
+        config.tune_seq_len,
+        seed=config.seed + 1,
+        source=config.source,
+    )
     frozen = [p for p in model.parameters() if p.requires_grad]
     for parameter in frozen:
         parameter.requires_grad_(False)
     curve = []
     try:
         for step in tqdm(range(config.tune_steps), desc="cushion tuning", unit="step", disable=not progress):
-            ids = batches[step * config.tune_batch_size:(step + 1) * config.tune_batch_size]
+            ids = batches[step * config.tune_batch_size : (step + 1) * config.tune_batch_size]
             trainable = Cushion(cushion.tokens, keys, values)
             cache = prefix_cache(model, trainable, len(ids))
             positions = torch.arange(cushion.length, cushion.length + ids.shape[1]).expand(len(ids), -1)
             with quantization_error_probe(model) as errors:
                 logits = model(input_ids=ids, past_key_values=cache, position_ids=positions, use_cache=False).logits
-            cross_entropy = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                        ids[:, 1:].reshape(-1))
+            cross_entropy = nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+            )
             quantization = torch.stack(errors).sum(dim=0).mean()
             loss = cross_entropy + config.tune_lambda * quantization
             loss.backward()
@@ -203,8 +252,10 @@ def tune_cushion(model: nn.Module, tokenizer, cushion: Cushion, config: CushionC
     finally:
         for parameter in frozen:
             parameter.requires_grad_(True)
-    record = {**cushion.record, "tuning": {"steps": config.tune_steps, "seconds": time.perf_counter() - started,
-                                           "curve": curve}}
+    record = {
+        **cushion.record,
+        "tuning": {"steps": config.tune_steps, "seconds": time.perf_counter() - started, "curve": curve},
+    }
     return Cushion(cushion.tokens, [k.detach() for k in keys], [v.detach() for v in values], record)
 
 
@@ -218,8 +269,13 @@ def _cushion(model: nn.Module, config: CushionConfig, run: QuantRun) -> dict:
     cushion = tune_cushion(model, tokenizer, search_cushion(model, tokenizer, config), config)
     attach_cushion(model, cushion)
     run.stats = None  # statistics observed without the cushion no longer describe the model
-    return {"cushion": {"length": cushion.length, **{k: v for k, v in cushion.record.items() if k != "config"},
-                        "config": asdict(config)}}
+    return {
+        "cushion": {
+            "length": cushion.length,
+            **{k: v for k, v in cushion.record.items() if k != "config"},
+            "config": asdict(config),
+        }
+    }
 
 
 @register_after_load
@@ -228,8 +284,9 @@ def _reattach_cushion(model: nn.Module, record: dict, directory) -> None:
         attach_cushion(model, load_cushion(directory))
 
 
-def cushioned_copy(model: nn.Module, cushion: Cushion | None, steps: list | None = None,
-                   calibration: Calibration | None = None) -> tuple[nn.Module, dict]:
+def cushioned_copy(
+    model: nn.Module, cushion: Cushion | None, steps: list | None = None, calibration: Calibration | None = None
+) -> tuple[nn.Module, dict]:
     """One row of a with/without-cushion comparison: a copy of the float `model` with `cushion` attached (None:
     none) and, given `steps` (e.g. [SmoothQuantConfig(), W8A8Config("O3")]), quantized with it in place.
     Returns (the copy, the record; {} in float)."""

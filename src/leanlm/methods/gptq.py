@@ -1,4 +1,4 @@
-"""RTN, GPTQ and SpQR on a whole model (thesis ch. 4): `quantize_(model, GPTQConfig(...), calibration=...)`.
+"""RTN, GPTQ and SpQR on a whole model (Dettmers' thesis ch. 4): `quantize_(model, GPTQConfig(...), calibration=...)`.
 
 Sequential through the block pipeline (`leanlm.methods.blocks`): the calibration samples' inputs to block i
 are the outputs of blocks 0..i-1 *already quantized*; each linear's input Hessian accumulates while block i
@@ -19,9 +19,10 @@ from leanlm.formats.gptq import SolverSettings, solve
 from leanlm.formats.minmax import GRIDS
 from leanlm.methods.blocks import observe_inputs
 from leanlm.methods.quantize import BlockPlan, QuantRun, register_method
-from leanlm.settings import option
 from leanlm.models.architectures import architecture_for, linear_weight_out_in
 from leanlm.nn.spqr_linear import SpQRLinear
+from leanlm.settings import option
+
 
 class _SolverChecks:
     """Every setting of a solver config is checked when the config is made, before any model is loaded."""
@@ -34,15 +35,21 @@ class _SolverChecks:
 
 def _scale_search_option():
     """RTN's and GPTQ's `scale_search` field (one text for both)."""
-    return option(False, "symmetric grid: choose each group's scale among 19 candidates by its squared error "
-                  "(GPTQ: weighted by the Hessian's diagonal), as llama.cpp's importance-matrix quantizer does")
+    return option(
+        False,
+        "symmetric grid: choose each group's scale among 19 candidates by its squared error "
+        "(GPTQ: weighted by the Hessian's diagonal), as llama.cpp's importance-matrix quantizer does",
+    )
 
 
 def _grid_option():
     """RTN's and GPTQ's `grid` field (one text for both)."""
-    return option("minmax", "group grid: minmax (fractional zero) or symmetric (zero 2^(bits-1): with --group-size "
-                  "32, GGUF's Q4_0 / Q8_0 blocks; exportable when groups are consecutive columns)",
-                  choices=tuple(GRIDS))
+    return option(
+        "minmax",
+        "group grid: minmax (fractional zero) or symmetric (zero 2^(bits-1): with --group-size "
+        "32, GGUF's Q4_0 / Q8_0 blocks; exportable when groups are consecutive columns)",
+        choices=tuple(GRIDS),
+    )
 
 
 @dataclass(frozen=True)
@@ -54,10 +61,14 @@ class RTNConfig(_SolverChecks):
     group_size: int | None = option(128, "input columns per scale and zero, or the whole row", none_word="0")
     grid: str = _grid_option()
     scale_search: bool = _scale_search_option()
-    imatrix: bool = option(False, "weigh the scale search by each input column's mean squared activation on "
-                                  "calibration text (llama.cpp's importance matrix; with --scale-search)")
-    calibration_samples: int = option(128, "calibration windows the importance matrix is read from (--imatrix)",
-                                      flag="--calib-samples")
+    imatrix: bool = option(
+        False,
+        "weigh the scale search by each input column's mean squared activation on "
+        "calibration text (llama.cpp's importance matrix; with --scale-search)",
+    )
+    calibration_samples: int = option(
+        128, "calibration windows the importance matrix is read from (--imatrix)", flag="--calib-samples"
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -65,53 +76,84 @@ class RTNConfig(_SolverChecks):
             raise ConfigError("imatrix weighs the search of each group's scale, which needs --scale-search")
 
     def solver(self) -> SolverSettings:
-        return SolverSettings(bits=self.bits, group_size=self.group_size, act_order=False, error_feedback=False,
-                              grid=self.grid, scale_search=self.scale_search)
+        return SolverSettings(
+            bits=self.bits,
+            group_size=self.group_size,
+            act_order=False,
+            error_feedback=False,
+            grid=self.grid,
+            scale_search=self.scale_search,
+        )
 
 
 @dataclass(frozen=True)
 class GPTQConfig(_SolverChecks):
-    """GPTQ (Frantar et al. 2022; thesis ch. 4): min-max groups with Hessian error feedback, one block at a time."""
+    """GPTQ (Frantar et al. 2022; Dettmers' thesis ch. 4): min-max groups with Hessian error feedback, one block at a time."""
 
     bits: int = option(4, "bits per weight code (2-8)")
     group_size: int | None = option(128, "input columns per scale and zero, or the whole row", none_word="0")
-    act_order: bool = option(True, "quantize columns by decreasing Hessian diagonal (else in their natural order)")
+    act_order: bool = option(
+        True,
+        "quantize columns by decreasing Hessian diagonal (else in their natural order)",
+        off="quantize columns in their natural order",
+    )
     damping: float = option(0.01, "lambda: Hessian damping as a fraction of its mean diagonal")
-    calibration_samples: int = option(128, "calibration windows (GPTQ: 128 random segments)",
-                                      flag="--calib-samples")
+    calibration_samples: int = option(128, "calibration windows (GPTQ: 128 random segments)", flag="--calib-samples")
     grid: str = _grid_option()
-    static_groups: bool = option(False, "fit every group before solving, on consecutive columns, so act-order keeps "
-                                        "groups contiguous (for GGUF / compressed-tensors export with act-order)")
+    static_groups: bool = option(
+        False,
+        "fit every group before solving, on consecutive columns, so act-order keeps "
+        "groups contiguous (for GGUF / compressed-tensors export with act-order)",
+    )
     scale_search: bool = _scale_search_option()
-    hessian_shrinkage: float = option(0.0, "pull the Hessian's off-diagonal terms toward zero by this fraction (0: "
-                                           "GPTQ, 1: importance-weighted RTN)")
+    hessian_shrinkage: float = option(
+        0.0, "pull the Hessian's off-diagonal terms toward zero by this fraction (0: GPTQ, 1: importance-weighted RTN)"
+    )
 
     def solver(self) -> SolverSettings:
-        return SolverSettings(bits=self.bits, group_size=self.group_size, act_order=self.act_order,
-                              damping=self.damping, grid=self.grid, static_groups=self.static_groups,
-                              scale_search=self.scale_search, hessian_shrinkage=self.hessian_shrinkage)
+        return SolverSettings(
+            bits=self.bits,
+            group_size=self.group_size,
+            act_order=self.act_order,
+            damping=self.damping,
+            grid=self.grid,
+            static_groups=self.static_groups,
+            scale_search=self.scale_search,
+            hessian_shrinkage=self.hessian_shrinkage,
+        )
 
 
 @dataclass(frozen=True)
 class SpQRConfig(_SolverChecks):
-    """SpQR (Dettmers et al. 2023; thesis ch. 4): GPTQ with small groups whose statistics are themselves quantized,
+    """SpQR (Dettmers et al. 2023; Dettmers' thesis ch. 4): GPTQ with small groups whose statistics are themselves quantized,
     and unstructured outliers kept in 16 bits. Defaults: the chapter's ~4-bit recipe shape (3-bit base and
     statistics, beta1 = beta2 = 16, tau = 0.2, damping 1.0 as the reference near-lossless recipe)."""
 
     bits: int = option(3, "bits per weight code (2-8)")
     beta1: int = option(16, "input columns per first-level group")
     beta2: int = option(16, "rows per second-level group of the quantized statistics")
-    outlier_threshold: float | None = option(0.2, "tau, relative to the layer's mean sensitivity (none: no outliers)",
-                                             none_word="none")
+    outlier_threshold: float | None = option(
+        0.2, "tau, relative to the layer's mean sensitivity (none: no outliers)", none_word="none"
+    )
     statistic_bits: int = option(3, "bits of the group scales and zeros")
     damping: float = option(1.0, "lambda: Hessian damping as a fraction of its mean diagonal")
-    act_order: bool = option(True, "quantize columns by decreasing Hessian diagonal (else in their natural order)")
+    act_order: bool = option(
+        True,
+        "quantize columns by decreasing Hessian diagonal (else in their natural order)",
+        off="quantize columns in their natural order",
+    )
     calibration_samples: int = option(128, "calibration windows", flag="--calib-samples")
 
     def solver(self) -> SolverSettings:
-        return SolverSettings(bits=self.bits, group_size=self.beta1, statistic_bits=self.statistic_bits,
-                              statistic_group_size=self.beta2, outlier_threshold=self.outlier_threshold,
-                              act_order=self.act_order, damping=self.damping)
+        return SolverSettings(
+            bits=self.bits,
+            group_size=self.beta1,
+            statistic_bits=self.statistic_bits,
+            statistic_group_size=self.beta2,
+            outlier_threshold=self.outlier_threshold,
+            act_order=self.act_order,
+            damping=self.damping,
+        )
 
 
 SolverConfig = RTNConfig | GPTQConfig | SpQRConfig
@@ -152,14 +194,23 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     windows = run.data(config).batches(samples) if settings.error_feedback or importance_only else None
 
     def finish(model: nn.Module, counts: dict) -> dict:
-        return {**asdict(settings), "imatrix": importance_only,
-                "calibration_samples": None if windows is None else len(windows),
-                "calibration_seq_len": run.calibration.seq_len if run.calibration is not None else None,
-                "avg_bits": counts["stored_bits"] / counts["weights"],
-                "outlier_rate": counts["outliers"] / counts["weights"], "seconds": time.perf_counter() - started}
+        return {
+            **asdict(settings),
+            "imatrix": importance_only,
+            "calibration_samples": None if windows is None else len(windows),
+            "calibration_seq_len": run.calibration.seq_len if run.calibration is not None else None,
+            "avg_bits": counts["stored_bits"] / counts["weights"],
+            "outlier_rate": counts["outliers"] / counts["weights"],
+            "seconds": time.perf_counter() - started,
+        }
 
-    return BlockPlan(quantize_block, finish, observe=hessians.observe if windows is not None else None,
-                     windows=windows, feed_quantized=True)
+    return BlockPlan(
+        quantize_block,
+        finish,
+        observe=hessians.observe if windows is not None else None,
+        windows=windows,
+        feed_quantized=True,
+    )
 
 
 class _HessianObserver:

@@ -1,4 +1,4 @@
-"""Weight-only k-bit quantization (thesis ch. 3; NF4 + double quantization of QLoRA): every linear of the
+"""Weight-only k-bit quantization (Dettmers' thesis ch. 3; NF4 + double quantization of QLoRA): every linear of the
 decoder blocks becomes a KbitLinear. `quantize_(model, KbitConfig(...))`."""
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ from leanlm.errors import ConfigError, NeedsWholeModelError
 from leanlm.formats.blockwise import bits_per_parameter
 from leanlm.formats.codebooks import DTYPES
 from leanlm.methods.quantize import BlockPlan, QuantRun, register_method
-from leanlm.settings import option
 from leanlm.models.architectures import (
     architecture_for,
     linear_weight_out_in,
     proxy_source_weights,
 )
 from leanlm.nn import KbitLinear
-
+from leanlm.settings import option
 
 BLOCK_SIZES = tuple(2**power for power in range(4, 13))  # 16 .. 4096, bitsandbytes' range
 
@@ -28,12 +27,16 @@ BLOCK_SIZES = tuple(2**power for power in range(4, 13))  # 16 .. 4096, bitsandby
 class KbitConfig:
     dtype: str = option("nf", "data type of the codes (int is symmetric, int_asym two's complement)", choices=DTYPES)
     bits: int = option(4, "k, bits per weight code (3-8)")
-    block_size: int | None = option(64, "values per absmax constant (a power of two, 16-4096), or one block per "
-                                        "output row", none_word="row")
+    block_size: int | None = option(
+        64, "values per absmax constant (a power of two, 16-4096), or one block per output row", none_word="row"
+    )
     double_quant: bool = option(False, "8-bit block constants in second-level blocks of 256 (QLoRA)")
     exponent_bits: int | None = option(None, "fp: exponent bits e of e/m (default about half)")
-    proxy_fraction: float = option(0.0, "p of proxy quantization: share of input dimensions kept in 16-bit, chosen "
-                                        "by the previous layer's weight std (the thesis uses 0.02)")
+    proxy_fraction: float = option(
+        0.0,
+        "p of proxy quantization: share of input dimensions kept in 16-bit, chosen "
+        "by the previous layer's weight std (Dettmers' thesis uses 0.02)",
+    )
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -42,8 +45,10 @@ class KbitConfig:
             raise ConfigError(f"bits must be between 3 and 8, got {self.bits}")
         if self.block_size is not None and self.block_size not in BLOCK_SIZES:
             # Each block stores a 32-bit absmax: a block of 7 would cost 4.6 bits per weight on top of the codes.
-            raise ConfigError(f"block_size must be a power of two from {BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]} "
-                              f"(or None: one block per row), got {self.block_size}")
+            raise ConfigError(
+                f"block_size must be a power of two from {BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]} "
+                f"(or None: one block per row), got {self.block_size}"
+            )
         if not 0.0 <= self.proxy_fraction < 1.0:
             raise ConfigError(f"proxy fraction must be in [0, 1), got {self.proxy_fraction}")
 
@@ -60,19 +65,34 @@ def _kbit_plan(model: nn.Module, config: KbitConfig, run: QuantRun) -> BlockPlan
     quantized linears ("avg_bits")."""
     table = architecture_for(model)
     if config.proxy_fraction and run.streamed:
-        raise NeedsWholeModelError("proxy quantization chooses each linear's columns from the previous block's weights; "
-                          "it needs the model in memory, not read block by block")
+        raise NeedsWholeModelError(
+            "proxy quantization chooses each linear's columns from the previous block's weights; "
+            "it needs the model in memory, not read block by block"
+        )
     # Chosen from the float weights before any layer is replaced.
-    proxy = {name: proxy_columns(source, config.proxy_fraction)
-             for name, source in proxy_source_weights(model, table).items()} if config.proxy_fraction else {}
+    proxy = (
+        {
+            name: proxy_columns(source, config.proxy_fraction)
+            for name, source in proxy_source_weights(model, table).items()
+        }
+        if config.proxy_fraction
+        else {}
+    )
 
     def quantize_block(index: int, block: nn.Module) -> dict:
         counts = {"weights": 0, "stored_bits": 0.0}
         for path in table.quantizable_linears:
             module = block.get_submodule(path)
-            quantized = KbitLinear.from_float(linear_weight_out_in(module, table), getattr(module, "bias", None),
-                                              config.dtype, config.bits, config.block_size, config.double_quant,
-                                              config.exponent_bits, proxy.get(f"{table.blocks}.{index}.{path}"))
+            quantized = KbitLinear.from_float(
+                linear_weight_out_in(module, table),
+                getattr(module, "bias", None),
+                config.dtype,
+                config.bits,
+                config.block_size,
+                config.double_quant,
+                config.exponent_bits,
+                proxy.get(f"{table.blocks}.{index}.{path}"),
+            )
             block.set_submodule(path, quantized)
             count = quantized.in_features * quantized.out_features
             counts["weights"] += count
@@ -80,8 +100,11 @@ def _kbit_plan(model: nn.Module, config: KbitConfig, run: QuantRun) -> BlockPlan
         return counts
 
     def finish(model: nn.Module, counts: dict) -> dict:
-        return {**asdict(config), "avg_bits": counts["stored_bits"] / counts["weights"],
-                "nominal_bits": config.nominal_bits()}
+        return {
+            **asdict(config),
+            "avg_bits": counts["stored_bits"] / counts["weights"],
+            "nominal_bits": config.nominal_bits(),
+        }
 
     return BlockPlan(quantize_block, finish)
 

@@ -113,12 +113,16 @@ class SafetensorsShards:
         tensors = module.state_dict(keep_vars=True)
         stored = {id(tensor) for name, tensor in tensors.items() if prefix + name in self}
         # A tied tensor (an output head sharing the embedding) is read under the name it is stored by.
-        wanted = [name for name, tensor in tensors.items() if tensor.is_meta and not name.startswith(skip)
-                  and (prefix + name in self or id(tensor) not in stored)]
+        wanted = [
+            name
+            for name, tensor in tensors.items()
+            if tensor.is_meta and not name.startswith(skip) and (prefix + name in self or id(tensor) not in stored)
+        ]
         absent = [prefix + name for name in wanted if prefix + name not in self]
         if absent:
-            raise CorruptModelError(f"the weights in {self.directory} lack {len(absent)} of the model's tensors "
-                                    f"({', '.join(absent[:3])})")
+            raise CorruptModelError(
+                f"the weights in {self.directory} lack {len(absent)} of the model's tensors ({', '.join(absent[:3])})"
+            )
         module.load_state_dict({name: self.get(prefix + name) for name in wanted}, strict=False, assign=True)
         return wanted
 
@@ -136,8 +140,10 @@ def _model_names(model: nn.Module, stored: list[str]) -> dict[str, str]:
     for name in stored:
         renamed, converted = rename_source_key(name, renamings, converters, model.base_model_prefix, expected)
         if converted is not None:
-            raise NeedsWholeModelError(f"{name} is converted by transformers as it loads ({converted}); leanlm reads "
-                                       "only tensors stored as the model uses them")
+            raise NeedsWholeModelError(
+                f"{name} is converted by transformers as it loads ({converted}); leanlm reads "
+                "only tensors stored as the model uses them"
+            )
         names[renamed] = name
     return names
 
@@ -208,16 +214,22 @@ class StreamedBlocks(ShardBlocks):
             shutil.rmtree(self.staging)
             return
         if not resume:
-            raise ConfigError(f"an interrupted run left {self.staging} ({done} of {len(self)} blocks written): add "
-                              "--resume to finish it, or remove that directory to start again")
+            raise ConfigError(
+                f"an interrupted run left {self.staging} ({done} of {len(self)} blocks written): add "
+                "--resume to finish it, or remove that directory to start again"
+            )
         try:
             started = json.loads((self.staging / _JOB_FILE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             started = None
         if started != self.job:
-            changed = sorted(key for key in self.job if not isinstance(started, dict) or started.get(key) != self.job[key])
-            raise ConfigError(f"{self.staging} was started with other settings ({', '.join(changed) or 'unreadable'}); "
-                              "repeat them to resume, or remove that directory to start again")
+            changed = sorted(
+                key for key in self.job if not isinstance(started, dict) or started.get(key) != self.job[key]
+            )
+            raise ConfigError(
+                f"{self.staging} was started with other settings ({', '.join(changed) or 'unreadable'}); "
+                "repeat them to resume, or remove that directory to start again"
+            )
 
     @contextmanager
     def inputs(self):
@@ -266,12 +278,16 @@ class StreamedBlocks(ShardBlocks):
         prefix = self._block_prefix(index)
         modules = quantized_module_records(block, prefix)
         if hidden is not None:  # the next block's inputs first: a block file on disk always has them beside it
-            _write_atomically(self.staging / _hidden_file(index + 1),
-                              {str(window): state.contiguous() for window, state in enumerate(hidden)}, {})
-        _write_atomically(self.staging / block_file(index),
-                          {prefix + name: tensor.contiguous() for name, tensor in block.state_dict().items()},
-                          {QUANTIZED_MARKER: "1", "leanlm_modules": json.dumps(modules),
-                           "leanlm_counts": json.dumps(result)})
+            _write_atomically(
+                self.staging / _hidden_file(index + 1),
+                {str(window): state.contiguous() for window, state in enumerate(hidden)},
+                {},
+            )
+        _write_atomically(
+            self.staging / block_file(index),
+            {prefix + name: tensor.contiguous() for name, tensor in block.state_dict().items()},
+            {QUANTIZED_MARKER: "1", "leanlm_modules": json.dumps(modules), "leanlm_counts": json.dumps(result)},
+        )
         (self.staging / _hidden_file(index)).unlink(missing_ok=True)
         self.modules.update(modules)
         block.to("meta")
@@ -281,8 +297,9 @@ class StreamedBlocks(ShardBlocks):
         if self.staging.is_dir() and not any(self.staging.glob("block-*.safetensors")):
             shutil.rmtree(self.staging, ignore_errors=True)
 
-    def publish(self, record: dict, tokenizer, name: str, weights_note: str | None,
-                table_dtype: str = "float32") -> Path:
+    def publish(
+        self, record: dict, tokenizer, name: str, weights_note: str | None, table_dtype: str = "float32"
+    ) -> Path:
         """Write what is outside the blocks (the float tables in `table_dtype`), the index, config, tokenizer
         and record; then the staging directory becomes `out` in one rename."""
         weight_map, seen = {}, set()
@@ -303,10 +320,16 @@ class StreamedBlocks(ShardBlocks):
         for index in range(len(self)):
             with safe_open(str(self.staging / block_file(index)), "pt") as handle:
                 weight_map.update({key: block_file(index) for key in handle.keys()})
-        (self.staging / INDEX_FILE).write_text(json.dumps({"metadata": {"format": "pt"}, "weight_map": weight_map},
-                                                          indent=2) + "\n")
-        quant = checkpoint_record({**record, "table_dtype": table_dtype}, name, weights_note,
-                                  self.model.config._attn_implementation, self.modules)
+        (self.staging / INDEX_FILE).write_text(
+            json.dumps({"metadata": {"format": "pt"}, "weight_map": weight_map}, indent=2) + "\n"
+        )
+        quant = checkpoint_record(
+            {**record, "table_dtype": table_dtype},
+            name,
+            weights_note,
+            self.model.config._attn_implementation,
+            self.modules,
+        )
         write_checkpoint_files(self.model.config, tokenizer, quant, self.staging)
         check_output_directory(self.out)
         if self.out.is_dir():
@@ -325,16 +348,26 @@ def _write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 
 def _job(directory: Path, configs: tuple, calibration: Calibration | None) -> dict:
     """What a run makes, for `resume` to check it continues the same run."""
-    described = [{"method": type(config).__name__, **(asdict(config) if is_dataclass(config) else {})}
-                 for config in configs]
-    windows = None if calibration is None else {
-        key: getattr(calibration, key) for key in ("samples", "seq_len", "seed", "source")}
+    described = [
+        {"method": type(config).__name__, **(asdict(config) if is_dataclass(config) else {})} for config in configs
+    ]
+    windows = (
+        None
+        if calibration is None
+        else {key: getattr(calibration, key) for key in ("samples", "seq_len", "seed", "source")}
+    )
     return {"source": str(directory.resolve()), "steps": described, "calibration": windows}
 
 
-def quantize_out_of_core(source: str | os.PathLike, config, out: str | os.PathLike, *,
-                         calibration: Calibration | None = None, resume: bool = False,
-                         table_dtype: str = "float32") -> tuple[Path, QuantRecord]:
+def quantize_out_of_core(
+    source: str | os.PathLike,
+    config,
+    out: str | os.PathLike,
+    *,
+    calibration: Calibration | None = None,
+    resume: bool = False,
+    table_dtype: str = "float32",
+) -> tuple[Path, QuantRecord]:
     """Quantize the float model `source` (registry name, HF directory of safetensors, .gguf) with `config` (as
     `quantize_` takes it) block by block from disk into the checkpoint `out`, its token embedding and float
     output head stored in `table_dtype`; (out, the record). A method that needs the whole model raises
@@ -363,8 +396,9 @@ def _module_prefix(model: nn.Module, module: nn.Module) -> str:
     return next(f"{name}." for name, candidate in model.named_modules() if candidate is module)
 
 
-def load_quantizing(source: str | os.PathLike, config, *, calibration: Calibration | None = None
-                    ) -> tuple[LoadedModel, QuantRecord]:
+def load_quantizing(
+    source: str | os.PathLike, config, *, calibration: Calibration | None = None
+) -> tuple[LoadedModel, QuantRecord]:
     """The float model `source` loaded quantized by `config` (as `quantize_` takes it), block by block: each
     block is read, quantized and kept, so no more than one block is ever in float (QLoRA's base is loaded so).
     Returns (the model, the record)."""

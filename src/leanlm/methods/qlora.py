@@ -1,9 +1,9 @@
-"""QLoRA (thesis ch. 5): LoRA adapters on every linear of the decoder blocks over a frozen base, the base either
+"""QLoRA (Dettmers' thesis ch. 5): LoRA adapters on every linear of the decoder blocks over a frozen base, the base either
 float32 (plain LoRA) or k-bit (NF4 + double quantization by default). One verb, `add_lora_(model, LoRAConfig())`;
 adapters save and load in PEFT's format, and `merge_lora_` folds them into the de-quantized weights.
 
 Defaults: r = 16, alpha = 16 (s = 1), dropout 0.05. QLoRA's published runs use r = 64, alpha = 16 on 7B-65B
-models (not in the thesis; artidoro/qlora); at 135M parameters r = 16 already gives ~4.9M trainable weights.
+models (not in Dettmers' thesis; artidoro/qlora); at 135M parameters r = 16 already gives ~4.9M trainable weights.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from leanlm.nn import KbitLinear
 from leanlm.nn.lora import LoRALinear, frozen_linear
 from leanlm.settings import option
 
-# The frozen base formats of thesis Tables 5.2/5.3 (blocks of 64, as QLoRA).
+# The frozen base formats of Dettmers' thesis Tables 5.2/5.3 (blocks of 64, as QLoRA).
 LORA_BASES: dict[str, KbitConfig | None] = {
     "float": None,  # full-precision LoRA (float32 on this CPU)
     "nf4-dq": KbitConfig("nf", 4, 64, double_quant=True),
@@ -41,8 +41,9 @@ _PEFT_PREFIX = "base_model.model."
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    base: str = option("nf4-dq", "qlora: the base's 4-bit format (nf4-dq: NF4 + double quantization)",
-                       choices=tuple(LORA_BASES))
+    base: str = option(
+        "nf4-dq", "qlora: the base's 4-bit format (nf4-dq: NF4 + double quantization)", choices=tuple(LORA_BASES)
+    )
     rank: int = option(16, "LoRA r")
     alpha: float = option(16.0, "LoRA alpha: the update is scaled by s = alpha / r", flag="--lora-alpha")
     dropout: float = option(0.05, "LoRA dropout on the adapter path")
@@ -74,8 +75,9 @@ def add_lora_(model: nn.Module, config: LoRAConfig) -> dict:
     quantized_already = all(isinstance(module, KbitLinear) for module in linears)
     if quantized_already and config.base == "float":
         raise ConfigError("the model's linears are k-bit already: plain LoRA needs a float model (use qlora)")
-    if not quantized_already and any(not isinstance(module, nn.Linear) and hasattr(module, "constructor_args")
-                                     for module in linears):
+    if not quantized_already and any(
+        not isinstance(module, nn.Linear) and hasattr(module, "constructor_args") for module in linears
+    ):
         raise ConfigError("QLoRA trains over float or k-bit linears; this model's are quantized otherwise")
     quantization = None if quantized_already else LORA_BASES[config.base]
     base_record = quantize_(model, quantization) if quantization else None
@@ -84,8 +86,12 @@ def add_lora_(model: nn.Module, config: LoRAConfig) -> dict:
             module = frozen_linear(linear_weight_out_in(module, table), getattr(module, "bias", None))
         model.set_submodule(name, LoRALinear(module, config.rank, config.alpha, config.dropout))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"method": config.method, **asdict(config), "base_quantization": base_record,
-            "trainable_parameters": trainable}
+    return {
+        "method": config.method,
+        **asdict(config),
+        "base_quantization": base_record,
+        "trainable_parameters": trainable,
+    }
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
@@ -97,8 +103,11 @@ def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     layers = lora_layers(model)
     if not layers:
         raise ConfigError("the model has no LoRA adapters (call add_lora_ first)")
-    return {f"{_PEFT_PREFIX}{name}.{part}.weight": getattr(layer, part).weight.detach().contiguous()
-            for name, layer in layers.items() for part in ("lora_A", "lora_B")}
+    return {
+        f"{_PEFT_PREFIX}{name}.{part}.weight": getattr(layer, part).weight.detach().contiguous()
+        for name, layer in layers.items()
+        for part in ("lora_A", "lora_B")
+    }
 
 
 def load_adapter_tensors_(model: nn.Module, tensors: dict[str, torch.Tensor], source: str = "adapters") -> None:
@@ -111,8 +120,9 @@ def load_adapter_tensors_(model: nn.Module, tensors: dict[str, torch.Tensor], so
             value = tensors[f"{_PEFT_PREFIX}{name}.{part}.weight"]
             target = getattr(layer, part).weight
             if value.shape != target.shape:
-                raise CorruptModelError(f"{source}: {name}.{part} has shape {tuple(value.shape)}, "
-                                        f"the model expects {tuple(target.shape)}")
+                raise CorruptModelError(
+                    f"{source}: {name}.{part} has shape {tuple(value.shape)}, the model expects {tuple(target.shape)}"
+                )
             with torch.no_grad():
                 target.copy_(value)
 
@@ -124,14 +134,30 @@ def save_adapters(model: nn.Module, config: LoRAConfig, out_dir: str | os.PathLi
     out.mkdir(parents=True, exist_ok=True)
     targets = sorted({name.rsplit(".", 1)[-1] for name in lora_layers(model)})
     peft_config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": config.rank, "lora_alpha": config.alpha, "lora_dropout": config.dropout, "target_modules": targets,
-        "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
     }
     save_file(adapter_tensors(model), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (out / ADAPTER_CONFIG).write_text(json.dumps(peft_config, indent=2) + "\n")
-    (out / BASE_RECORD).write_text(json.dumps({"base": config.base, "base_quantization": (
-        asdict(LORA_BASES[config.base]) if LORA_BASES[config.base] else None)}, indent=2) + "\n")
+    (out / BASE_RECORD).write_text(
+        json.dumps(
+            {
+                "base": config.base,
+                "base_quantization": (asdict(LORA_BASES[config.base]) if LORA_BASES[config.base] else None),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return out
 
 
@@ -141,8 +167,12 @@ def read_adapter_config(directory: str | os.PathLike) -> LoRAConfig:
     try:
         record = json.loads(path.read_text())
         base = json.loads(base_path.read_text())["base"] if base_path.is_file() else "float"
-        return LoRAConfig(base=base, rank=int(record["r"]),
-                          alpha=float(record["lora_alpha"]), dropout=float(record.get("lora_dropout", 0.0)))
+        return LoRAConfig(
+            base=base,
+            rank=int(record["r"]),
+            alpha=float(record["lora_alpha"]),
+            dropout=float(record.get("lora_dropout", 0.0)),
+        )
     except (OSError, ValueError, KeyError) as error:
         raise CorruptModelError(f"{path} cannot be read as a LoRA adapter config: {error}") from error
 
@@ -167,8 +197,15 @@ def merge_lora_(model: nn.Module, requantize: KbitConfig | None = None) -> dict:
         if requantize is None:
             replacement = frozen_linear(merged, bias)
         else:
-            replacement = KbitLinear.from_float(merged, bias, requantize.dtype, requantize.bits, requantize.block_size,
-                                                requantize.double_quant, requantize.exponent_bits)
+            replacement = KbitLinear.from_float(
+                merged,
+                bias,
+                requantize.dtype,
+                requantize.bits,
+                requantize.block_size,
+                requantize.double_quant,
+                requantize.exponent_bits,
+            )
             squared_error += (replacement.dequantized_weight() - merged).square().sum().item()
             squared_norm += merged.square().sum().item()
         model.set_submodule(name, replacement)

@@ -23,10 +23,11 @@ register with `register_after_load`, so the checkpoint loader knows no method.
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -50,10 +51,12 @@ class Calibration:
     seq_len: int = option(512, "tokens per calibration window", flag="--calib-seq-len")
     seed: int = option(0, "which windows of the calibration text are drawn")
     source: str = option("lambada-dev", "calibration text (never an evaluation set)", cli=False)
-    token_ids: torch.Tensor | None = option(None, "(samples, seq_len) windows given directly instead of read from "
-                                                  "text", cli=False)
-    int8_stats: Any = option(None, "int8 statistics already observed on this very model (`calibrate`), to reuse",
-                             cli=False)
+    token_ids: torch.Tensor | None = option(
+        None, "(samples, seq_len) windows given directly instead of read from text", cli=False
+    )
+    int8_stats: Any = option(
+        None, "int8 statistics already observed on this very model (`calibrate`), to reuse", cli=False
+    )
     _read: dict = field(default_factory=dict, repr=False, compare=False)
 
     def batches(self, samples: int | None = None) -> torch.Tensor:
@@ -64,8 +67,9 @@ class Calibration:
         if count is None:
             raise ConfigError("calibration samples: give Calibration(samples=N) or a method that has a default")
         if ("windows", count) not in self._read:
-            self._read["windows", count] = calibration_batches(self._text_tokenizer(), count, self.seq_len,
-                                                               self.seed, self.source)
+            self._read["windows", count] = calibration_batches(
+                self._text_tokenizer(), count, self.seq_len, self.seed, self.source
+            )
         return self._read["windows", count]
 
     def held_out(self, windows: int) -> torch.Tensor:
@@ -75,13 +79,13 @@ class Calibration:
 
     def _text_tokenizer(self):
         if self.tokenizer is None:
-            raise ConfigError("this calibration has no tokenizer to read calibration text with: give "
-                              "Calibration(tokenizer)")
+            raise ConfigError(
+                "this calibration has no tokenizer to read calibration text with: give Calibration(tokenizer)"
+            )
         return self.tokenizer
 
     def record(self, samples: int | None) -> dict:
-        return {"n_samples": self.samples or samples, "seq_len": self.seq_len, "seed": self.seed,
-                "source": self.source}
+        return {"n_samples": self.samples or samples, "seq_len": self.seq_len, "seed": self.seed, "source": self.source}
 
 
 class QuantRecord(dict):
@@ -126,7 +130,7 @@ class BlockPlan:
 
     quantize_block: Callable[[int, nn.Module], dict | None]
     finish: Callable[[nn.Module, dict], dict]
-    observe: Callable[[int, nn.Module], ContextManager] | None = None
+    observe: Callable[[int, nn.Module], AbstractContextManager] | None = None
     windows: torch.Tensor | None = None
     feed_quantized: bool = False
 
@@ -146,9 +150,15 @@ def run_plans(model: nn.Module, plans: list[BlockPlan], source: ResidentBlocks |
     def quantize_block(index: int, block: nn.Module) -> list[dict]:
         return [plan.quantize_block(index, block) or {} for plan in plans]
 
-    per_block = walk_blocks(model, windows, observe=observe, quantize_block=quantize_block,
-                            feed_quantized=any(plan.feed_quantized for plan in plans), source=source,
-                            desc="quantizing")
+    per_block = walk_blocks(
+        model,
+        windows,
+        observe=observe,
+        quantize_block=quantize_block,
+        feed_quantized=any(plan.feed_quantized for plan in plans),
+        source=source,
+        desc="quantizing",
+    )
     totals: list[dict] = [{} for _ in plans]
     for counts in per_block:
         for total, block_counts in zip(totals, counts):
@@ -158,8 +168,9 @@ def run_plans(model: nn.Module, plans: list[BlockPlan], source: ResidentBlocks |
 
 
 def _needs_text(config) -> ConfigError:
-    return ConfigError(f"{type(config).__name__} needs calibration text: pass calibration=Calibration(tokenizer) "
-                       "to quantize_")
+    return ConfigError(
+        f"{type(config).__name__} needs calibration text: pass calibration=Calibration(tokenizer) to quantize_"
+    )
 
 
 @dataclass(frozen=True)
@@ -181,10 +192,17 @@ _AFTER_LOAD: list[Callable[[nn.Module, dict, Path], None]] = []
 _FOLDED_NAMES = {("smoothquant", "w8a8"): "smoothquant"}
 
 
-def register_method(config_type: type, name: str, role: Role, needs_calibration: Callable[[Any], bool] = lambda c: True,
-                    followed_by: tuple[type, ...] = (), blockwise: bool = False):
+def register_method(
+    config_type: type,
+    name: str,
+    role: Role,
+    needs_calibration: Callable[[Any], bool] = lambda c: True,
+    followed_by: tuple[type, ...] = (),
+    blockwise: bool = False,
+):
     """Decorator: how `config_type` quantizes (or transforms) a model: `plan(model, config, run) -> BlockPlan`
     when `blockwise`, else `apply(model, config, run) -> record`."""
+
     def decorator(apply):
         _METHODS[config_type] = MethodSpec(name, role, apply, needs_calibration, followed_by, blockwise)
         return apply
@@ -223,32 +241,39 @@ def check_composition(configs: tuple) -> list[MethodSpec]:
     specs = [method_spec(config) for config in configs]
     quantizers = [spec.name for spec in specs if spec.role == "quantizer"]
     if len(quantizers) != 1:
-        raise ConfigError("a list of methods quantizes once: transforms (cushion, smoothquant) then one quantizer; "
-                          f"this one has {len(quantizers)} quantizers ({', '.join(quantizers) or 'none'})")
+        raise ConfigError(
+            "a list of methods quantizes once: transforms (cushion, smoothquant) then one quantizer; "
+            f"this one has {len(quantizers)} quantizers ({', '.join(quantizers) or 'none'})"
+        )
     if specs[-1].role != "quantizer":
-        raise ConfigError(f"{specs[-1].name} must come before the quantizer ({quantizers[0]}): it changes the float "
-                          "model that is then quantized")
+        raise ConfigError(
+            f"{specs[-1].name} must come before the quantizer ({quantizers[0]}): it changes the float "
+            "model that is then quantized"
+        )
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise ConfigError(f"{' + '.join(names)}: a method appears twice")
     for index, spec in enumerate(specs):
-        after = configs[index + 1:]
+        after = configs[index + 1 :]
         if spec.followed_by and not any(isinstance(config, spec.followed_by) for config in after):
             needed = " or ".join(t.__name__ for t in spec.followed_by)
-            raise ConfigError(f"{spec.name} prepares activations for int8 quantization: follow it with {needed}, "
-                              f"not {' + '.join(names[index + 1:])}")
+            raise ConfigError(
+                f"{spec.name} prepares activations for int8 quantization: follow it with {needed}, "
+                f"not {' + '.join(names[index + 1 :])}"
+            )
     return specs
 
 
 def composed_name(names: list[str]) -> str:
     for (first, second), folded in _FOLDED_NAMES.items():
         if first in names and second in names and names.index(second) == names.index(first) + 1:
-            names = [*names[:names.index(first)], folded, *names[names.index(second) + 1:]]
+            names = [*names[: names.index(first)], folded, *names[names.index(second) + 1 :]]
     return "+".join(names)
 
 
-def quantize_(model: nn.Module, config, *, calibration: Calibration | None = None,
-              source: ResidentBlocks | None = None) -> QuantRecord:
+def quantize_(
+    model: nn.Module, config, *, calibration: Calibration | None = None, source: ResidentBlocks | None = None
+) -> QuantRecord:
     """Apply `config` (a method config, or a list of them: transforms then one quantizer) to `model` in place.
     `source`: where the block pipeline reads and writes blocks (default: `model`'s own, in memory)."""
     configs = tuple(config) if isinstance(config, (list, tuple)) else (config,)
@@ -265,7 +290,7 @@ def quantize_(model: nn.Module, config, *, calibration: Calibration | None = Non
     steps: list[dict] = []
     plans: list[BlockPlan] = []  # consecutive blockwise steps, run together in one walk
     for index, (config_, spec) in enumerate(zip(configs, specs)):
-        run.later = configs[index + 1:]
+        run.later = configs[index + 1 :]
         if spec.blockwise:
             plans.append(spec.apply(model, config_, run))
             continue
@@ -280,4 +305,3 @@ def quantize_(model: nn.Module, config, *, calibration: Calibration | None = Non
     record["method"] = composed_name(names)
     record["seconds"] = time.perf_counter() - started
     return record
-

@@ -29,14 +29,20 @@ class Recipe:
 
 RECIPES: dict[str, Recipe] = {
     "w8a8": Recipe("naive int8 weights and activations", (W8A8Config,)),
-    "smoothquant": Recipe("SmoothQuant: migrate activation outliers into the weights, then W8A8",
-                          (SmoothQuantConfig, W8A8Config), {"level": "O3"}),
+    "smoothquant": Recipe(
+        "SmoothQuant: migrate activation outliers into the weights, then W8A8",
+        (SmoothQuantConfig, W8A8Config),
+        {"level": "O3"},
+    ),
     "llm-int8": Recipe("vector-wise int8 with the outlier dimensions in float", (LLMInt8Config,)),
     "kbit": Recipe("weight-only k-bit blocks (NF4, FP4, int, dynamic), QLoRA's double quantization", (KbitConfig,)),
     "rtn": Recipe("weight-only min-max groups, rounded to nearest", (RTNConfig,)),
     "gptq": Recipe("weight-only min-max groups with Hessian error feedback", (GPTQConfig,)),
     "spqr": Recipe("GPTQ with 3-bit group statistics and fp16 outliers", (SpQRConfig,)),
-    "cushion": Recipe("a searched (and tuned) prefix KV cache, then int8 (--base w8a8 or smoothquant)",
-                      (CushionConfig,), {"level": "O3"},
-                      {"w8a8": (W8A8Config,), "smoothquant": (SmoothQuantConfig, W8A8Config)}),
+    "cushion": Recipe(
+        "a searched (and tuned) prefix KV cache, then int8 (--base w8a8 or smoothquant)",
+        (CushionConfig,),
+        {"level": "O3"},
+        {"w8a8": (W8A8Config,), "smoothquant": (SmoothQuantConfig, W8A8Config)},
+    ),
 }

@@ -1,4 +1,4 @@
-"""SmoothQuant's smoothing (thesis section 3.3): migrate activation outliers into the weights.
+"""SmoothQuant's smoothing (Xiao's thesis section 3.3): migrate activation outliers into the weights.
 
 For the linears that read one input X, per input channel j:
     s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)            (eq. 3.4; alpha = migration strength)
@@ -23,10 +23,10 @@ from tqdm.auto import tqdm
 from leanlm.cache.prefix import follow_value_smoothing_
 from leanlm.errors import ConfigError, NeedsWholeModelError
 from leanlm.methods.quantize import BlockPlan, QuantRun, quantize_, register_method
-from leanlm.settings import option
 from leanlm.methods.w8a8 import CalibrationStats, int8_observation, int8_statistics
 from leanlm.models.architectures import ArchitectureTable, architecture_for, decoder_blocks, linear_weight_out_in
 from leanlm.models.scoring import next_token_nll
+from leanlm.settings import option
 
 _MIN = 1e-5  # floor for maxima and scales, as in the reference implementation
 
@@ -40,12 +40,21 @@ class SmoothQuantConfig:
     """SmoothQuant's smoothing, a transform before an int8 quantizer (`[SmoothQuantConfig(), W8A8Config("O3")]`
     is SmoothQuant as the paper runs it)."""
 
-    alpha: float | Literal["auto"] = option(0.5, "migration strength in [0, 1] (eq. 3.4), or 'auto': a grid "
-                                                 "search on held-out calibration windows")
-    smooth_value_output: bool = option(True, "also smooth v_proj -> o_proj (beyond the paper)",
-                                       flag="--no-smooth-extension")
-    smooth_mlp_output: bool = option(True, "also smooth up_proj -> down_proj, fc1 -> fc2 (beyond the paper)",
-                                     flag="--no-smooth-extension")
+    alpha: float | Literal["auto"] = option(
+        0.5, "migration strength in [0, 1] (eq. 3.4), or 'auto': a grid search on held-out calibration windows"
+    )
+    smooth_value_output: bool = option(
+        True,
+        "also smooth v_proj -> o_proj (beyond the paper)",
+        flag="--no-smooth-extension",
+        off="smooth only the linears a norm feeds, as the paper does",
+    )
+    smooth_mlp_output: bool = option(
+        True,
+        "also smooth up_proj -> down_proj, fc1 -> fc2 (beyond the paper)",
+        flag="--no-smooth-extension",
+        off="smooth only the linears a norm feeds, as the paper does",
+    )
     alpha_grid: tuple[float, ...] = option(ALPHA_GRID, "the alphas 'auto' tries", cli=False)
     search_windows: int = option(8, "held-out calibration windows 'auto' scores per alpha", cli=False)
     calibration_samples: int = option(512, "calibration windows (SmoothQuant: 512 sentences)", flag="--calib-samples")
@@ -63,9 +72,7 @@ def smoothing_factors(activation_absmax: torch.Tensor, weight_absmax: torch.Tens
 
 
 def _input_column_absmax(modules: list[nn.Module], table: ArchitectureTable) -> torch.Tensor:
-    return torch.stack(
-        [linear_weight_out_in(m, table).detach().abs().amax(dim=0).float() for m in modules]
-    ).amax(dim=0)
+    return torch.stack([linear_weight_out_in(m, table).detach().abs().amax(dim=0).float() for m in modules]).amax(dim=0)
 
 
 def _scale_input_columns(module: nn.Module, table: ArchitectureTable, s: torch.Tensor) -> None:
@@ -107,15 +114,23 @@ class SmoothingResult:
     producer_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def smooth_block_(block: nn.Module, index: int, model_config, input_absmax: dict[str, torch.Tensor],
-                  config: SmoothQuantConfig, result: SmoothingResult) -> None:
+def smooth_block_(
+    block: nn.Module,
+    index: int,
+    model_config,
+    input_absmax: dict[str, torch.Tensor],
+    config: SmoothQuantConfig,
+    result: SmoothingResult,
+) -> None:
     """Smooth decoder block `index` in place from its linears' input maxima observed on the unsmoothed model
     (`input_absmax`, keyed by full linear names); `result` receives the smoothed maxima and producer factors."""
     table = architecture_for(model_config)
     prefix = f"{table.blocks}.{index}."
     for feed in table.norm_feeds:
         consumers = [block.get_submodule(path) for path in feed.linears]
-        s = smoothing_factors(input_absmax[prefix + feed.linears[0]], _input_column_absmax(consumers, table), config.alpha)
+        s = smoothing_factors(
+            input_absmax[prefix + feed.linears[0]], _input_column_absmax(consumers, table), config.alpha
+        )
         _divide_norm(block.get_submodule(feed.norm), table, s)
         for path, module in zip(feed.linears, consumers):
             _scale_input_columns(module, table, s)
@@ -149,15 +164,18 @@ def smooth_(model: nn.Module, input_absmax: dict[str, torch.Tensor], config: Smo
     return result
 
 
-def _smooth_attention_ranges(stats: CalibrationStats, result: SmoothingResult, table: ArchitectureTable,
-                             attention_name: str) -> None:
+def _smooth_attention_ranges(
+    stats: CalibrationStats, result: SmoothingResult, table: ArchitectureTable, attention_name: str
+) -> None:
     """One attention's observed ranges as they are after smoothing: the value ranges divided where v_proj's
     outputs were (queries and keys do not change)."""
     value_proj = f"{attention_name.rsplit('.', 1)[0]}.{table.attention_inputs[-1]}"
     ranges = stats.attention.get(attention_name)
     if ranges is not None and value_proj in result.producer_scales:
-        stats.attention[attention_name] = {**ranges,
-                                           "v_channel_absmax": ranges["v_channel_absmax"] / result.producer_scales[value_proj]}
+        stats.attention[attention_name] = {
+            **ranges,
+            "v_channel_absmax": ranges["v_channel_absmax"] / result.producer_scales[value_proj],
+        }
 
 
 @register_method(SmoothQuantConfig, "smoothquant", "transform", blockwise=True)
@@ -167,8 +185,10 @@ def _smoothquant_plan(model: nn.Module, config: SmoothQuantConfig, run: QuantRun
     record = {}
     if config.alpha == AUTO:
         if run.streamed:
-            raise NeedsWholeModelError("alpha 'auto' scores whole-model copies, which a model read block by block from disk "
-                              "cannot give: set alpha (the paper's default is 0.5)")
+            raise NeedsWholeModelError(
+                "alpha 'auto' scores whole-model copies, which a model read block by block from disk "
+                "cannot give: set alpha (the paper's default is 0.5)"
+            )
         alpha, searched = _search_alpha(model, config, int8_statistics(model, config, run), run)
         record["alpha_search"] = {str(value): ppl for value, ppl in searched.items()}
         config = replace(config, alpha=alpha)
@@ -185,15 +205,19 @@ def _smoothquant_plan(model: nn.Module, config: SmoothQuantConfig, run: QuantRun
     def finish(model: nn.Module, counts: dict) -> dict:
         # A CushionCache prefix attached to the model holds values v_proj produced before this smoothing.
         follow_value_smoothing_(model, result.producer_scales)
-        record["smoothquant"] = {"alpha": config.alpha, "smooth_value_output": config.smooth_value_output,
-                                 "smooth_mlp_output": config.smooth_mlp_output}
+        record["smoothquant"] = {
+            "alpha": config.alpha,
+            "smooth_value_output": config.smooth_value_output,
+            "smooth_mlp_output": config.smooth_mlp_output,
+        }
         return record
 
     return BlockPlan(quantize_block, finish, observe, windows)
 
 
-def _search_alpha(model: nn.Module, config: SmoothQuantConfig, stats: CalibrationStats, run: QuantRun
-                  ) -> tuple[float, dict[float, float]]:
+def _search_alpha(
+    model: nn.Module, config: SmoothQuantConfig, stats: CalibrationStats, run: QuantRun
+) -> tuple[float, dict[float, float]]:
     """SmoothQuant's grid search: a copy of the model smoothed with each alpha and quantized by the steps that
     follow, scored on held-out calibration windows (never evaluation data). Returns (best, {alpha: ppl})."""
     held_out = run.data(config).held_out(config.search_windows)

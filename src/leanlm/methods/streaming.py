@@ -1,4 +1,4 @@
-"""StreamingLLM (thesis chapter 4): attention sinks + a rolling KV window, with positions assigned in the cache.
+"""StreamingLLM (Xiao's thesis chapter 4): attention sinks + a rolling KV window, with positions assigned in the cache.
 
     cache = sink_cache(model, StreamingConfig(sinks=4, window=1020))
     model.generate(input_ids, past_key_values=cache, max_new_tokens=10_000)      # or a manual token loop
@@ -28,9 +28,12 @@ _HOOK_ATTRIBUTE = "_leanlm_cache_positions_hook"
 
 @dataclass(frozen=True)
 class StreamingConfig:
-    sinks: int = option(4, "attention sinks: initial tokens kept forever (the thesis' default; Table 4.2)")
-    window: int = option(1020, "most recent tokens kept; the cache holds sinks + window tokens (4 + 1020: the "
-                               "thesis' 1024 for 2K-context models)")
+    sinks: int = option(4, "attention sinks: initial tokens kept forever (Xiao's thesis' default; Table 4.2)")
+    window: int = option(
+        1020,
+        "most recent tokens kept; the cache holds sinks + window tokens (Xiao's thesis uses a cache of 1024 for "
+        "models of 2K context)",
+    )
 
     def __post_init__(self):
         if self.sinks < 0:
@@ -54,7 +57,7 @@ def sink_cache(model: nn.Module, config: StreamingConfig = StreamingConfig()) ->
         raise ConfigError(
             f"cache of {config.cache_size + prefix} tokens (sinks {config.sinks} + window {config.window}"
             f"{f' + a cushion of {prefix}' if prefix else ''}) reaches the model's trained context of {limit}; "
-            "StreamingLLM keeps the cache inside it (the thesis uses half of it)"
+            "StreamingLLM keeps the cache inside it (Xiao's thesis uses half of it)"
         )
     _install_position_hook(model)
     cache = SinkCache(config.sinks + prefix, config.window, key_shift)

@@ -2,7 +2,7 @@
 attention matmuls): `quantize_(model, W8A8Config(...))`, after `SmoothQuantConfig` for SmoothQuant, and
 `LLMInt8Config` for LLM.int8()'s vector-wise int8 with outlier decomposition.
 
-Levels (thesis Table 3.2), weights per-tensor unless `weight_granularity` says otherwise:
+Levels (Xiao's thesis Table 3.2), weights per-tensor unless `weight_granularity` says otherwise:
     O1: per-token dynamic activations    O2: per-tensor dynamic    O3: per-tensor static (calibrated)
 Naive W8A8 is O2 without smoothing; ZeroQuant-style is O1 with group-wise weights (`ZEROQUANT`).
 """
@@ -22,9 +22,9 @@ from leanlm.kernels.int8_gemm import Backend
 from leanlm.methods.blocks import observe_inputs, walk_blocks
 from leanlm.methods.calibration import record_channel_absmax
 from leanlm.methods.quantize import BlockPlan, QuantRun, register_after_load, register_method
-from leanlm.settings import option
 from leanlm.models.architectures import architecture_for, decoder_blocks, linear_weight_out_in
 from leanlm.nn import ATTENTION_NAME, BmmQuantizer, SharedInputGemm, W8A8Linear, use_int8_bmm_attention
+from leanlm.settings import option
 
 Level = Literal["O1", "O2", "O3"]
 LEVELS: dict[str, tuple[str, bool]] = {  # level -> (activation granularity, static)
@@ -37,20 +37,29 @@ LEVELS: dict[str, tuple[str, bool]] = {  # level -> (activation granularity, sta
 @dataclass(frozen=True)
 class W8A8Config:
     level: Level = option("O2", "O1 per-token dynamic, O2 per-tensor dynamic, O3 per-tensor static activations")
-    weight_granularity: WeightGranularity = option("per_tensor", "weight scales per tensor, per output channel, or "
-                                                                 "per group of output channels (with O1: ZeroQuant)")
+    weight_granularity: WeightGranularity = option(
+        "per_tensor",
+        "weight scales per tensor, per output channel, or per group of output channels (with O1: ZeroQuant)",
+    )
     group_size: int = option(128, "per_group: output channels per weight scale")
-    quantize_bmm: bool = option(True, "also quantize attention's Q.K^T and P.V inputs q, k, v (thesis Fig. 3.3)",
-                                flag="--no-bmm")
-    quantize_probs: bool = option(False, "also round softmax probabilities to the int8 grid 1/127 (the int8 OPT "
-                                         "kernel does)")
+    quantize_bmm: bool = option(
+        True,
+        "also quantize attention's Q.K^T and P.V inputs q, k, v (Xiao's thesis Fig. 3.3)",
+        flag="--no-bmm",
+        off="keep attention's batched matmuls in float (what compressed-tensors export needs)",
+    )
+    quantize_probs: bool = option(
+        False, "also round softmax probabilities to the int8 grid 1/127 (the int8 OPT kernel does)"
+    )
     # LLM.int8()'s mixed-precision decomposition: input dimensions with any |x| >= this go through float
     outlier_threshold: float | None = option(None, "outlier magnitude (LLM.int8(); use LLMInt8Config)", cli=False)
-    asymmetric: bool = option(False, "per-tensor zero points on both operands (LLM.int8()'s zeropoint baseline)",
-                              cli=False)
+    asymmetric: bool = option(
+        False, "per-tensor zero points on both operands (LLM.int8()'s zeropoint baseline)", cli=False
+    )
     backend: Backend | None = option(None, "int8 GEMM: reference or fbgemm (None: fbgemm where available)", cli=False)
-    calibration_samples: int = option(512, "calibration windows for static ranges (SmoothQuant: 512 sentences)",
-                                      flag="--calib-samples")
+    calibration_samples: int = option(
+        512, "calibration windows for static ranges (SmoothQuant: 512 sentences)", flag="--calib-samples"
+    )
 
     def __post_init__(self):
         if self.level not in LEVELS:
@@ -72,19 +81,23 @@ ZEROQUANT = W8A8Config(level="O1", weight_granularity="per_group")
 
 @dataclass(frozen=True)
 class LLMInt8Config:
-    """LLM.int8() (thesis ch. 2): vector-wise int8 (per-token activations x per-output-channel weights) with the
+    """LLM.int8() (Dettmers' thesis ch. 2): vector-wise int8 (per-token activations x per-output-channel weights) with the
     outlier dimensions in float. Attention's matmuls stay in float, as in the paper."""
 
-    threshold: float | None = option(6.0, "alpha: input dimensions with any |x| >= it run in float (inf: none, "
-                                          "plain vector-wise int8)", none_word="inf")
+    threshold: float | None = option(
+        6.0,
+        "alpha: input dimensions with any |x| >= it run in float (inf: none, plain vector-wise int8)",
+        none_word="inf",
+    )
 
     def __post_init__(self):
         if self.threshold is not None and not self.threshold > 0:
             raise ConfigError(f"threshold must be positive (or None), got {self.threshold}")
 
     def w8a8(self) -> W8A8Config:
-        return W8A8Config(level="O1", weight_granularity="per_channel", quantize_bmm=False,
-                          outlier_threshold=self.threshold)
+        return W8A8Config(
+            level="O1", weight_granularity="per_channel", quantize_bmm=False, outlier_threshold=self.threshold
+        )
 
 
 def _attention_modules(model: nn.Module):
@@ -98,9 +111,11 @@ class CalibrationStats:
     input_absmax: dict[str, torch.Tensor]  # linear name -> per-input-channel max|x|
     attention: dict[str, dict[str, torch.Tensor]]  # attention module name -> observed q/k/v ranges
 
-    def copy(self) -> "CalibrationStats":
+    def copy(self) -> CalibrationStats:
         """Another set of the same statistics whose entries a transform may replace (the tensors are shared)."""
-        return CalibrationStats(dict(self.input_absmax), {name: dict(ranges) for name, ranges in self.attention.items()})
+        return CalibrationStats(
+            dict(self.input_absmax), {name: dict(ranges) for name, ranges in self.attention.items()}
+        )
 
 
 class Int8Observer:
@@ -126,8 +141,10 @@ class Int8Observer:
         attention.bmm_quantizer = BmmQuantizer()
         attention.bmm_quantizer.observe = True
         try:
-            with observe_inputs(((prefix + path, block.get_submodule(path)) for path in self.table.quantizable_linears),
-                                lambda name, x: record_channel_absmax(self.stats.input_absmax, name, x)):
+            with observe_inputs(
+                ((prefix + path, block.get_submodule(path)) for path in self.table.quantizable_linears),
+                lambda name, x: record_channel_absmax(self.stats.input_absmax, name, x),
+            ):
                 yield
             self.stats.attention[prefix + self.table.attention_module] = attention.bmm_quantizer.state_dict()
         finally:
@@ -164,8 +181,9 @@ def int8_observation(model: nn.Module, config, run: QuantRun):
     return run.observing.observe, run.data(config).batches(config.calibration_samples)
 
 
-@register_method(W8A8Config, "w8a8", "quantizer", needs_calibration=lambda config: LEVELS[config.level][1],
-                 blockwise=True)
+@register_method(
+    W8A8Config, "w8a8", "quantizer", needs_calibration=lambda config: LEVELS[config.level][1], blockwise=True
+)
 def _w8a8_plan(model: nn.Module, config: W8A8Config, run: QuantRun) -> BlockPlan:
     """Replace the block linears (and attention's matmul inputs) by int8 ones; static levels take their ranges
     from the run's statistics (observed here, or kept current by a transform before, such as smoothing)."""
@@ -179,11 +197,20 @@ def _w8a8_plan(model: nn.Module, config: W8A8Config, run: QuantRun) -> BlockPlan
         for path in table.quantizable_linears:
             module = block.get_submodule(path)
             input_scale = (input_absmax[prefix + path].max() / QMAX).clamp(min=1e-8) if static else None
-            block.set_submodule(path, W8A8Linear.from_float(
-                linear_weight_out_in(module, table), getattr(module, "bias", None),
-                config.weight_granularity, config.group_size, activation, input_scale, config.backend,
-                config.outlier_threshold, config.asymmetric,
-            ))
+            block.set_submodule(
+                path,
+                W8A8Linear.from_float(
+                    linear_weight_out_in(module, table),
+                    getattr(module, "bias", None),
+                    config.weight_granularity,
+                    config.group_size,
+                    activation,
+                    input_scale,
+                    config.backend,
+                    config.outlier_threshold,
+                    config.asymmetric,
+                ),
+            )
         if config.quantize_bmm:
             ranges = run.stats.attention.get(prefix + table.attention_module) if run.stats else None
             kv_channels = ranges["v_channel_absmax"].numel() if ranges else 0
@@ -198,8 +225,9 @@ def _w8a8_plan(model: nn.Module, config: W8A8Config, run: QuantRun) -> BlockPlan
         share_input_gemms_(model)
         if config.quantize_bmm:
             use_int8_bmm_attention(model)
-        calibration = (run.calibration.record(config.calibration_samples)
-                       if run.stats is not None and run.calibration else None)
+        calibration = (
+            run.calibration.record(config.calibration_samples) if run.stats is not None and run.calibration else None
+        )
         return {"method": config.method, **asdict(config), "calibration": calibration}
 
     return BlockPlan(quantize_block, finish, observe, windows)

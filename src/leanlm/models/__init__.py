@@ -1,10 +1,10 @@
 """Model families (architecture tables), the registry of offline models, and loading."""
 
 from leanlm.models.architectures import (
+    TABLES,
     ArchitectureTable,
     LinearFeeds,
     NormFeeds,
-    TABLES,
     architecture_for,
     decoder_blocks,
     iter_quantizable_linears,

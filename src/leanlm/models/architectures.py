@@ -11,8 +11,9 @@ All module paths inside a block are relative to the block; `blocks`, `final_norm
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -85,8 +86,9 @@ class ArchitectureTable:
         return (*self.attention_inputs, self.attention_output, *self.mlp_inputs, self.mlp_output)
 
 
-def _llama_like(family: str, model_types: tuple[str, ...], gguf_architecture: str = "llama",
-                gguf_interleaved_qk: bool = True) -> ArchitectureTable:
+def _llama_like(
+    family: str, model_types: tuple[str, ...], gguf_architecture: str = "llama", gguf_interleaved_qk: bool = True
+) -> ArchitectureTable:
     return ArchitectureTable(
         family=family,
         model_types=model_types,
@@ -254,7 +256,7 @@ def rotary_fraction(config) -> float:
 
 
 def proxy_source_weights(model: nn.Module, table: ArchitectureTable | None = None) -> dict[str, torch.Tensor]:
-    """For proxy quantization (thesis section 3.3): for each quantizable linear (full name), the (out, in) weight
+    """For proxy quantization (Dettmers' thesis section 3.3): for each quantizable linear (full name), the (out, in) weight
     of the layer whose output units are that linear's input dimensions.
 
     Linears reading the residual stream get the last layer that wrote to it: the previous block's MLP output for

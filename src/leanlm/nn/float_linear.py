@@ -33,8 +33,8 @@ class GemvLinear(nn.Linear):
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
         bias = None if self.bias is None else self.bias.to(self.weight.dtype)
         for first in range(0, rows.shape[0], rows_at_once):
-            chunk = rows[first:first + rows_at_once].to(self.weight.dtype)
-            out[first:first + rows_at_once] = nn.functional.linear(chunk, self.weight, bias)
+            chunk = rows[first : first + rows_at_once].to(self.weight.dtype)
+            out[first : first + rows_at_once] = nn.functional.linear(chunk, self.weight, bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -1,4 +1,4 @@
-"""KbitLinear: weight-only k-bit linear (thesis ch. 3, QLoRA's NF4): packed k-bit codes of any data type,
+"""KbitLinear: weight-only k-bit linear (Dettmers' thesis ch. 3, QLoRA's NF4): packed k-bit codes of any data type,
 block-wise absmax constants (optionally double-quantized), activations float32 (at decode sizes, up to SMALL_M
 rows without gradients, quantized per chunk of 64 to int8 for the int8 kernel, as llama.cpp does).
 
@@ -46,7 +46,7 @@ class KbitLinear(nn.Module):
         double_quant: bool = False,
         exponent_bits: int | None = None,  # float types only
         backend: KbitBackend | None = None,  # None: the fast kernel where it applies, chosen at the first forward
-        proxy_dims: int = 0,  # input dimensions kept in 16-bit (proxy quantization, thesis section 3.3)
+        proxy_dims: int = 0,  # input dimensions kept in 16-bit (proxy quantization, Dettmers' thesis section 3.3)
         code_layout: CodeLayout = "stream",  # how `packed` holds the codes; checkpoints from before "planes" lack it
     ):
         super().__init__()
@@ -75,21 +75,40 @@ class KbitLinear(nn.Module):
         # Proxy quantization: these input columns are stored in float16 beside the k-bit weight (whose codes
         # for them encode zeros, so the columns neither count twice nor inflate their blocks' absmax).
         self.register_buffer("proxy_columns", torch.zeros(proxy_dims, dtype=torch.int32) if proxy_dims else None)
-        self.register_buffer("proxy_weight", torch.zeros(out_features, proxy_dims, dtype=torch.float16)
-                             if proxy_dims else None)
+        self.register_buffer(
+            "proxy_weight", torch.zeros(out_features, proxy_dims, dtype=torch.float16) if proxy_dims else None
+        )
 
     @property
     def codebook(self) -> Codebook:
         return codebook(self.dtype, self.bits, self.exponent_bits)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: str = "nf", bits: int = 4,
-                   block_size: int | None = 64, double_quant: bool = False, exponent_bits: int | None = None,
-                   proxy_columns: torch.Tensor | None = None) -> "KbitLinear":
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: str = "nf",
+        bits: int = 4,
+        block_size: int | None = 64,
+        double_quant: bool = False,
+        exponent_bits: int | None = None,
+        proxy_columns: torch.Tensor | None = None,
+    ) -> KbitLinear:
         out_features, in_features = weight.shape
         proxy_dims = 0 if proxy_columns is None else proxy_columns.numel()
-        module = cls(in_features, out_features, bias is not None, dtype, bits, block_size, double_quant, exponent_bits,
-                     proxy_dims=proxy_dims, code_layout=preferred_layout(bits))
+        module = cls(
+            in_features,
+            out_features,
+            bias is not None,
+            dtype,
+            bits,
+            block_size,
+            double_quant,
+            exponent_bits,
+            proxy_dims=proxy_dims,
+            code_layout=preferred_layout(bits),
+        )
         weight = weight.detach().float()
         if proxy_dims:
             columns = proxy_columns.long().sort().values
@@ -106,18 +125,29 @@ class KbitLinear(nn.Module):
         return module
 
     def constructor_args(self) -> dict:
-        return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
-                "dtype": self.dtype, "bits": self.bits, "block_size": None if self.per_row else self.block_size,
-                "double_quant": self.double_quant, "exponent_bits": self.exponent_bits,
-                "proxy_dims": 0 if self.proxy_columns is None else self.proxy_columns.numel(),
-                "code_layout": self.code_layout}
+        return {
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "bias": self.bias is not None,
+            "dtype": self.dtype,
+            "bits": self.bits,
+            "block_size": None if self.per_row else self.block_size,
+            "double_quant": self.double_quant,
+            "exponent_bits": self.exponent_bits,
+            "proxy_dims": 0 if self.proxy_columns is None else self.proxy_columns.numel(),
+            "code_layout": self.code_layout,
+        }
 
     def quantized(self) -> BlockwiseQuantized:
         count = self.in_features * self.out_features
         return BlockwiseQuantized(
-            unpack(self.packed, self.bits, count, self.code_layout), self.absmax, (self.out_features, self.in_features),
-            self.block_size, self.codebook,
-            self.absmax_scale if self.double_quant else None, self.absmax_offset if self.double_quant else None,
+            unpack(self.packed, self.bits, count, self.code_layout),
+            self.absmax,
+            (self.out_features, self.in_features),
+            self.block_size,
+            self.codebook,
+            self.absmax_scale if self.double_quant else None,
+            self.absmax_offset if self.double_quant else None,
         )
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -125,8 +155,9 @@ class KbitLinear(nn.Module):
         if self._resolve_backend() == "reference" or self.bits != 4:
             weight = self.quantized().dequantize()
         else:
-            weight = dequantize_weight(self.packed, *self._kernel_state(), self.out_features, self.in_features,
-                                       self.block_size)
+            weight = dequantize_weight(
+                self.packed, *self._kernel_state(), self.out_features, self.in_features, self.block_size
+            )
         if self.proxy_columns is not None:
             weight[:, self.proxy_columns.long()] = self.proxy_weight.float()
         return weight
@@ -145,9 +176,13 @@ class KbitLinear(nn.Module):
         """(the block constants as stored - double-quantized ones stay 8-bit, the kernel decodes them row by row -,
         the code book as float32: 16 entries for 3 or 4 bits, 256 for 8), derived once from the buffers."""
         if self._kernel_inputs is None:
-            constants = (BlockConstants(self.absmax, self.absmax_scale, DYNAMIC8.values, self.absmax_offset.item(),
-                                        SECOND_LEVEL_BLOCK)
-                         if self.double_quant else BlockConstants(self.absmax.float().contiguous()))
+            constants = (
+                BlockConstants(
+                    self.absmax, self.absmax_scale, DYNAMIC8.values, self.absmax_offset.item(), SECOND_LEVEL_BLOCK
+                )
+                if self.double_quant
+                else BlockConstants(self.absmax.float().contiguous())
+            )
             table = code_table(self.codebook.values) if self.bits in (3, 4) else self.codebook.values.float()
             if self.bits == 8 and self._runs_int8_kernel_only():
                 # Written before `Codebook.nearest` stopped emitting the unused code 255 (= 0.0, as is 127); 16 MiB
@@ -161,10 +196,17 @@ class KbitLinear(nn.Module):
         """Codes without a float-activation GEMV: the int8 kernel at decode sizes, tiles beyond: 8-bit codes of
         the symmetric int book (llama.cpp's Q8_0 in all but the block), read as stored, and 3-bit codes in the
         planes layout."""
-        readable = (self.bits == 8 and is_int8_code_book(self.codebook.values)
-                    or self.bits == 3 and self.code_layout == "planes")
-        return (readable and supports_int8_activations(self.block_size, self.in_features, self.bits)
-                and self.proxy_columns is None)
+        readable = (
+            self.bits == 8
+            and is_int8_code_book(self.codebook.values)
+            or self.bits == 3
+            and self.code_layout == "planes"
+        )
+        return (
+            readable
+            and supports_int8_activations(self.block_size, self.in_features, self.bits)
+            and self.proxy_columns is None
+        )
 
     def _resolve_backend(self) -> KbitBackend:
         if self.backend is None:
@@ -188,8 +230,20 @@ class KbitLinear(nn.Module):
         chosen = self.gemm_dtype if int8_activations else None
         compute_dtype = chosen if chosen is not None else prefill_dtype(x.dtype)
         absmax, table = self._kernel_state()
-        out = kbit_linear(rows.float(), self.packed, absmax, table, self.out_features, self.block_size, self.bias,
-                          self.backend, self.kernel_isa, int8_activations, self.bits, compute_dtype)
+        out = kbit_linear(
+            rows.float(),
+            self.packed,
+            absmax,
+            table,
+            self.out_features,
+            self.block_size,
+            self.bias,
+            self.backend,
+            self.kernel_isa,
+            int8_activations,
+            self.bits,
+            compute_dtype,
+        )
         if self.proxy_columns is not None:
             out.addmm_(rows[:, self.proxy_columns.long()].to(out.dtype), self.proxy_weight.to(out.dtype).T)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -208,8 +262,10 @@ class KbitLinear(nn.Module):
     def extra_repr(self) -> str:
         blocks = "per-row" if self.per_row else f"block {self.block_size}"
         proxy = f", {self.proxy_columns.numel()} proxy dims in fp16" if self.proxy_columns is not None else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.codebook.name}, {blocks}"
-                f"{', double-quant' if self.double_quant else ''}{proxy}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.codebook.name}, {blocks}"
+            f"{', double-quant' if self.double_quant else ''}{proxy}"
+        )
 
 
 class _FrozenKbitMatmul(torch.autograd.Function):

@@ -1,6 +1,6 @@
 """LoRALinear: a low-rank adapter around any frozen linear layer (float or k-bit), QLoRA eq. 5.2 with PEFT's scale:
 
-    Y = base(X) + s * dropout(X) A^T B^T,   s = alpha / r  (the thesis' equation omits s; PEFT and QLoRA's code use it)
+    Y = base(X) + s * dropout(X) A^T B^T,   s = alpha / r  (Dettmers' thesis' equation omits s; PEFT and QLoRA's code use it)
 
 A (r x in) starts Kaiming-uniform and B (out x r) at zero, so the wrapped model is unchanged at step 0; dropout
 acts on the adapter path only. The names `lora_A` / `lora_B` are PEFT's, so saved adapters load with `peft`.

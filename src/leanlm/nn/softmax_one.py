@@ -1,4 +1,4 @@
-"""SoftMax-off-by-one attention ("zero sink", thesis section 4.3): softmax over the scores plus one extra logit
+"""SoftMax-off-by-one attention ("zero sink", Xiao's thesis section 4.3): softmax over the scores plus one extra logit
 fixed at 0, so a head can put its attention mass nowhere instead of dumping it on the first token:
 
     p_i = exp(s_i) / (1 + sum_j exp(s_j))

@@ -1,4 +1,4 @@
-"""SpQRLinear: the stored form of an RTN / GPTQ / SpQR weight (thesis section 4.4.2), in four parts:
+"""SpQRLinear: the stored form of an RTN / GPTQ / SpQR weight (Dettmers' thesis section 4.4.2), in four parts:
 
 1. b-bit min-max codes of the dense weight, bit-packed, columns in the solver's (act-order) order;
 2. first-level statistics, one scale and one zero per row per beta1-column group: float16 (GPTQ), or
@@ -33,17 +33,33 @@ from torch import nn
 from leanlm.errors import ConfigError
 from leanlm.formats.gptq import SolvedWeight, SolverSettings
 from leanlm.formats.packing import CodeLayout, pack, packed_bytes, preferred_layout, unpack
-from leanlm.kernels.kbit_gemm import (SMALL_M, SparseRows, avx2_available, kbit_linear, supports_fast_path,
-                                      supports_int8_activations)
+from leanlm.kernels.kbit_gemm import (
+    SMALL_M,
+    SparseRows,
+    avx2_available,
+    kbit_linear,
+    supports_fast_path,
+    supports_int8_activations,
+)
 
 SpQRBackend = Literal["reference", "dense_sparse", "kernel"]
 IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 3- and 4-bit codes are the integers themselves
 
 
 class SpQRLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group_size: int | None,
-                 statistic_bits: int | None, statistic_group_size: int, outliers: int, permuted: bool,
-                 code_layout: CodeLayout = "stream"):  # how `codes` holds them; older checkpoints lack it
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        bits: int,
+        group_size: int | None,
+        statistic_bits: int | None,
+        statistic_group_size: int,
+        outliers: int,
+        permuted: bool,
+        code_layout: CodeLayout = "stream",
+    ):  # how `codes` holds them; older checkpoints lack it
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.statistic_bits, self.statistic_group_size = bits, statistic_bits, statistic_group_size
@@ -55,8 +71,9 @@ class SpQRLinear(nn.Module):
         self._sparse: SparseRows | None = None  # the outliers, rebuilt after a load
         self.gemm_dtype: torch.dtype | None = None  # the large-M GEMM's dtype, as KbitLinear.gemm_dtype
         groups = -(-in_features // self.group_size)
-        self.register_buffer("codes", torch.zeros(packed_bytes(out_features * in_features, bits, code_layout),
-                                                  dtype=torch.uint8))
+        self.register_buffer(
+            "codes", torch.zeros(packed_bytes(out_features * in_features, bits, code_layout), dtype=torch.uint8)
+        )
         if statistic_bits is None:
             self.register_buffer("scale", torch.zeros(out_features, groups, dtype=torch.float16))
             self.register_buffer("zero", torch.zeros(out_features, groups, dtype=torch.float16))
@@ -76,11 +93,20 @@ class SpQRLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
 
     @classmethod
-    def from_solved(cls, solved: SolvedWeight, settings: SolverSettings, bias: torch.Tensor | None) -> "SpQRLinear":
+    def from_solved(cls, solved: SolvedWeight, settings: SolverSettings, bias: torch.Tensor | None) -> SpQRLinear:
         rows, columns = solved.codes.shape
-        module = cls(columns, rows, bias is not None, settings.bits, settings.group_size, settings.statistic_bits,
-                     settings.statistic_group_size, int(solved.outlier_mask.sum()), solved.permutation is not None,
-                     preferred_layout(settings.bits))
+        module = cls(
+            columns,
+            rows,
+            bias is not None,
+            settings.bits,
+            settings.group_size,
+            settings.statistic_bits,
+            settings.statistic_group_size,
+            int(solved.outlier_mask.sum()),
+            solved.permutation is not None,
+            preferred_layout(settings.bits),
+        )
         module.codes = pack(solved.codes, settings.bits, module.code_layout)
         if settings.statistic_bits is None:
             module.scale = torch.stack([s.values for s in solved.scales], dim=1).half()
@@ -93,8 +119,9 @@ class SpQRLinear(nn.Module):
         if solved.permutation is not None:
             module.permutation = solved.permutation.to(torch.int16)
         row_index, column_index = solved.outlier_mask.nonzero(as_tuple=True)  # row-major order: CSR order
-        module.outlier_row_offsets = torch.cat([torch.zeros(1, dtype=torch.int64),
-                                                solved.outlier_mask.sum(dim=1).cumsum(0)]).to(torch.int32)
+        module.outlier_row_offsets = torch.cat(
+            [torch.zeros(1, dtype=torch.int64), solved.outlier_mask.sum(dim=1).cumsum(0)]
+        ).to(torch.int32)
         module.outlier_columns = column_index.to(torch.int16)
         module.outlier_values = solved.outlier_residuals[row_index, column_index].half()
         if bias is not None:
@@ -102,11 +129,18 @@ class SpQRLinear(nn.Module):
         return module
 
     def constructor_args(self) -> dict:
-        return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
-                "bits": self.bits, "group_size": None if self.per_row else self.group_size,
-                "statistic_bits": self.statistic_bits, "statistic_group_size": self.statistic_group_size,
-                "outliers": self.outlier_values.numel(), "permuted": self.permutation is not None,
-                "code_layout": self.code_layout}
+        return {
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "bias": self.bias is not None,
+            "bits": self.bits,
+            "group_size": None if self.per_row else self.group_size,
+            "statistic_bits": self.statistic_bits,
+            "statistic_group_size": self.statistic_group_size,
+            "outliers": self.outlier_values.numel(),
+            "permuted": self.permutation is not None,
+            "code_layout": self.code_layout,
+        }
 
     def _statistic(self, name: str) -> torch.Tensor:
         """(rows, groups) float32 scales or zeros, de-quantized from whatever is stored."""
@@ -154,8 +188,12 @@ class SpQRLinear(nn.Module):
     def _outliers(self) -> SparseRows | None:
         """The sparse part (columns in the solver's order), built once; None without outliers."""
         if self._sparse is None and self.outlier_count:
-            self._sparse = SparseRows(self.outlier_row_offsets, self.outlier_columns, self.outlier_values,
-                                      (self.out_features, self.in_features))
+            self._sparse = SparseRows(
+                self.outlier_row_offsets,
+                self.outlier_columns,
+                self.outlier_values,
+                (self.out_features, self.in_features),
+            )
         return self._sparse
 
     @property
@@ -165,9 +203,13 @@ class SpQRLinear(nn.Module):
 
     def _resolve_backend(self) -> SpQRBackend:
         if self.backend is None:
-            fits = (self.bits == 4 and supports_fast_path(4, self.kernel_block, self.in_features)
-                    or self.bits == 3 and self.code_layout == "planes"
-                    and supports_int8_activations(self.kernel_block, self.in_features, 3))
+            fits = (
+                self.bits == 4
+                and supports_fast_path(4, self.kernel_block, self.in_features)
+                or self.bits == 3
+                and self.code_layout == "planes"
+                and supports_int8_activations(self.kernel_block, self.in_features, 3)
+            )
             self.backend = "kernel" if fits and avx2_available() else "dense_sparse"
         return self.backend
 
@@ -193,9 +235,20 @@ class SpQRLinear(nn.Module):
         # Codes 0..2^b - 1 times each block's scale, plus its offset (-scale * zero); at prefill sizes decoded a
         # tile of rows at a time, offsets included (centred as a float model's weight is), into the GEMM's dtype
         scale, offset = self.kernel_constants()
-        return kbit_linear(rows, self.codes, scale, IDENTITY_TABLE, self.out_features, self.kernel_block, self.bias,
-                           "avx2", bits=self.bits, compute_dtype=gemm, block_offsets=offset,
-                           sparse=self._outliers()).float()
+        return kbit_linear(
+            rows,
+            self.codes,
+            scale,
+            IDENTITY_TABLE,
+            self.out_features,
+            self.kernel_block,
+            self.bias,
+            "avx2",
+            bits=self.bits,
+            compute_dtype=gemm,
+            block_offsets=offset,
+            sparse=self._outliers(),
+        ).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -208,8 +261,13 @@ class SpQRLinear(nn.Module):
         return self._product(rows.contiguous()).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        stats = "float16 statistics" if self.statistic_bits is None else (
-            f"{self.statistic_bits}-bit statistics in groups of {self.statistic_group_size}")
+        stats = (
+            "float16 statistics"
+            if self.statistic_bits is None
+            else (f"{self.statistic_bits}-bit statistics in groups of {self.statistic_group_size}")
+        )
         group = "per-row" if self.per_row else f"groups of {self.group_size}"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.bits}-bit, {group}, "
-                f"{stats}, {self.outlier_count} outliers")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.bits}-bit, {group}, "
+            f"{stats}, {self.outlier_count} outliers"
+        )

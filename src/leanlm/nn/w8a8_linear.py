@@ -5,7 +5,7 @@ Weights: int8 with a per-tensor, per-output-channel or per-group scale (all alon
 so they apply after the integer product). Activations: quantized on the fly per token or per tensor (dynamic),
 or with a per-tensor scale fixed at calibration (static).
 
-With `outlier_threshold` it is LLM.int8() (thesis eq. 2.2): at every forward, the input feature dimensions
+With `outlier_threshold` it is LLM.int8() (Dettmers' thesis eq. 2.2): at every forward, the input feature dimensions
 where any |x| >= threshold go through a float matmul with the matching weight columns, and the rest through
 the int8 GEMM, the per-token scales computed after the outlier columns are removed. As in bitsandbytes, the
 outlier weight columns are de-quantized from the int8 weight (no float copy is kept).
@@ -16,7 +16,6 @@ With `asymmetric` both operands use per-tensor zero points (LLM.int8()'s "zeropo
 """
 
 from __future__ import annotations
-
 
 import torch
 from torch import nn
@@ -83,17 +82,29 @@ class W8A8Linear(nn.Module):
         backend: Backend | None = None,
         outlier_threshold: float | None = None,
         asymmetric: bool = False,
-    ) -> "W8A8Linear":
+    ) -> W8A8Linear:
         out_features, in_features = weight.shape
-        module = cls(in_features, out_features, bias is not None, activation, input_scale is not None, backend,
-                     outlier_threshold, asymmetric)
+        module = cls(
+            in_features,
+            out_features,
+            bias is not None,
+            activation,
+            input_scale is not None,
+            backend,
+            outlier_threshold,
+            asymmetric,
+        )
         if asymmetric:
             scale, zero_point = zeropoint_params(weight)
-            module.weight = (torch.round(weight.detach().float() / scale) + zero_point).clamp(-QMAX, QMAX).to(torch.int8)
+            module.weight = (
+                (torch.round(weight.detach().float() / scale) + zero_point).clamp(-QMAX, QMAX).to(torch.int8)
+            )
             module.weight_scale = scale.expand(out_features).clone()
             module.weight_zero_point = torch.tensor(zero_point)
         else:
-            module.weight, module.weight_scale = quantize_weight(weight.detach().float(), weight_granularity, group_size)
+            module.weight, module.weight_scale = quantize_weight(
+                weight.detach().float(), weight_granularity, group_size
+            )
         if bias is not None:
             module.bias = bias.detach().float().clone()
         if input_scale is not None:
@@ -102,14 +113,20 @@ class W8A8Linear(nn.Module):
 
     def constructor_args(self) -> dict:
         """The arguments that rebuild this module (empty) before a checkpoint's state dict is loaded into it."""
-        return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None,
-                "activation": self.activation, "static": self.static, "outlier_threshold": self.outlier_threshold,
-                "asymmetric": self.asymmetric}
+        return {
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "bias": self.bias is not None,
+            "activation": self.activation,
+            "static": self.static,
+            "outlier_threshold": self.outlier_threshold,
+            "asymmetric": self.asymmetric,
+        }
 
     @property
     def weight(self) -> torch.Tensor:
         """The int8 weight (out, in). On fbgemm the packed copy made at the first forward is the only one kept
-        (resident memory is the stored bytes, issue 24): then this unpacks it, a new tensor, exactly as stored."""
+        (resident memory is the stored bytes): then this unpacks it, a new tensor, exactly as stored."""
         buffers = self.__dict__.get("_buffers", {})
         if "weight" not in buffers:
             raise AttributeError("weight")  # not registered yet (nn.Module's own checks ask before it is)
@@ -176,11 +193,28 @@ class W8A8Linear(nn.Module):
         else:
             scale = self.input_scale_for(rows)
         if self.backend == "fbgemm":
-            out = int8_linear(rows, scale, None, None, self.bias, self.backend, self._packed_weight(),
-                              overwrite_input=rows_are_ours, **zero_points)
+            out = int8_linear(
+                rows,
+                scale,
+                None,
+                None,
+                self.bias,
+                self.backend,
+                self._packed_weight(),
+                overwrite_input=rows_are_ours,
+                **zero_points,
+            )
         else:
-            out = int8_linear(rows, scale, self.weight, self.weight_scale, self.bias, self.backend,
-                              overwrite_input=rows_are_ours, **zero_points)
+            out = int8_linear(
+                rows,
+                scale,
+                self.weight,
+                self.weight_scale,
+                self.bias,
+                self.backend,
+                overwrite_input=rows_are_ours,
+                **zero_points,
+            )
         if outlier_inputs is not None:
             out = out.addmm_(outlier_inputs, outlier_weight.T)
         return shaped_like_input(out, x)
@@ -212,8 +246,10 @@ class W8A8Linear(nn.Module):
     def extra_repr(self) -> str:
         mode = "static" if self.static else "dynamic"
         outliers = f", outlier_threshold={self.outlier_threshold}" if self.outlier_threshold is not None else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"activation={self.activation} {mode}{outliers}, backend={self.backend}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"activation={self.activation} {mode}{outliers}, backend={self.backend}"
+        )
 
 
 class SharedInputGemm:
@@ -285,10 +321,10 @@ class SharedInputGemm:
             members = self.members
             self._bias = None
             if any(m.bias is not None for m in members):
-                self._bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features)
-                                        for m in members])
-            self._packed = pack_weight(torch.cat([m.weight for m in members]),
-                                       torch.cat([m.weight_scale for m in members]))
+                self._bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in members])
+            self._packed = pack_weight(
+                torch.cat([m.weight for m in members]), torch.cat([m.weight_scale for m in members])
+            )
             for member in members:
                 member.release_int8_weight()
         return self._packed
@@ -309,8 +345,10 @@ class SharedInputGemm:
         packed = self.packed_weight()
         out = int8_linear(rows, member.input_scale_for(rows), None, None, self._bias, "fbgemm", packed)
         # contiguous: callers .view() the outputs, and split columns are strided
-        outputs = [shaped_like_input(part, x).contiguous()
-                   for part in out.split([m.out_features for m in self.members], dim=-1)]
+        outputs = [
+            shaped_like_input(part, x).contiguous()
+            for part in out.split([m.out_features for m in self.members], dim=-1)
+        ]
         self._pending = {id(m): o for m, o in zip(self.members, outputs) if m is not member}
         self._input, self._input_version = x, self._version(x)
         return outputs[self.members.index(member)]

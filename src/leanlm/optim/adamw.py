@@ -44,8 +44,16 @@ class _QuantizedState:
 
 
 class AdamW(torch.optim.Optimizer):
-    def __init__(self, params, lr: float = 2e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, state_bits: int = 8, min_8bit_size: int = 4096):
+    def __init__(
+        self,
+        params,
+        lr: float = 2e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        state_bits: int = 8,
+        min_8bit_size: int = 4096,
+    ):
         if state_bits not in (8, 32):
             raise ConfigError(f"optimizer state bits must be 8 or 32, got {state_bits}")
         if lr <= 0:
@@ -73,7 +81,10 @@ class AdamW(torch.optim.Optimizer):
                     state["step"] = 0
                     zeros = torch.zeros_like(param, dtype=torch.float32)
                     if self._quantizes(param):
-                        state["m"], state["v"] = _QuantizedState(zeros, DYNAMIC8), _QuantizedState(zeros, DYNAMIC8_UNSIGNED)
+                        state["m"], state["v"] = (
+                            _QuantizedState(zeros, DYNAMIC8),
+                            _QuantizedState(zeros, DYNAMIC8_UNSIGNED),
+                        )
                     else:
                         state["m"], state["v"] = zeros, zeros.clone()
                 state["step"] += 1

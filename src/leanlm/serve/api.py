@@ -18,18 +18,26 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from leanlm.evaluation.tokens import bos_prefix, encode
-from leanlm.serve.engine import Engine, Request as EngineRequest, Sampling, asyncio_emitter
+from leanlm.serve.engine import Engine, Sampling, asyncio_emitter
+from leanlm.serve.engine import Request as EngineRequest
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   kind: str = "invalid_request_error") -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
+) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
@@ -92,8 +100,9 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     return f"{param or 'body'}: {first.get('msg', 'invalid')}", param
 
 
-def create_app(engine: Engine, model_name: str, *, default_max_tokens: int = 256,
-               max_body_bytes: int = 1 << 20) -> FastAPI:
+def create_app(
+    engine: Engine, model_name: str, *, default_max_tokens: int = 256, max_body_bytes: int = 1 << 20
+) -> FastAPI:
     """The FastAPI application serving `engine` as the model `model_name`."""
     app = FastAPI(title="leanlm", docs_url=None, redoc_url=None)
     created = int(time.time())
@@ -125,18 +134,29 @@ def create_app(engine: Engine, model_name: str, *, default_max_tokens: int = 256
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "active_requests": engine.active,
-                "idle_conversations": len(engine.conversations), "conversation_cache_bytes": engine.conversations.bytes()}
+        return {
+            "status": "ok",
+            "model": model_name,
+            "active_requests": engine.active,
+            "idle_conversations": len(engine.conversations),
+            "conversation_cache_bytes": engine.conversations.bytes(),
+        }
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "leanlm"}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "leanlm"}],
+        }
 
     def check_model(body: Sampled) -> None:
         if body.model != model_name:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
-                           "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+                "model",
+                "model_not_found",
+            )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
@@ -166,8 +186,9 @@ def create_app(engine: Engine, model_name: str, *, default_max_tokens: int = 256
         kind = "chat.completion" if chat else "text_completion"
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_stream(request, events, ident, kind, chat, include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                _stream(request, events, ident, kind, chat, include_usage), media_type="text/event-stream"
+            )
         pieces = []
         try:
             while True:
@@ -182,23 +203,41 @@ def create_app(engine: Engine, model_name: str, *, default_max_tokens: int = 256
         finally:
             request.cancel()  # a client gone before the answer frees its slot (no-op once finished)
         text = "".join(pieces)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-                  if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
-        return {"id": ident, "object": kind, "created": int(time.time()), "model": model_name,
-                "choices": [choice], "usage": usage.as_dict()}
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            if chat
+            else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        )
+        return {
+            "id": ident,
+            "object": kind,
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": [choice],
+            "usage": usage.as_dict(),
+        }
 
-    async def _stream(request: EngineRequest, events: asyncio.Queue, ident: str, kind: str, chat: bool,
-                      include_usage: bool):
+    async def _stream(
+        request: EngineRequest, events: asyncio.Queue, ident: str, kind: str, chat: bool, include_usage: bool
+    ):
         created_at = int(time.time())
 
         def chunk(delta: dict | str | None, finish: str | None, usage=None) -> str:
             if chat:
                 choices = [{"index": 0, "delta": delta or {}, "finish_reason": finish}] if usage is None else []
             else:
-                choices = [{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}] \
-                    if usage is None else []
-            payload = {"id": ident, "object": f"{kind}.chunk" if chat else kind, "created": created_at,
-                       "model": model_name, "choices": choices}
+                choices = (
+                    [{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}]
+                    if usage is None
+                    else []
+                )
+            payload = {
+                "id": ident,
+                "object": f"{kind}.chunk" if chat else kind,
+                "created": created_at,
+                "model": model_name,
+                "choices": choices,
+            }
             if usage is not None:
                 payload["usage"] = usage.as_dict()
             return f"data: {json.dumps(payload)}\n\n"

@@ -25,9 +25,12 @@ class Conversation:
 
 def cache_bytes(cache: SinkCache) -> int:
     """Bytes the cache's keys and values hold."""
-    return sum(tensor.numel() * tensor.element_size()
-               for layer in cache.layers for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None))
-               if tensor is not None and tensor.device.type != "meta")
+    return sum(
+        tensor.numel() * tensor.element_size()
+        for layer in cache.layers
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if tensor is not None and tensor.device.type != "meta"
+    )
 
 
 def _shared_length(a: list[int], b: list[int]) -> int:

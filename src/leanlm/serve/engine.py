@@ -24,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from transformers import DynamicCache
@@ -53,9 +53,12 @@ class Usage:
     cached_tokens: int = 0  # prompt tokens a stored conversation's cache had already read
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
 
 Emit = Callable[[tuple], None]  # ("text", piece) / ("done", finish_reason, usage) / ("error", message)
@@ -83,8 +86,9 @@ class Request:
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
     """How many characters at the end of `text` could be the start of a stop string (not to be shown yet)."""
-    return max((n for stop in stops for n in range(min(len(stop) - 1, len(text)), 0, -1)
-                if text.endswith(stop[:n])), default=0)
+    return max(
+        (n for stop in stops for n in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:n])), default=0
+    )
 
 
 class Engine:
@@ -96,8 +100,17 @@ class Engine:
     second thread running parallel regions (each thread that does gets its own team) makes every region wait for
     its workers to wake: measured on 2 cores, a 64 x 64 matmul 5 -> 70 us, the fused step 2.7x slower."""
 
-    def __init__(self, model, tokenizer, streaming: StreamingConfig, *, max_batch: int = 8,
-                 cache_budget_bytes: int = 1 << 30, fused: bool = True, thread: bool = True):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        streaming: StreamingConfig,
+        *,
+        max_batch: int = 8,
+        cache_budget_bytes: int = 1 << 30,
+        fused: bool = True,
+        thread: bool = True,
+    ):
         self.model, self.tokenizer, self.streaming = model, tokenizer, streaming
         self.max_batch = max_batch
         self.conversations = ConversationStore(cache_budget_bytes)
@@ -175,8 +188,12 @@ class Engine:
 
     def _feed(self, request: Request, ids: list[int]) -> None:
         with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([ids]), past_key_values=request.conversation.cache,
-                             use_cache=True, logits_to_keep=1)
+            out = self.model(
+                input_ids=torch.tensor([ids]),
+                past_key_values=request.conversation.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         request.conversation.ids.extend(ids)
         request.logits = out.logits[0, -1].float()
 
@@ -214,8 +231,9 @@ class Engine:
         if len(decoding) == 1:  # no padding needed: the request's own sink cache
             request, token = decoding[0]
             return self._feed(request, [token])
-        logits = forward_batch(self.model, [request.conversation.cache for request, _ in decoding],
-                               [token for _, token in decoding])
+        logits = forward_batch(
+            self.model, [request.conversation.cache for request, _ in decoding], [token for _, token in decoding]
+        )
         for row, (request, token) in enumerate(decoding):
             request.conversation.ids.append(token)
             request.logits = logits[row]
@@ -227,7 +245,7 @@ class Engine:
             return "cancelled"
         if request.fed < len(request.prompt):
             end = min(len(request.prompt), request.fed + self.streaming.window)
-            self._feed(request, request.prompt[request.fed:end])
+            self._feed(request, request.prompt[request.fed : end])
             request.fed = end
             return None
         token = self._pick(request)
@@ -239,10 +257,10 @@ class Engine:
         stops = request.sampling.stop
         hits = [text.find(stop) for stop in stops if stop in text]
         if hits:
-            self._show(request, text[:min(hits)])
+            self._show(request, text[: min(hits)])
             return "stop"
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            self._show(request, text[:len(text) - held_back(text, stops)])
+            self._show(request, text[: len(text) - held_back(text, stops)])
         if len(request.generated) >= request.sampling.max_tokens:
             self._show(request, text)
             return "length"
@@ -250,7 +268,7 @@ class Engine:
 
     def _show(self, request: Request, text: str) -> None:
         if len(text) > len(request.shown):
-            request.emit(("text", text[len(request.shown):]))
+            request.emit(("text", text[len(request.shown) :]))
             request.shown = text
 
     def _pick(self, request: Request) -> int:
@@ -279,18 +297,26 @@ def forward_batch(model, caches: list[SinkCache], tokens: list[int]) -> torch.Te
     longest = max(lengths)
     batch = DynamicCache()
     for layer in range(len(caches[0].layers)):
-        batch.update(torch.cat([_left_pad(cache.layers[layer].keys, longest) for cache in caches]),
-                     torch.cat([_left_pad(cache.layers[layer].values, longest) for cache in caches]), layer)
+        batch.update(
+            torch.cat([_left_pad(cache.layers[layer].keys, longest) for cache in caches]),
+            torch.cat([_left_pad(cache.layers[layer].values, longest) for cache in caches]),
+            layer,
+        )
     mask = torch.zeros(len(caches), longest + 1, dtype=torch.long)
     for row, length in enumerate(lengths):
-        mask[row, longest - length:] = 1
+        mask[row, longest - length :] = 1
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([[token] for token in tokens]), attention_mask=mask,
-                    position_ids=torch.tensor(lengths)[:, None], past_key_values=batch, use_cache=True,
-                    logits_to_keep=1)
+        out = model(
+            input_ids=torch.tensor([[token] for token in tokens]),
+            attention_mask=mask,
+            position_ids=torch.tensor(lengths)[:, None],
+            past_key_values=batch,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         for row, cache in enumerate(caches):
             for layer, stored in enumerate(batch.layers):
-                cache.update(stored.keys[row:row + 1, :, -1:], stored.values[row:row + 1, :, -1:], layer)
+                cache.update(stored.keys[row : row + 1, :, -1:], stored.values[row : row + 1, :, -1:], layer)
     return out.logits[:, -1].float()
 
 

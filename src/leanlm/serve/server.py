@@ -18,19 +18,24 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServeSettings:
-    host: str = option("127.0.0.1", "address to listen on (loopback by default; anything else is reachable from "
-                                    "other machines)")
+    host: str = option(
+        "127.0.0.1", "address to listen on (loopback by default; anything else is reachable from other machines)"
+    )
     port: int = option(8000, "TCP port")
-    streaming: StreamingConfig = option(StreamingConfig(sinks=4, window=2000), "each conversation's cache",
-                                        cli=False)
+    streaming: StreamingConfig = option(StreamingConfig(sinks=4, window=2000), "each conversation's cache", cli=False)
     max_batch: int = option(8, "requests generated at once; more wait in order")
     max_tokens: int = option(256, "tokens an answer takes when a request sets no max_tokens")
-    cache_budget_mb: int = option(1024, "MiB of idle conversations' caches kept for their next turn (least "
-                                        "recently used dropped first)")
+    cache_budget_mb: int = option(
+        1024, "MiB of idle conversations' caches kept for their next turn (least recently used dropped first)"
+    )
     max_body_kb: int = option(1024, "largest request body accepted, KiB")
-    fused: bool = option(True, "generate through leanlm's fused C++ decode step where the model allows it (else, "
-                               "and with --no-fused, through transformers' forward, the requests batched)",
-                         flag="--no-fused")
+    fused: bool = option(
+        True,
+        "generate through leanlm's fused C++ decode step where the model allows it (else through transformers' "
+        "forward, the requests batched)",
+        flag="--no-fused",
+        off="generate through transformers' forward, the requests batched",
+    )
 
     def __post_init__(self):
         for name in ("port", "max_batch", "max_tokens", "cache_budget_mb", "max_body_kb"):
@@ -49,17 +54,26 @@ class ServeSettings:
             return False
 
 
-def build_app(model, tokenizer, model_name: str, settings: ServeSettings = ServeSettings(), *,
-              engine_thread: bool = True):
+def build_app(
+    model, tokenizer, model_name: str, settings: ServeSettings = ServeSettings(), *, engine_thread: bool = True
+):
     """The app serving `model` (any model leanlm loads), with its engine (`app.state.engine`), which runs in a
     thread of its own, or, with `engine_thread=False`, in the thread that calls its `run`."""
     from leanlm.serve.api import create_app
     from leanlm.serve.engine import Engine
 
-    engine = Engine(model, tokenizer, settings.streaming, max_batch=settings.max_batch,
-                    cache_budget_bytes=settings.cache_budget_mb << 20, fused=settings.fused, thread=engine_thread)
-    app = create_app(engine, model_name, default_max_tokens=settings.max_tokens,
-                     max_body_bytes=settings.max_body_kb << 10)
+    engine = Engine(
+        model,
+        tokenizer,
+        settings.streaming,
+        max_batch=settings.max_batch,
+        cache_budget_bytes=settings.cache_budget_mb << 20,
+        fused=settings.fused,
+        thread=engine_thread,
+    )
+    app = create_app(
+        engine, model_name, default_max_tokens=settings.max_tokens, max_body_bytes=settings.max_body_kb << 10
+    )
     app.state.engine = engine
     return app
 
@@ -71,12 +85,14 @@ def _check_address(host: str, port: int) -> None:
         with socket.create_server((host, port)):
             pass
     except OSError as error:
-        raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}; choose another --port or "
-                          "--host") from None
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {error.strerror or error}; choose another --port or --host"
+        ) from None
 
 
-def serve(model_name: str, settings: ServeSettings = ServeSettings(),
-          loading: LoadSettings = INTERACTIVE_LOADING) -> None:
+def serve(
+    model_name: str, settings: ServeSettings = ServeSettings(), loading: LoadSettings = INTERACTIVE_LOADING
+) -> None:
     """Load `model_name` (computing in `loading.dtype`) and serve it until interrupted."""
     import uvicorn
 
@@ -85,8 +101,10 @@ def serve(model_name: str, settings: ServeSettings = ServeSettings(),
 
     _check_address(settings.host, settings.port)  # before the model loads, which takes a while
     if not settings.loopback:
-        log.warning("listening on %s: the API has no authentication and anyone who can reach this address can use "
-                    "it", settings.host)
+        log.warning(
+            "listening on %s: the API has no authentication and anyone who can reach this address can use it",
+            settings.host,
+        )
     loaded = load_any(model_name, loading.dtype, loading.head)
     app = build_app(loaded.model, loaded.tokenizer, model_name, settings, engine_thread=False)
     decoder = "transformers' forward"
@@ -100,9 +118,12 @@ def serve(model_name: str, settings: ServeSettings = ServeSettings(),
     http = threading.Thread(target=server.run, name="leanlm-http", daemon=True)
     signal.signal(signal.SIGTERM, _interrupt)
     http.start()
-    print(f"serving {model_name} ({loaded.dtype}, tokens through {decoder}) on http://{settings.host}:"
-          f"{settings.port}/v1 (OpenAI API; cache per conversation: {settings.streaming.sinks} sinks + "
-          f"{settings.streaming.window} recent tokens); Ctrl-C stops", flush=True)
+    print(
+        f"serving {model_name} ({loaded.dtype}, tokens through {decoder}) on http://{settings.host}:"
+        f"{settings.port}/v1 (OpenAI API; cache per conversation: {settings.streaming.sinks} sinks + "
+        f"{settings.streaming.window} recent tokens); Ctrl-C stops",
+        flush=True,
+    )
     try:
         app.state.engine.run(until=lambda: not http.is_alive())
     except KeyboardInterrupt:

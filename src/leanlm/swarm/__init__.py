@@ -1,4 +1,4 @@
-"""SWARM parallelism (thesis ch. 6) on hivemind: pipeline stages served by swarms of interchangeable peers,
+"""SWARM parallelism (Dettmers' thesis ch. 6) on hivemind: pipeline stages served by swarms of interchangeable peers,
 stochastic wiring by trainers, per-stage gradient averaging with delayed updates, adaptive rebalancing."""
 
 from leanlm.swarm.launch import SwarmRun, run_local_swarm

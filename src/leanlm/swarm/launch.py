@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass, field
 
 from leanlm.data import plain_text
-from leanlm.swarm.model import byte_blocks
-from leanlm.swarm.peer import SwarmSettings, end_process_group, make_dht, run_peer, stage_peers
 from leanlm.errors import ConfigError
 from leanlm.settings import option
+from leanlm.swarm.model import byte_blocks
+from leanlm.swarm.peer import SwarmSettings, end_process_group, make_dht, run_peer, stage_peers
 from leanlm.swarm.trainer import run_trainer
 
 
@@ -47,8 +47,10 @@ class SwarmRun:
 
 def _peer_epochs(dht, settings: SwarmSettings) -> list[dict[str, int]]:
     """Per stage: {peer id: the optimizer step (epoch) it announces}."""
-    return [{peer: entry.get("epoch", 0) for peer, entry in stage_peers(dht, settings, stage).items()}
-            for stage in range(settings.model.stages)]
+    return [
+        {peer: entry.get("epoch", 0) for peer, entry in stage_peers(dht, settings, stage).items()}
+        for stage in range(settings.model.stages)
+    ]
 
 
 def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
@@ -70,8 +72,13 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
 
     stages = run.assignment or tuple(i % settings.model.stages for i in range(run.peers))
     peers = [start_peer(stage, run.slow_peers.get(i, 0.0)) for i, stage in enumerate(stages)]
-    trainers = [context.Process(target=run_trainer, args=(settings, initial, blocks, 1000 + i, lifetime, stop, results),
-                                ) for i in range(run.trainers)]
+    trainers = [
+        context.Process(
+            target=run_trainer,
+            args=(settings, initial, blocks, 1000 + i, lifetime, stop, results),
+        )
+        for i in range(run.trainers)
+    ]
     for process in trainers:
         process.start()
     kills, joins = sorted(run.kill), sorted(run.join)
@@ -100,18 +107,25 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
             counts, epochs = [len(e) for e in peer_epochs], [max(e.values(), default=0) for e in peer_epochs]
             steps = max(steps, min(epochs))
             recent = [s for at, _, s in losses if at > time.time() - 10]
-            line = {"seconds": round(elapsed, 1), "training_seconds": None if training is None else round(training, 1),
-                    "peers_per_stage": counts, "steps_per_stage": epochs,
-                    "peer_epochs": peer_epochs,
-                    "samples_per_second": sum(recent) / 10 if recent else 0.0,
-                    "loss": losses[-1][1] if losses else None}
+            line = {
+                "seconds": round(elapsed, 1),
+                "training_seconds": None if training is None else round(training, 1),
+                "peers_per_stage": counts,
+                "steps_per_stage": epochs,
+                "peer_epochs": peer_epochs,
+                "samples_per_second": sum(recent) / 10 if recent else 0.0,
+                "loss": losses[-1][1] if losses else None,
+            }
             status.append(line)
             if progress:
-                print(f"[{elapsed:5.0f}s] peers/stage {counts}  steps/stage {epochs}  "
-                      f"{line['samples_per_second']:.1f} samples/s  loss {line['loss'] if line['loss'] is None else round(line['loss'], 3)}",
-                      flush=True)
-            if steps >= run.max_steps or (run.train_seconds is not None and training is not None
-                                          and training >= run.train_seconds):
+                print(
+                    f"[{elapsed:5.0f}s] peers/stage {counts}  steps/stage {epochs}  "
+                    f"{line['samples_per_second']:.1f} samples/s  loss {line['loss'] if line['loss'] is None else round(line['loss'], 3)}",
+                    flush=True,
+                )
+            if steps >= run.max_steps or (
+                run.train_seconds is not None and training is not None and training >= run.train_seconds
+            ):
                 break
             time.sleep(1.0)
     finally:
@@ -126,7 +140,13 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
     samples = sum(s for _, _, s in losses)
     first = [loss for _, loss, _ in losses[:5]]
     last = [loss for _, loss, _ in losses[-5:]]
-    return {"steps": steps, "loss_first": sum(first) / len(first) if first else None,
-            "loss_last": sum(last) / len(last) if last else None, "peers_failed": failed,
-            "samples_per_second": samples / total_seconds, "seconds": total_seconds,
-            "losses": [loss for _, loss, _ in losses], "status": status}
+    return {
+        "steps": steps,
+        "loss_first": sum(first) / len(first) if first else None,
+        "loss_last": sum(last) / len(last) if last else None,
+        "peers_failed": failed,
+        "samples_per_second": samples / total_seconds,
+        "seconds": total_seconds,
+        "losses": [loss for _, loss, _ in losses],
+        "status": status,
+    }

@@ -1,4 +1,4 @@
-"""A SWARM peer (thesis section 6.3.2): serves one pipeline stage over hivemind's peer-to-peer RPC, announces
+"""A SWARM peer (Dettmers' thesis section 6.3.2): serves one pipeline stage over hivemind's peer-to-peer RPC, announces
 itself (and its queue length) in the DHT, accumulates parameter gradients from the backward passes it serves,
 and synchronises with the other peers of its stage through `hivemind.Optimizer` (gradient all-reduce within the
 stage, delayed parameter updates, and the latest parameters + optimizer state downloaded by a peer that joins).
@@ -46,8 +46,12 @@ class SwarmSettings:
     in_flight: int = option(4, "micro-batches each trainer keeps in the pipeline at once")
     target_batch: int = option(32, "samples per optimizer step of a stage (summed over its peers)")
     lr: float = option(1e-3, "Adam learning rate", cli=False)
-    compress: bool = option(True, "8-bit block-wise activations and gradients between stages",
-                            flag="--no-compression")
+    compress: bool = option(
+        True,
+        "8-bit block-wise activations and gradients between stages",
+        flag="--no-compression",
+        off="send activations and gradients between stages in float",
+    )
     announce_seconds: float = option(1.0, "seconds between a peer's load announcements", cli=False)
     rebalance_seconds: float = option(10.0, "T of adaptive rebalancing; 0 = off")
     rebalance_ratio: float = 2.0  # move only when the busiest stage's per-peer queue is this many times the idlest
@@ -78,8 +82,14 @@ class SwarmSettings:
 
 
 def make_dht(initial_peers: list[str], client_mode: bool = False) -> hivemind.DHT:
-    return hivemind.DHT(initial_peers=initial_peers, host_maddrs=LOCALHOST, client_mode=client_mode,
-                        use_relay=False, use_auto_relay=False, start=True)
+    return hivemind.DHT(
+        initial_peers=initial_peers,
+        host_maddrs=LOCALHOST,
+        client_mode=client_mode,
+        use_relay=False,
+        use_auto_relay=False,
+        start=True,
+    )
 
 
 def stage_peers(dht: hivemind.DHT, settings: SwarmSettings, stage: int) -> dict[str, dict]:
@@ -101,29 +111,45 @@ class StagePeer(ServicerBase):
         self.stage_index = stage
         self.stage = Stage(self.settings.model, stage)
         self.optimizer = hivemind.Optimizer(
-            dht=self.dht, run_id=self.settings.stage_key(stage), params=self.stage.parameters(),
+            dht=self.dht,
+            run_id=self.settings.stage_key(stage),
+            params=self.stage.parameters(),
             optimizer=lambda params: torch.optim.Adam(params, lr=self.settings.lr),
-            target_batch_size=self.settings.target_batch, batch_size_per_step=self.settings.micro_batch,
+            target_batch_size=self.settings.target_batch,
+            batch_size_per_step=self.settings.micro_batch,
             # Delayed parameter updates (section 6.3.2): all-reduce and step run in the background while the peer
             # keeps serving with the previous parameters.
-            delay_optimizer_step=True, delay_grad_averaging=True, matchmaking_time=self.settings.matchmaking_seconds,
-            averaging_timeout=self.settings.averaging_timeout, average_state_every=self.settings.average_state_every,
+            delay_optimizer_step=True,
+            delay_grad_averaging=True,
+            matchmaking_time=self.settings.matchmaking_seconds,
+            averaging_timeout=self.settings.averaging_timeout,
+            average_state_every=self.settings.average_state_every,
             verbose=False,
-            averager_opts={"request_timeout": self.settings.matchmaking_seconds / 2,
-                           "declare_state_period": self.settings.record_seconds},
-            tracker_opts={"metadata_expiration": self.settings.record_seconds})
+            averager_opts={
+                "request_timeout": self.settings.matchmaking_seconds / 2,
+                "declare_state_period": self.settings.record_seconds,
+            },
+            tracker_opts={"metadata_expiration": self.settings.record_seconds},
+        )
         if stage_peers(self.dht, self.settings, stage):
             self.optimizer.load_state_from_peers()  # a joining (or moving) peer catches up with its stage
 
     def leave(self) -> None:
         """Withdraw the announcement at once, so trainers stop routing here before the record would expire."""
-        self.dht.store(self.settings.stage_key(self.stage_index), subkey=self.peer_id, value=None,
-                       expiration_time=get_dht_time() + 1)
+        self.dht.store(
+            self.settings.stage_key(self.stage_index),
+            subkey=self.peer_id,
+            value=None,
+            expiration_time=get_dht_time() + 1,
+        )
 
     def announce(self) -> None:
-        self.dht.store(self.settings.stage_key(self.stage_index), subkey=self.peer_id,
-                       value={"queue": self.queued, "epoch": self.optimizer.local_epoch, "samples": self.samples},
-                       expiration_time=get_dht_time() + 5 * self.settings.announce_seconds)
+        self.dht.store(
+            self.settings.stage_key(self.stage_index),
+            subkey=self.peer_id,
+            value={"queue": self.queued, "epoch": self.optimizer.local_epoch, "samples": self.samples},
+            expiration_time=get_dht_time() + 5 * self.settings.announce_seconds,
+        )
 
     def rebalance_target(self) -> int | None:
         """The stage this peer should move to now (section 6.3.3), or None: only the first peer (by id) of the
@@ -136,8 +162,12 @@ class StagePeer(ServicerBase):
         idlest = min(loads, key=lambda s: loads[s][0])
         busiest = max(loads, key=lambda s: loads[s][0])
         mine = loads[self.stage_index]
-        if (self.stage_index != idlest or len(mine[1]) < 2 or mine[1][0] != self.peer_id
-                or loads[busiest][0] < self.settings.rebalance_ratio * max(mine[0], 0.5)):
+        if (
+            self.stage_index != idlest
+            or len(mine[1]) < 2
+            or mine[1][0] != self.peer_id
+            or loads[busiest][0] < self.settings.rebalance_ratio * max(mine[0], 0.5)
+        ):
             return None
         return busiest
 
@@ -265,14 +295,17 @@ def run_peer(settings: SwarmSettings, stage: int, initial_peers: list[str], dura
         sys.stdout.flush()
         sys.stderr.flush()
         fresh_start = "import sys; from leanlm.swarm.peer import restart_peer; restart_peer(sys.argv[1])"
-        os.execv(sys.executable, [sys.executable, "-c", fresh_start,
-                                  peer_arguments(settings, target, initial_peers, remaining)])
+        os.execv(
+            sys.executable,
+            [sys.executable, "-c", fresh_start, peer_arguments(settings, target, initial_peers, remaining)],
+        )
 
 
 def peer_arguments(settings: SwarmSettings, stage: int, initial_peers: list[str], duration: float) -> str:
     """`run_peer`'s arguments as the JSON a moving peer hands to its fresh start."""
-    return json.dumps({"settings": dataclasses.asdict(settings), "stage": stage, "initial_peers": initial_peers,
-                       "duration": duration})
+    return json.dumps(
+        {"settings": dataclasses.asdict(settings), "stage": stage, "initial_peers": initial_peers, "duration": duration}
+    )
 
 
 def restart_peer(arguments: str) -> None:

@@ -1,4 +1,4 @@
-"""How a trainer picks the peer of a stage for each micro-batch (thesis section 6.3.2, "stochastic wiring"):
+"""How a trainer picks the peer of a stage for each micro-batch (Dettmers' thesis section 6.3.2, "stochastic wiring"):
 interleaved weighted round-robin. Every peer has a cumulative expected processing time; the next micro-batch
 goes to the peer with the smallest, which then grows by the micro-batch's expected time there, from a moving
 average (alpha = 0.1, bias-corrected) of that peer's measured seconds per sample. A peer twice as fast is thus
@@ -12,8 +12,9 @@ import time
 
 
 class PeerBalancer:
-    def __init__(self, alpha: float = 0.1, initial_seconds_per_sample: float = 0.05, ban_seconds: float = 10.0,
-                 seed: int = 0):
+    def __init__(
+        self, alpha: float = 0.1, initial_seconds_per_sample: float = 0.05, ban_seconds: float = 10.0, seed: int = 0
+    ):
         self.alpha, self.initial, self.ban_seconds = alpha, initial_seconds_per_sample, ban_seconds
         self.load: dict[str, float] = {}  # cumulative expected seconds
         self.ema: dict[str, tuple[float, int]] = {}  # (moving average of seconds per sample, updates)

@@ -1,4 +1,4 @@
-"""The square-cube law of thesis section 6.3.1 as arithmetic: a Transformer stage computes O(B L H^2 + B L^2 H)
+"""The square-cube law of Dettmers' thesis section 6.3.1 as arithmetic: a Transformer stage computes O(B L H^2 + B L^2 H)
 per micro-batch but sends only its activations, O(B L H), forward and their gradients back. So the larger the
 hidden size, the less a slow network matters. `stage_utilization` is the share of a stage's time spent
 computing when communication is not overlapped (a lower bound on what SWARM's request queues achieve)."""
@@ -28,8 +28,13 @@ class StageShape:
         return 2 * self.micro_batch * self.seq_len * self.hidden * bytes_per_value
 
 
-def stage_utilization(shape: StageShape, flops_per_second: float, bandwidth_bits: float, latency_seconds: float,
-                      bytes_per_value: float = 2.0) -> float:
+def stage_utilization(
+    shape: StageShape,
+    flops_per_second: float,
+    bandwidth_bits: float,
+    latency_seconds: float,
+    bytes_per_value: float = 2.0,
+) -> float:
     """Compute time / (compute + communication) for one micro-batch's forward + backward (backward = 2x forward)
     through one stage: two messages, each paying the latency once."""
     compute = 3 * shape.forward_flops() / flops_per_second

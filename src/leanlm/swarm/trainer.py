@@ -1,4 +1,4 @@
-"""A SWARM trainer (thesis section 6.3.2): holds no parameters; routes each micro-batch forward and backward
+"""A SWARM trainer (Dettmers' thesis section 6.3.2): holds no parameters; routes each micro-batch forward and backward
 through one peer per stage, found in the DHT and chosen by `PeerBalancer`, and re-routes a request when its peer
 fails or times out."""
 
@@ -37,8 +37,9 @@ class SwarmTrainer:
             self.balancers[stage].update_peers(stage_peers(self.dht, self.settings, stage))
 
     async def call(self, stage: int, method: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        request = runtime_pb2.ExpertRequest(uid=self.settings.stage_key(stage),
-                                            tensors=compression.encode(tensors, self.settings.compress))
+        request = runtime_pb2.ExpertRequest(
+            uid=self.settings.stage_key(stage), tensors=compression.encode(tensors, self.settings.compress)
+        )
         deadline = time.monotonic() + 3 * self.settings.request_timeout
         while time.monotonic() < deadline:
             await asyncio.get_running_loop().run_in_executor(None, self._refresh, stage)
@@ -50,8 +51,9 @@ class SwarmTrainer:
             stub = StagePeer.get_stub(self.p2p, PeerID.from_base58(peer))
             started = time.monotonic()
             try:
-                response = await asyncio.wait_for(getattr(stub, f"rpc_{method}")(request),
-                                                  self.settings.request_timeout)
+                response = await asyncio.wait_for(
+                    getattr(stub, f"rpc_{method}")(request), self.settings.request_timeout
+                )
             except Exception:  # dead, unreachable, moved to another stage or too slow: any other peer will do
                 self.balancers[stage].ban(peer)
                 self.failures += 1
@@ -70,8 +72,15 @@ class SwarmTrainer:
         return loss.item()
 
 
-def run_trainer(settings: SwarmSettings, initial_peers: list[str], blocks: torch.Tensor, seed: int,
-                duration: float, stop, results: mp.Queue) -> None:
+def run_trainer(
+    settings: SwarmSettings,
+    initial_peers: list[str],
+    blocks: torch.Tensor,
+    seed: int,
+    duration: float,
+    stop,
+    results: mp.Queue,
+) -> None:
     """Process entry point: train until `stop` is set or `duration` seconds pass; every micro-batch's loss goes
     to `results` as (time, loss, samples, failures so far)."""
     lead_own_process_group()

@@ -6,5 +6,17 @@ from leanlm.training.finetune import FinetuneSettings, block_perplexity, finetun
 from leanlm.training.pretrain import PretrainSettings, pretrain
 from leanlm.training.tokenizer import as_transformers_tokenizer, train_bpe_tokenizer
 
-__all__ = ["batch_indices", "pack_blocks", "read_documents", "split_documents", "training_blocks", "FinetuneSettings", "block_perplexity", "finetune",
-           "PretrainSettings", "pretrain", "as_transformers_tokenizer", "train_bpe_tokenizer"]
+__all__ = [
+    "batch_indices",
+    "pack_blocks",
+    "read_documents",
+    "split_documents",
+    "training_blocks",
+    "FinetuneSettings",
+    "block_perplexity",
+    "finetune",
+    "PretrainSettings",
+    "pretrain",
+    "as_transformers_tokenizer",
+    "train_bpe_tokenizer",
+]

@@ -27,8 +27,10 @@ def read_documents(path: str | os.PathLike) -> list[Document]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as error:
-        raise DataError(f"fine-tuning data {path} is not UTF-8 text (invalid byte at offset {error.start}); give "
-                        "plain text or JSONL") from None
+        raise DataError(
+            f"fine-tuning data {path} is not UTF-8 text (invalid byte at offset {error.start}); give "
+            "plain text or JSONL"
+        ) from None
     except OSError as error:
         raise DataError(f"fine-tuning data {path} cannot be read: {error.strerror or error}") from None
     if any("\x00" in line for line in lines):
@@ -51,16 +53,23 @@ def _record_document(line: str, path: Path, number: int) -> Document:
         if isinstance(record.get("text"), str):
             return record["text"]
         messages = record.get("messages")
-        if isinstance(messages, list) and messages and all(
+        if (
+            isinstance(messages, list)
+            and messages
+            and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
+                for m in messages
+            )
+        ):
             return messages
         if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
             context = record.get("input")
             prompt = record["instruction"] + (f"\n\n{context}" if isinstance(context, str) and context else "")
             return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
-    raise DataError(f"{path}:{number}: expected a record with 'text', 'messages' (role/content list) or "
-                    f"'instruction' + 'output'; got {line[:80]!r}")
+    raise DataError(
+        f"{path}:{number}: expected a record with 'text', 'messages' (role/content list) or "
+        f"'instruction' + 'output'; got {line[:80]!r}"
+    )
 
 
 def document_ids(tokenizer, document: Document) -> list[int]:
@@ -74,8 +83,9 @@ def document_ids(tokenizer, document: Document) -> list[int]:
     return [*ids, tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else list(ids)
 
 
-def split_documents(documents: list[Document], held_out_fraction: float, seed: int
-                    ) -> tuple[list[Document], list[Document]]:
+def split_documents(
+    documents: list[Document], held_out_fraction: float, seed: int
+) -> tuple[list[Document], list[Document]]:
     """(train, held-out): a seeded shuffle, at least one document on each side."""
     if len(documents) < 2:
         raise DataError(f"need at least 2 documents for a train/held-out split, got {len(documents)}")
@@ -91,15 +101,18 @@ def pack_blocks(tokenizer, documents: list[Document], seq_len: int) -> torch.Ten
     return torch.tensor(stream[: count * seq_len], dtype=torch.long).reshape(count, seq_len)
 
 
-def training_blocks(tokenizer, documents: list[Document], seq_len: int, held_out_fraction: float, seed: int,
-                    max_eval_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def training_blocks(
+    tokenizer, documents: list[Document], seq_len: int, held_out_fraction: float, seed: int, max_eval_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(training blocks, held-out blocks) of `seq_len` tokens; refuses data that fills no block on either side."""
     train_docs, held_docs = split_documents(documents, held_out_fraction, seed)
     train_blocks = pack_blocks(tokenizer, train_docs, seq_len)
     eval_blocks = pack_blocks(tokenizer, held_docs, seq_len)[:max_eval_blocks]
     if len(train_blocks) == 0 or len(eval_blocks) == 0:
-        raise DataError(f"the data fill {len(train_blocks)} training and {len(eval_blocks)} held-out blocks of "
-                        f"{seq_len} tokens (seq_len); give more text or a shorter seq_len")
+        raise DataError(
+            f"the data fill {len(train_blocks)} training and {len(eval_blocks)} held-out blocks of "
+            f"{seq_len} tokens (seq_len); give more text or a shorter seq_len"
+        )
     return train_blocks, eval_blocks
 
 
@@ -107,6 +120,8 @@ def batch_indices(step: int, batch_size: int, blocks: int, seed: int) -> torch.T
     """The blocks of training step `step`: every epoch is a seeded permutation of the blocks, so the batch is a
     pure function of (seed, step) and a resumed run sees exactly the batches of an uninterrupted one."""
     samples = range(step * batch_size, (step + 1) * batch_size)
-    orders = {epoch: torch.randperm(blocks, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-              for epoch in {sample // blocks for sample in samples}}
+    orders = {
+        epoch: torch.randperm(blocks, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        for epoch in {sample // blocks for sample in samples}
+    }
     return torch.stack([orders[s // blocks][s % blocks] for s in samples])

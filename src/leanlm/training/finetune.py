@@ -54,10 +54,16 @@ class FinetuneSettings:
     max_eval_blocks: int = option(64, "held-out blocks scored at most", cli=False)
     save_every: int = option(50, "steps between checkpoints")
     seed: int = option(0, "seed of the data order, dropout and adapter initialisation")
-    gradient_checkpointing: bool = option(True, "recompute block activations in backward (less memory, ~30% more "
-                                                "time)")
-    keep_freed_memory: bool = option(False, "let the C library keep freed activation memory for reuse (faster, "
-                                            "but training's peak resident memory is then 2-3x its live tensors)")
+    gradient_checkpointing: bool = option(
+        True,
+        "recompute block activations in backward (less memory, ~30% more time)",
+        off="keep block activations for backward (more memory, less time)",
+    )
+    keep_freed_memory: bool = option(
+        False,
+        "let the C library keep freed activation memory for reuse (faster, "
+        "but training's peak resident memory is then 2-3x its live tensors)",
+    )
     optimizer_bits: int = option(8, "AdamW moment storage: block-wise 8-bit or float32", choices=(8, 32))
 
     def __post_init__(self):
@@ -73,7 +79,7 @@ class FinetuneSettings:
         if self.optimizer_bits not in (8, 32):
             raise ConfigError(f"optimizer_bits must be 8 or 32, got {self.optimizer_bits}")
 
-    def resumable_with(self, other: "FinetuneSettings") -> bool:
+    def resumable_with(self, other: FinetuneSettings) -> bool:
         """Everything that changes the result must match for a resumed run to continue the same run (the step
         budget and how memory is spent do not: recomputed activations are the same numbers)."""
         ignored = {"max_steps": 0, "gradient_checkpointing": None, "keep_freed_memory": None}
@@ -85,7 +91,7 @@ def block_perplexity(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4
     """exp(mean next-token NLL) over every predicted token of the blocks."""
     total, count = 0.0, 0
     for start in range(0, len(blocks), batch_size):
-        batch = blocks[start:start + batch_size]
+        batch = blocks[start : start + batch_size]
         total += causal_lm_loss(model, batch).item() * batch[:, 1:].numel()
         count += batch[:, 1:].numel()
     return math.exp(total / count)
@@ -126,19 +132,27 @@ def last_checkpoint_step(out: str | os.PathLike) -> int | None:
         return None
 
 
-def finetune(model: nn.Module, tokenizer, documents: list[Document], settings: FinetuneSettings,
-             lora: LoRAConfig, out_dir: str | os.PathLike, base_model: str, resume: bool = False,
-             progress: bool = True) -> dict:
+def finetune(
+    model: nn.Module,
+    tokenizer,
+    documents: list[Document],
+    settings: FinetuneSettings,
+    lora: LoRAConfig,
+    out_dir: str | os.PathLike,
+    base_model: str,
+    resume: bool = False,
+    progress: bool = True,
+) -> dict:
     """Train the LoRA adapters of `model` (see `add_lora_`) on `documents`; write the PEFT adapter, the loss
     curve and a checkpoint to `out_dir`. Returns the record (losses, held-out perplexity, peak memory, ...)."""
     out = Path(out_dir)
-    train_blocks, eval_blocks = training_blocks(tokenizer, documents, settings.seq_len, settings.held_out_fraction,
-                                                settings.seed, settings.max_eval_blocks)
+    train_blocks, eval_blocks = training_blocks(
+        tokenizer, documents, settings.seq_len, settings.held_out_fraction, settings.seed, settings.max_eval_blocks
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ConfigError("the model has no trainable parameters (call add_lora_ first)")
-    optimizer = AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay,
-                      state_bits=settings.optimizer_bits)
+    optimizer = AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay, state_bits=settings.optimizer_bits)
     losses: list[float] = []
     start_step, train_seconds = 0, 0.0
     checkpoint = _recover_checkpoint(out)
@@ -149,8 +163,10 @@ def finetune(model: nn.Module, tokenizer, documents: list[Document], settings: F
     if checkpoint is not None:
         state = json.loads((checkpoint / "trainer_state.json").read_text())
         if not settings.resumable_with(FinetuneSettings(**state["settings"])) or state["lora"] != asdict(lora):
-            raise ConfigError(f"the checkpoint in {out} was trained with other settings; resume with the same "
-                              f"options (it has {state['settings']} and LoRA {state['lora']})")
+            raise ConfigError(
+                f"the checkpoint in {out} was trained with other settings; resume with the same "
+                f"options (it has {state['settings']} and LoRA {state['lora']})"
+            )
         load_adapter_tensors_(model, load_file(str(checkpoint / "adapters.safetensors")), str(checkpoint))
         optimizer.load_state_tensors(load_file(str(checkpoint / "optimizer.safetensors")))
         torch.set_rng_state(load_file(str(checkpoint / "rng.safetensors"))["torch"])
@@ -164,11 +180,27 @@ def finetune(model: nn.Module, tokenizer, documents: list[Document], settings: F
     model.train()
 
     def save(step: int) -> None:
-        _write_checkpoint(out, model, optimizer, {"step": step, "losses": losses, "train_seconds": train_seconds,
-                                                  "settings": asdict(settings), "lora": asdict(lora)})
+        _write_checkpoint(
+            out,
+            model,
+            optimizer,
+            {
+                "step": step,
+                "losses": losses,
+                "train_seconds": train_seconds,
+                "settings": asdict(settings),
+                "lora": asdict(lora),
+            },
+        )
 
-    bar = tqdm(range(start_step, settings.max_steps), desc="fine-tuning", unit="step", disable=not progress,
-               initial=start_step, total=settings.max_steps)
+    bar = tqdm(
+        range(start_step, settings.max_steps),
+        desc="fine-tuning",
+        unit="step",
+        disable=not progress,
+        initial=start_step,
+        total=settings.max_steps,
+    )
     with peak_memory() as memory:
         for step in bar:
             started = time.perf_counter()
@@ -199,7 +231,8 @@ def finetune(model: nn.Module, tokenizer, documents: list[Document], settings: F
         "peak_memory_bytes": memory.peak_bytes,
         "steps": steps_run,
         "tokens_per_second": steps_run * settings.batch_size * settings.seq_len / train_seconds
-        if train_seconds else None,
+        if train_seconds
+        else None,
         "optimizer_state_bytes": optimizer.state_bytes(),
         "model_bytes": weight_bytes(model),  # base (as stored: k-bit codes + constants) + adapters
         "trainable_parameters": sum(p.numel() for p in trainable),
@@ -209,6 +242,10 @@ def finetune(model: nn.Module, tokenizer, documents: list[Document], settings: F
         "lora": asdict(lora),
         "losses": losses,
     }
-    plot_training_curves({"cross-entropy": losses}, out / LOSS_CURVE, f"{lora.method} ({lora.base} base), r={lora.rank}",
-                         reference={f"held-out (ppl {eval_ppl:.2f})": math.log(eval_ppl)})
+    plot_training_curves(
+        {"cross-entropy": losses},
+        out / LOSS_CURVE,
+        f"{lora.method} ({lora.base} base), r={lora.rank}",
+        reference={f"held-out (ppl {eval_ppl:.2f})": math.log(eval_ppl)},
+    )
     return record

@@ -1,4 +1,4 @@
-"""Pre-training a small decoder LM from scratch (the sink-token study of thesis section 4.3): packed blocks of
+"""Pre-training a small decoder LM from scratch (the sink-token study of Xiao's thesis section 4.3): packed blocks of
 the training text, AdamW with linear warm-up and cosine decay, optionally one fixed token (a learnable sink)
 prepended to every sample. The batch of step t is a pure function of (seed, t), as in fine-tuning."""
 
@@ -32,22 +32,35 @@ class PretrainSettings:
             raise ConfigError(f"pre-training needs steps and batch size >= 1, got {self.steps} and {self.batch_size}")
 
 
-def pretrain(model: nn.Module, blocks: torch.Tensor, settings: PretrainSettings, prefix_token: int | None = None,
-             progress: bool = True, desc: str = "pre-training") -> dict:
+def pretrain(
+    model: nn.Module,
+    blocks: torch.Tensor,
+    settings: PretrainSettings,
+    prefix_token: int | None = None,
+    progress: bool = True,
+    desc: str = "pre-training",
+) -> dict:
     """Train every parameter of `model` on `blocks` (n, length); with `prefix_token`, each sample becomes
     [prefix_token] + block (the token's embedding is learned like any other)."""
     if len(blocks) == 0:
         raise ConfigError("pre-training needs at least one block of text")
-    optimizer = AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr,
-                      weight_decay=settings.weight_decay, state_bits=32)
+    optimizer = AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        state_bits=32,
+    )
     losses = []
     started = time.perf_counter()
     model.train()
     bar = tqdm(range(settings.steps), desc=desc, unit="step", disable=not progress)
     for step in bar:
         progress_fraction = (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps)
-        scale = (step + 1) / settings.warmup_steps if step < settings.warmup_steps else \
-            0.5 * (1 + math.cos(math.pi * progress_fraction))
+        scale = (
+            (step + 1) / settings.warmup_steps
+            if step < settings.warmup_steps
+            else 0.5 * (1 + math.cos(math.pi * progress_fraction))
+        )
         for group in optimizer.param_groups:
             group["lr"] = settings.lr * scale
         batch = blocks[batch_indices(step, settings.batch_size, len(blocks), settings.seed)]
@@ -62,5 +75,9 @@ def pretrain(model: nn.Module, blocks: torch.Tensor, settings: PretrainSettings,
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
     seconds = time.perf_counter() - started
-    return {"settings": asdict(settings), "losses": losses, "seconds": seconds,
-            "tokens_per_second": settings.steps * settings.batch_size * blocks.shape[1] / seconds}
+    return {
+        "settings": asdict(settings),
+        "losses": losses,
+        "seconds": seconds,
+        "tokens_per_second": settings.steps * settings.batch_size * blocks.shape[1] / seconds,
+    }

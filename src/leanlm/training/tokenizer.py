@@ -16,8 +16,12 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int = 4096, extra_special:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT, *extra_special],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT, *extra_special],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
@@ -29,6 +33,8 @@ def as_transformers_tokenizer(tokenizer: Tokenizer, prefix_token: str | None = N
     if prefix_token:
         prefix_id = tokenizer.token_to_id(prefix_token)
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{prefix_token} $A", pair=f"{prefix_token} $A $B", special_tokens=[(prefix_token, prefix_id)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END_OF_TEXT, bos_token=prefix_token,
-                                   pad_token=END_OF_TEXT)
+            single=f"{prefix_token} $A", pair=f"{prefix_token} $A $B", special_tokens=[(prefix_token, prefix_id)]
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=END_OF_TEXT, bos_token=prefix_token, pad_token=END_OF_TEXT
+    )
