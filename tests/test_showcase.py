@@ -1,3 +1,5 @@
+import pytest
+
 from leanlm.evaluation import EvalSettings
 from leanlm.evaluation.streaming import StreamSettings
 from leanlm.showcase import ROWS, run_showcase
@@ -36,3 +38,25 @@ def test_every_method_has_a_row_and_quantized_rows_are_smaller(tiny_llama_dir, m
         assert row["peak_rss_bytes"] > row["weights_bytes"]
         if name not in ("fp32", "streaming"):
             assert row["weights_bytes"] < fp32, name
+
+
+@pytest.mark.parametrize(
+    "method, row",
+    [
+        ("w8a8", "w8a8-O2"),
+        ("smoothquant", "smoothquant-O3"),
+        ("llm-int8", "llm-int8"),
+        ("kbit", "nf4-dq"),
+        ("gptq", "gptq-4bit"),
+        ("spqr", "spqr"),
+    ],
+)
+def test_each_methods_command_line_defaults_are_its_showcase_row(method, row):
+    """`leanlm quantize --method NAME` with no other flag runs the recipe whose measured row the showcase shows."""
+    from leanlm.cli.main import build_parser
+    from leanlm.cli.options import method_configs
+
+    configs, _ = method_configs(
+        build_parser(only="quantize").parse_args(["quantize", "m", "--method", method, "--out", "x"])
+    )
+    assert tuple(configs) == next(r.steps for r in ROWS if r.name == row)

@@ -38,6 +38,7 @@ from leanlm.methods import (
     quantize_,
 )
 from leanlm.methods.quantize import method_spec
+from leanlm.methods.recipes import GPTQ_EXPORTABLE
 from leanlm.models import LoadedModel, load_model
 from leanlm.report import format_table
 
@@ -122,7 +123,11 @@ ROWS: tuple[ShowcaseRow, ...] = (
         "NF4 blocks of 64 + double quantization (QLoRA's storage)",
         (KbitConfig("nf", 4, 64, double_quant=True),),
     ),
-    ShowcaseRow("gptq-4bit", "GPTQ 4-bit, groups of 128, act-order", (GPTQConfig(bits=4, group_size=128),)),
+    ShowcaseRow(
+        "gptq-4bit",
+        "GPTQ 4-bit as GGUF's Q4_0: symmetric groups of 32, act-order, scale search, Hessian shrinkage 0.5",
+        (GPTQConfig(bits=4, **GPTQ_EXPORTABLE),),
+    ),
     ShowcaseRow(
         "spqr", "SpQR: 3-bit base, beta1 = beta2 = 16, 3-bit statistics, fp16 outliers (tau 0.2)", (SpQRConfig(),)
     ),

@@ -70,13 +70,13 @@ def test_a_checkpoint_loads_in_transformers_and_computes_what_leanlm_computes(ca
 @pytest.mark.parametrize(
     "arguments, reason",
     [
-        (["--method", "w8a8", "--level", "O3", "--calib-samples", "4"], "quantize with --no-bmm"),
+        (["--method", "w8a8", "--level", "O3", "--calib-samples", "4"], "--no-bmm (attention's int8"),
         (
             ["--method", "smoothquant", "--level", "O2", "--no-bmm", "--calib-samples", "4"],
-            "dynamic per-tensor int8 activations (W8A8 O2) have no vLLM kernel",
+            "--level O1 or O3 (dynamic per-tensor int8 activations",
         ),
         (["--method", "rtn", "--group-size", "32"], "fractional zeros"),
-        (["--method", "kbit"], "KbitLinear has no compressed-tensors form"),
+        (["--method", "kbit"], "--method w8a8, smoothquant, rtn or gptq (k-bit codebooks"),
         (["--method", "llm-int8"], "outlier columns"),
         (["--method", "rtn", "--grid", "symmetric", "--group-size", "48"], "compressed-tensors packs whole groups"),
     ],

@@ -57,10 +57,10 @@ def test_symmetric_groups_of_32_are_gguf_blocks_value_for_value(bits, block_type
 @pytest.mark.parametrize(
     "settings, reason",
     [
-        ({"grid": "minmax"}, "fractional zeros"),
-        ({"group_size": 16}, "groups of 16"),
-        ({"group_size": 32, "bits": 3}, "3-bit codes"),
-        ({"error_feedback": True, "act_order": True}, "act-order columns"),
+        ({"grid": "minmax"}, "--grid symmetric"),
+        ({"group_size": 16}, "a block is 32 columns, not 16"),
+        ({"group_size": 32, "bits": 3}, "--bits 4 or 8"),
+        ({"error_feedback": True, "act_order": True}, "--static-groups or --no-act-order"),
         ({"grid": "minmax", "statistic_bits": 3, "outlier_threshold": 0.2}, "quantized statistics and outliers"),
     ],
 )
@@ -70,7 +70,7 @@ def test_forms_without_an_exact_block_type_are_refused_with_the_reason(settings,
 
 
 def test_k_bit_codebooks_are_refused():
-    with pytest.raises(ConfigError, match="KbitLinear has no GGUF block type"):
+    with pytest.raises(ConfigError, match="--method rtn or gptq"):
         gguf_blocks(KbitLinear(64, 32, bias=False))
 
 

@@ -117,34 +117,42 @@ def test_methods_that_need_text_say_so_before_touching_the_model():
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["--method", "kbit"], [KbitConfig()]),
-        (["--method", "gptq"], [GPTQConfig()]),
+        (["--method", "kbit"], [KbitConfig(double_quant=True)]),
+        (["--method", "kbit", "--no-double-quant"], [KbitConfig()]),
+        (
+            ["--method", "gptq"],
+            [GPTQConfig(grid="symmetric", group_size=32, static_groups=True, scale_search=True, hessian_shrinkage=0.5)],
+        ),
+        (
+            ["--method", "gptq", "--grid", "minmax", "--group-size", "128", "--no-static-groups", "--no-scale-search"],
+            [GPTQConfig(hessian_shrinkage=0.5)],
+        ),
         (
             ["--method", "spqr", "--outlier-threshold", "none", "--no-act-order"],
             [SpQRConfig(outlier_threshold=None, act_order=False)],
         ),
         (["--method", "rtn", "--group-size", "0"], [RTNConfig(group_size=None)]),
         (["--method", "w8a8"], [W8A8Config()]),
-        (["--method", "smoothquant"], [SmoothQuantConfig(), W8A8Config(level="O3")]),
+        (
+            ["--method", "smoothquant"],
+            [SmoothQuantConfig(0.7), W8A8Config(level="O3", weight_granularity="per_channel")],
+        ),
         (
             ["--method", "smoothquant", "--alpha", "auto", "--no-smooth-extension", "--calib-samples", "16"],
             [
                 SmoothQuantConfig("auto", False, False, calibration_samples=16),
-                W8A8Config(level="O3", calibration_samples=16),
+                W8A8Config(level="O3", weight_granularity="per_channel", calibration_samples=16),
             ],
         ),
         (["--method", "llm-int8", "--threshold", "inf"], [LLMInt8Config(None)]),
-        (
-            ["--method", "kbit", "--block-size", "row", "--double-quant"],
-            [KbitConfig(block_size=None, double_quant=True)],
-        ),
+        (["--method", "kbit", "--block-size", "row"], [KbitConfig(block_size=None, double_quant=True)]),
         (
             ["--method", "cushion", "--base", "smoothquant", "--cushion-init", "\n", "--seed", "3"],
             [CushionConfig(initial_text="\n", seed=3), SmoothQuantConfig(), W8A8Config(level="O3")],
         ),
     ],
 )
-def test_the_command_line_builds_exactly_the_configs_with_their_own_defaults(argv, expected):
+def test_the_command_line_builds_exactly_the_configs_with_the_recipes_defaults(argv, expected):
     from leanlm.cli.main import build_parser
     from leanlm.cli.options import method_configs
 

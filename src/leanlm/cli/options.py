@@ -93,6 +93,28 @@ def add_method_options(parser: argparse.ArgumentParser) -> None:
         _add_flag(
             parser, first_type, first, "; ".join(f"{', '.join(methods)}: {line}" for line, methods in lines.items())
         )
+    for opposite, (item, methods) in _opposite_flags().items():
+        parser.add_argument(
+            opposite,
+            dest=option_dest(flag_of(item)),
+            action="store_const",
+            const=item.default,
+            default=argparse.SUPPRESS,
+            help=f"{', '.join(methods)}: turn {flag_of(item)} off (it is on by default)",
+        )
+
+
+def _opposite_flags() -> dict[str, tuple[Field, list[str]]]:
+    """For a switch that a recipe turns the other way by default (gptq's --static-groups), the flag that turns it
+    back: {"--no-static-groups": (field, [methods])}."""
+    opposites: dict[str, tuple[Field, list[str]]] = {}
+    for flag, uses in _flag_table().items():
+        for method, _, item in uses:
+            recipe = RECIPES.get(method)
+            if item.type in (bool, "bool") and recipe is not None and _default(recipe, item) != item.default:
+                opposite = "--" + flag[len("--no-") :] if flag.startswith("--no-") else "--no-" + flag[2:]
+                opposites.setdefault(opposite, (item, []))[1].append(method)
+    return opposites
 
 
 def add_settings_options(parser: argparse.ArgumentParser, *settings_types: type, defaults: dict | None = None) -> None:
@@ -142,6 +164,10 @@ def _given(args: argparse.Namespace) -> dict:
 
 def _help_line(default, item: Field) -> str:
     if item.type in (bool, "bool"):
+        if default != item.default:  # a recipe sets this switch the other way: the flag restates the default
+            return (
+                f"{item.metadata['off']} (the default)" if item.default else f"{item.metadata['help']} (on by default)"
+            )
         if item.default:  # a --no- flag: what it does, then what the default does
             return f"{item.metadata['off']} (default: {item.metadata['help']})"
         return item.metadata["help"]

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from leanlm.errors import ConfigError, require_extra
+from leanlm.export.exactness import MODULE_KINDS, require_exact
 from leanlm.nn import QUANTIZED_MODULES, SpQRLinear, W8A8Linear, use_gemv_
 
 FORMATS = {W8A8Linear: "int-quantized", SpQRLinear: "pack-quantized"}
@@ -37,23 +38,62 @@ def _require_compressed_tensors() -> None:
     require_extra("compressed-tensors export", "compressed_tensors")
 
 
-def scheme_of(module: nn.Module) -> dict:
-    """The compressed-tensors scheme ({"weights": ..., "input_activations": ...} as QuantizationArgs fields) that
-    holds `module` exactly, or a ConfigError naming why none does."""
+def compressed_tensors_problems(module: nn.Module) -> list[str]:
+    """The `leanlm quantize` settings `module` would need to have an exact compressed-tensors scheme (empty:
+    none)."""
     kind = type(module).__name__
     if isinstance(module, W8A8Linear):
+        problems = []
         if module.outlier_threshold is not None:
-            raise ConfigError(
-                "LLM.int8()'s outlier columns run in float; compressed-tensors has no mixed-precision decomposition"
+            problems.append(
+                "--method w8a8 or smoothquant (LLM.int8()'s outlier columns run in float; compressed-tensors has no "
+                "mixed-precision decomposition)"
             )
         if module.asymmetric:
-            raise ConfigError("zero-point int8 (LLM.int8()'s zeropoint baseline) is not exported")
+            problems.append("symmetric int8 (zero-point int8 is not exported)")
         if module.activation == "per_tensor" and not module.static:
-            raise ConfigError(
-                "dynamic per-tensor int8 activations (W8A8 O2) have no vLLM kernel: vLLM's int8 W8A8 "
-                "takes activations dynamic per token or static per tensor; quantize with --level O1 "
-                "or O3"
+            problems.append(
+                "--level O1 or O3 (dynamic per-tensor int8 activations, W8A8 O2, have no vLLM kernel: vLLM's int8 "
+                "W8A8 takes activations dynamic per token or static per tensor)"
             )
+        return problems
+    if isinstance(module, SpQRLinear):
+        problems = []
+        if module.statistic_bits is not None or module.outlier_count:
+            problems.append("--method rtn or gptq (SpQR's quantized statistics and outliers have no such form)")
+        if module.permutation is not None:
+            problems.append("--static-groups or --no-act-order (act-order columns)")
+        if module.bits not in (4, 8):
+            problems.append(f"--bits 4 or 8 (int4 and int8 are written, not {module.bits}-bit codes)")
+        if not module.per_row and module.in_features % module.group_size:
+            problems.append(
+                f"a --group-size that divides every layer's input columns (a last group of "
+                f"{module.in_features % module.group_size} columns of {module.in_features} in groups of "
+                f"{module.group_size}; compressed-tensors packs whole groups)"
+            )
+        half = 2 ** (module.bits - 1)
+        if module.statistic_bits is None and not bool((module.zero == half).all()):  # quantized zeros: no grid
+            problems.append(
+                f"--grid symmetric (the min-max grid's fractional zeros; compressed-tensors' symmetric grid has zero "
+                f"at {half})"
+            )
+        return problems
+    if kind == "BmmQuantizer":
+        return [
+            "--no-bmm (attention's int8 q / k / v products have no compressed-tensors form: it quantizes the KV "
+            "cache, never q)"
+        ]
+    return [
+        f"--method w8a8, smoothquant, rtn or gptq ({MODULE_KINDS.get(kind, kind)} are not the integer grids "
+        "compressed-tensors holds)"
+    ]
+
+
+def scheme_of(module: nn.Module) -> dict:
+    """The compressed-tensors scheme ({"weights": ..., "input_activations": ...} as QuantizationArgs fields) that
+    holds `module` exactly, or a ConfigError naming every setting it would need."""
+    require_exact("compressed-tensors", [module], compressed_tensors_problems)
+    if isinstance(module, W8A8Linear):
         per_tensor = bool((module.weight_scale == module.weight_scale[0]).all())
         weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor" if per_tensor else "channel"}
         activations = {
@@ -64,36 +104,8 @@ def scheme_of(module: nn.Module) -> dict:
             "dynamic": not module.static,
         }
         return {"weights": weights, "input_activations": activations}
-    if isinstance(module, SpQRLinear):
-        problems = []
-        if module.statistic_bits is not None or module.outlier_count:
-            problems.append("SpQR's quantized statistics and outliers")
-        if module.permutation is not None:
-            problems.append("act-order columns without static groups (--static-groups or --no-act-order)")
-        half = 2 ** (module.bits - 1)
-        if module.bits not in (4, 8):
-            problems.append(f"{module.bits}-bit codes (int4 and int8 are written)")
-        if not module.per_row and module.in_features % module.group_size:
-            problems.append(
-                f"a last group of {module.in_features % module.group_size} columns ({module.in_features} "
-                f"input columns in groups of {module.group_size}; compressed-tensors packs whole groups: "
-                "a --group-size that divides every layer's input columns)"
-            )
-        if not problems and not bool((module.zero == half).all()):
-            problems.append(
-                f"the min-max grid's fractional zeros (compressed-tensors' symmetric grid has zero at "
-                f"{half}: --grid symmetric)"
-            )
-        if problems:
-            raise ConfigError(f"this SpQRLinear has no exact compressed-tensors form: {'; '.join(problems)}")
-        strategy = {"strategy": "channel"} if module.per_row else {"strategy": "group", "group_size": module.group_size}
-        return {"weights": {"num_bits": module.bits, "type": "int", "symmetric": True, **strategy}}
-    if kind == "BmmQuantizer":
-        raise ConfigError(
-            "attention's int8 q / k / v products (BmmQuantizer) have no compressed-tensors form (it "
-            "quantizes the KV cache, never q): quantize with --no-bmm"
-        )
-    raise ConfigError(f"{kind} has no compressed-tensors form (k-bit codebooks such as NF4 are not integer grids)")
+    strategy = {"strategy": "channel"} if module.per_row else {"strategy": "group", "group_size": module.group_size}
+    return {"weights": {"num_bits": module.bits, "type": "int", "symmetric": True, **strategy}}
 
 
 def _weight_and_scale(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +136,8 @@ def export_compressed_tensors(source: str | os.PathLike, out: str | os.PathLike)
             "prefix KV cache, and without it the int8 activations it protects break"
         )
     quantized = {name: module for name, module in model.named_modules() if type(module).__name__ in QUANTIZED_MODULES}
-    schemes = {name: scheme_of(module) for name, module in quantized.items()}  # every refusal before any work
+    require_exact("compressed-tensors", quantized.values(), compressed_tensors_problems)  # before any work
+    schemes = {name: scheme_of(module) for name, module in quantized.items()}
     distinct = {repr(scheme) for scheme in schemes.values()}
     if len(distinct) != 1:
         raise ConfigError(f"the checkpoint's quantized linears use {len(distinct)} different schemes; one is exported")

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from leanlm.errors import ConfigError
+from leanlm.export.exactness import MODULE_KINDS, require_exact
 from leanlm.formats.packing import unpack
 from leanlm.nn import QUANTIZED_MODULES, SpQRLinear
 from leanlm.storage import QUANT_FILE
@@ -191,32 +192,35 @@ def _gguf_order(weights: np.ndarray, heads: int) -> np.ndarray:
     return weights.reshape(heads, 2, head_dim // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def gguf_block_type(module: nn.Module) -> gguf.GGMLQuantizationType:
-    """The GGUF block type that holds a quantized module's weight exactly, or a ConfigError naming why none does."""
-    kind = type(module).__name__
+def gguf_problems(module: nn.Module) -> list[str]:
+    """The `leanlm quantize` settings `module` would need to be a GGUF block type exactly (empty: none)."""
     if not isinstance(module, SpQRLinear):
-        raise ConfigError(
-            f"{kind} has no GGUF block type (NF4 / FP4 / dynamic codebooks are not uniform grids; "
-            "k-bit int blocks keep a float32 absmax, not Q4_0's float16 scale; int8 W8A8 is per "
-            "channel): quantize with rtn or gptq --grid symmetric --group-size 32"
-        )
+        return [
+            "--method rtn or gptq (GGUF's Q4_0 / Q8_0 blocks are symmetric integer groups of 32 with a float16 "
+            f"scale; {', '.join(sorted(MODULE_KINDS[k] for k in MODULE_KINDS if k != 'SpQRLinear'))} are not)"
+        ]
     problems = []
     if module.statistic_bits is not None or module.outlier_count:
-        problems.append("SpQR's quantized statistics and outliers")
+        problems.append("--method rtn or gptq (SpQR's quantized statistics and outliers have no GGUF form)")
     if module.bits not in _BLOCK_TYPES:
-        problems.append(f"{module.bits}-bit codes (Q4_0 holds 4, Q8_0 8)")
+        problems.append(f"--bits 4 or 8 (Q4_0 holds 4-bit codes, Q8_0 8-bit; not {module.bits})")
     if module.per_row or module.group_size != BLOCK:
         problems.append(
-            f"groups of {module.in_features if module.per_row else module.group_size} (blocks are "
-            f"{BLOCK}: --group-size {BLOCK})"
+            f"--group-size {BLOCK} (a block is {BLOCK} columns, not "
+            f"{module.in_features if module.per_row else module.group_size})"
         )
     if module.permutation is not None:
-        problems.append("act-order columns (a block is 32 consecutive columns: --static-groups or --no-act-order)")
-    half = 2 ** (module.bits - 1)
-    if not problems and not bool((module.zero == half).all()):
-        problems.append(f"the min-max grid's fractional zeros (Q4_0 / Q8_0 put zero at {half}: --grid symmetric)")
-    if problems:
-        raise ConfigError(f"this {kind} has no exact GGUF block type: {'; '.join(problems)}")
+        problems.append("--static-groups or --no-act-order (a block is 32 consecutive columns)")
+    quantized_statistics = module.statistic_bits is not None  # its zeros are codes themselves, not on a grid
+    if not quantized_statistics and not bool((module.zero == 2 ** (module.bits - 1)).all()):
+        problems.append(f"--grid symmetric (Q4_0 / Q8_0 put zero at code {2 ** (module.bits - 1)})")
+    return problems
+
+
+def gguf_block_type(module: nn.Module) -> gguf.GGMLQuantizationType:
+    """The GGUF block type that holds a quantized module's weight exactly, or a ConfigError naming every setting
+    it would need."""
+    require_exact("GGUF", [module], gguf_problems)
     return _BLOCK_TYPES[module.bits]
 
 
@@ -272,9 +276,9 @@ def export_gguf(source: str | os.PathLike, out: str | os.PathLike, file_type: st
     names = gguf_tensor_names(loaded.model)
     tensor_type, llama_file_type = FILE_TYPES[file_type]
     modules = dict(loaded.model.named_modules())
-    quantized = {
-        name: gguf_block_type(module) for name, module in modules.items() if type(module).__name__ in QUANTIZED_MODULES
-    }  # every refusal before anything is written
+    quantized = {name: module for name, module in modules.items() if type(module).__name__ in QUANTIZED_MODULES}
+    require_exact("GGUF", quantized.values(), gguf_problems)  # every refusal before anything is written
+    quantized = {name: gguf_block_type(module) for name, module in quantized.items()}
     block_types = sorted({kind.name for kind in quantized.values()})
     if len(block_types) == 1:  # the file type llama.cpp reports: the blocks' own where they are all one kind
         llama_file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{block_types[0]}")

@@ -1,0 +1,27 @@
+"""What a checkpoint needs to be written exactly in another engine's format, said as the `leanlm quantize`
+settings that would give it: every exporter checks all of its modules first and refuses with one line that
+names every missing setting, before anything is written."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from torch import nn
+
+from leanlm.errors import ConfigError
+
+# What each kind of quantized module is, in the words of the methods that make it.
+MODULE_KINDS = {
+    "W8A8Linear": "int8 weights and activations (W8A8, SmoothQuant, LLM.int8())",
+    "KbitLinear": "k-bit codebooks (NF4, FP4, dynamic, and int with a float32 absmax)",
+    "BmmQuantizer": "int8 attention matmuls",
+    "SpQRLinear": "RTN / GPTQ / SpQR groups",
+}
+
+
+def require_exact(target: str, modules: Iterable[nn.Module], problems_of: Callable[[nn.Module], list[str]]) -> None:
+    """Raise one ConfigError naming every setting `modules` would need for an exact `target` form (each once, in
+    the order found); nothing if every module has one."""
+    found = list(dict.fromkeys(problem for module in modules for problem in problems_of(module)))
+    if found:
+        raise ConfigError(f"this checkpoint has no exact {target} form; quantize it with: {'; '.join(found)}")
