@@ -3,9 +3,9 @@ the quick start on the default model: what pip downloaded, how long each step to
 
     python scripts/fresh_install.py --python ~/.pyenv/versions/3.12.1/bin/python --out benchmarks/results/fresh_install_py312.json
 
-The wheel is built from this checkout; every dependency comes from the package index pip is configured with (the
-local wheel folder named by PIP_FIND_LINKS is left out, so nothing installed on this machine is reused), without
-pip's cache. Not a test: it downloads several GB where the index serves torch as a CUDA build.
+The wheel is built from this checkout; every dependency comes from PyPI: neither PIP_FIND_LINKS nor pip's
+configuration files are read (so no local wheel folder or version cap of this machine is used), and pip's cache is
+off. Not a test: it downloads several GB where PyPI serves torch as a CUDA build.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def main() -> None:
     args = parser.parse_args()
 
     env = {key: value for key, value in os.environ.items() if key != "PIP_FIND_LINKS"}
+    env["PIP_CONFIG_FILE"] = os.devnull  # no configuration file of this machine (local wheel folders, caps)
     env["PIP_NO_CACHE_DIR"] = "1"
     with tempfile.TemporaryDirectory(prefix="leanlm-fresh-") as work:
         work_path = Path(work)

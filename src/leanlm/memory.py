@@ -28,9 +28,8 @@ def return_freed_memory_at_once() -> bool:
     M_MMAP_THRESHOLD, which also stops glibc from raising that threshold as it goes). By default glibc raises it
     to the size of any large block freed (up to 32 MiB), after which blocks of that size come from its heap and
     stay resident once freed, scattered between live ones: training's activations of a few MiB then hold the
-    peak resident memory at 2-3 times the live tensors (SmolLM2 QLoRA, batch 4 x 256: 3.9 GiB against 1.4).
-    The price is a fresh, zeroed mapping for each such block (training ~35% slower here). False where the C
-    library is not glibc."""
+    peak resident memory at several times the live tensors. The price is a fresh, zeroed mapping for each such
+    block, which slows training (benchmarks/qlora.py measures both). False where the C library is not glibc."""
     libc = _glibc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False

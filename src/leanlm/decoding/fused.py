@@ -3,8 +3,8 @@ architecture table once, hands every weight (float32 / bfloat16, or 4-bit k-bit 
 constants) to the C++ decoder (`kernels/csrc/fused_decode.inc`), and then each `step(token)` runs the whole
 decoder block stack, final norm and head without returning to Python.
 
-Why: transformers' eager forward dispatches ~600 small ops and ~210 Python linear calls per SmolLM2 token, about
-8 ms of a 20 ms step, while the arithmetic is a few megaflops. The prompt still goes through transformers'
+Why: transformers' eager forward dispatches hundreds of small ops and a Python call per linear for every token,
+which at batch 1 of a small model costs more than the arithmetic (benchmarks/decode.py). The prompt still goes through transformers'
 forward (a batched prefill is what PyTorch does well); its keys and values are copied into the decoder's float32
 cache, after which every token is one call. The results are the eager path's: the same kernels per linear (the
 4-bit kernel with int8 activations, the float GEMV), activations in float32; `greedy_tokens` is the test's
@@ -160,10 +160,10 @@ class FusedDecoder:
 
     Double-quantized block constants are decoded to float32 once, here, for the step (`compact_constants=False`):
     the kernel then reads 4.5 bits a weight instead of 4.13, but skips decoding a constant per 64 weights, which
-    costs more time than the 8% fewer bytes save (SmolLM2 on an AMD EPYC: 203 against 165 tokens/s; README). The
-    values are the ones the kernel decodes, bit for bit, so the logits do not change; the model keeps
-    its 8-bit constants for prefill, and the float32 copy adds 0.5 bits a weight to resident memory (SmolLM2: 7 MiB;
-    Llama-3-8B: 0.4 GiB). `compact_constants=True` keeps only the 8-bit ones."""
+    costs more time than the fewer bytes save (benchmarks/decode.py, the prefetch rows). The values are the ones
+    the kernel decodes, bit for bit, so the logits do not change; the model keeps its 8-bit constants for prefill,
+    and the float32 copy adds 0.5 bits a weight to resident memory. `compact_constants=True` keeps only the
+    8-bit ones."""
 
     def __init__(
         self,

@@ -53,10 +53,9 @@ _CHUNK_VALUES = 1 << 20  # values quantized at once: their temporaries (at most 
 
 def _quantize_flat(flat: torch.Tensor, codebook: Codebook, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, absmax) of `flat`, a whole number of blocks at a time, written into tensors made once: quantizing
-    an 8B model's largest matrix (59M values) needs at most 12 MB of temporaries, of the same sizes in every
-    chunk, which the allocator reuses. (Chunks of 4M values whose results were concatenated at the end scattered
-    freed memory between live tensors: a streamed NF4 quantization of a 550M-parameter model peaked at 0.87-0.90
-    GiB of resident memory, against 0.64-0.69 GiB so.)"""
+    the temporaries are a fixed number of 1M-value chunks, of the same sizes in every chunk, which the allocator
+    reuses; results concatenated at the end would scatter freed memory between live tensors and raise the peak
+    resident memory (benchmarks/out_of_core.py)."""
     blocks = -(-flat.numel() // block_size)
     codes, absmax = torch.empty(flat.numel(), dtype=torch.uint8), torch.empty(blocks)
     step = max(1, _CHUNK_VALUES // block_size) * block_size

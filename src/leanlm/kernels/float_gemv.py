@@ -1,9 +1,8 @@
 """Float linears at batch-1 decode: y = x @ W^T for at most 8 rows of x, W float32 or bfloat16.
 
 At M = 1 a linear streams its weight once and does nothing else, so its speed is the memory bandwidth it gets.
-MKL's sgemv, which `torch.nn.functional.linear` calls there, runs on one thread on this machine and reads at
-about a third of what two cores read (SmolLM2's 49152 x 576 lm_head: 9.4 ms in float32 against 3 ms for a
-two-thread sum of the same array). leanlm's kernel (`csrc/float_gemv.inc`, built into the same extension as
+MKL's sgemv, which `torch.nn.functional.linear` calls there, can run on one thread and read at a fraction of
+what all cores read (benchmarks/decode.py measures both paths). leanlm's kernel (`csrc/float_gemv.inc`, built into the same extension as
 the 4-bit kernels) splits the output rows over threads, and each thread reads its rows one after another, in
 address order (one stream the hardware prefetcher follows; bfloat16 weights widened two at a time by a shift and
 a mask); AVX-512 where the CPU has it, else AVX2 (`isa`). `reference` is `torch.nn.functional.linear` in

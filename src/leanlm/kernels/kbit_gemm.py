@@ -354,8 +354,8 @@ def kbit_linear(
         # Computed as out^T = W x^T, so that each tile's result is a contiguous block of rows; the table is the
         # code book in float32 (3 bits: 8 entries padded to 16; 8 bits: 256). In bfloat16 (a model
         # computing in bfloat16, on a CPU with bfloat16 products) each decoded tile is rounded to bfloat16 for
-        # oneDNN's bfloat16 GEMM, 2.6x float32's SGEMM at M = 512 on an AMD EPYC with AVX512-BF16: the weights
-        # bitsandbytes computes with at compute_dtype=bfloat16. Block offsets go into the tile before it is rounded,
+        # oneDNN's bfloat16 GEMM, faster than float32's SGEMM where the CPU has bfloat16 products
+        # (benchmarks/kbit_speed.py): the weights bitsandbytes computes with at compute_dtype=bfloat16. Block offsets go into the tile before it is rounded,
         # so the operand is centred as a float model's weight is (s * (q - z), not s * q rounded and then shifted).
         x = x.to(compute_dtype)
         out_t = torch.empty(out_features, x.shape[0], dtype=compute_dtype)

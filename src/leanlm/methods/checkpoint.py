@@ -302,7 +302,7 @@ def load_quantized(
     config = read_model_config(directory, quantized=True)
     table = architecture_for(config)
     # The tokenizer first: a damaged one is found before the slow part, and what building it takes beyond what it
-    # keeps (Gemma-3's: 462 MiB at its peak, 321 kept) is freed before the weights arrive, not on top of them.
+    # keeps (hundreds of MiB for a vocabulary of 262k) is freed before the weights arrive, not on top of them.
     tokenizer = read_tokenizer(directory)
     trim_freed_memory()
     with torch.device("meta"):
@@ -453,7 +453,8 @@ def load_any(source: str | os.PathLike, dtype: str = "float32", head: str = "flo
         loaded = load_quantized(source, storage, head)[0]
         if storage != torch.float32:
             # What a model computing in bfloat16 would do, where the time is: the k-bit layers' prefill GEMMs
-            # (oneDNN's bfloat16 GEMM, about 1.9x float32's at M = 512 on AVX512-BF16); decode is the int8 kernels'.
+            # (oneDNN's bfloat16 GEMM where the CPU has bfloat16 products; benchmarks/compute_dtype.py); decode is
+            # the int8 kernels'.
             gemm = prefill_dtype(storage)  # float32 where the CPU would only emulate bfloat16 products
             for module in loaded.model.modules():
                 if isinstance(module, (KbitLinear, SpQRLinear)):

@@ -185,8 +185,8 @@ class KbitLinear(nn.Module):
             )
             table = code_table(self.codebook.values) if self.bits in (3, 4) else self.codebook.values.float()
             if self.bits == 8 and self._runs_int8_kernel_only():
-                # Written before `Codebook.nearest` stopped emitting the unused code 255 (= 0.0, as is 127); 16 MiB
-                # at a time, as the mask is a byte per code (Gemma-3's head: 160 MiB)
+                # Older checkpoints may hold the unused code 255 (= 0.0, as is 127); mended 16M codes at a time,
+                # as the mask takes a byte per code
                 for part in self.packed.split(1 << 24):
                     part.masked_fill_(part == 255, INT8_CODE_BIAS)
             self._kernel_inputs = (constants, table)

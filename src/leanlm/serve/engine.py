@@ -98,7 +98,7 @@ class Engine:
     `leanlm serve` runs the engine in the thread that loaded the model, the HTTP server beside it: PyTorch's OpenMP
     (libgomp) keeps its idle workers spinning only while the process has no more OpenMP threads than CPUs, and a
     second thread running parallel regions (each thread that does gets its own team) makes every region wait for
-    its workers to wake: measured on 2 cores, a 64 x 64 matmul 5 -> 70 us, the fused step 2.7x slower."""
+    its workers to wake, which slows every small op and the fused step several times (benchmarks/serve.py)."""
 
     def __init__(
         self,
