@@ -25,10 +25,10 @@ lint: $(STAMP)
 
 # The documentation site, built into site/; broken links and pages missing from the navigation fail the build.
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 docs-serve: $(STAMP)
-	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
 setup: $(STAMP)
 
