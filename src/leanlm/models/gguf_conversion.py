@@ -1,0 +1,167 @@
+"""A GGUF file as a Hugging Face model directory, one tensor at a time.
+
+The file is memory-mapped; each tensor is de-quantized on its own (the `gguf` package reads every block type,
+K-quants included), given the name and layout transformers gives it (transformers' own GGUF name map and tensor
+processors: llama.cpp's q / k row order, Gemma's norms), and added to the safetensors shard being filled, which
+is written when full. Resident memory therefore holds one de-quantized tensor and one shard, never the model,
+whatever the file's size. The config and the tokenizer (with its chat template) come from the file's metadata,
+read by transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from leanlm.errors import CorruptModelError, UnsupportedArchitectureError
+from leanlm.models.architectures import architecture_for
+
+log = logging.getLogger(__name__)
+
+SHARD_BYTES = 1 << 30  # a shard's tensors are held until it is written: this bounds that buffer
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _read_metadata(gguf: Path):
+    """(config, tokenizer, parsed parameters, reader) from the file's metadata, or one error naming the problem."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        reader = GGUFReader(gguf)
+        parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    except Exception as error:  # the GGUF reader raises anything from ValueError to struct errors
+        if "not supported" in str(error).lower():
+            raise UnsupportedArchitectureError(f"{gguf}: {error}") from None
+        raise CorruptModelError(f"{gguf} cannot be read as a GGUF model: {error}") from None
+    try:
+        config = AutoConfig.for_model(**parsed["config"])  # what AutoConfig makes of the file, without reading it again
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    except Exception as error:
+        raise CorruptModelError(
+            f"{gguf}: its metadata does not describe a model transformers builds: {error}"
+        ) from None
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # the directory holds float weights
+    return config, tokenizer, parsed, reader
+
+
+def _name_map(config, parsed: dict):
+    """(GGUF tensor name -> transformers name, the architecture's tensor processor, the names the model needs)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(skeleton).__name__]
+    architecture = parsed["config"].get("model_type", config.model_type)
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    needed = set(skeleton.state_dict())
+    if getattr(config, "tie_word_embeddings", False):
+        needed -= {name for name in needed if name.startswith("lm_head.")}
+    return get_gguf_hf_weights_map(skeleton, processor), processor, needed
+
+
+def _check_shapes(reader, config) -> None:
+    """Refuse a file whose tensors disagree with its own metadata, before anything is de-quantized."""
+    expected = {"token_embd.weight": (config.vocab_size, config.hidden_size)}
+    for tensor in reader.tensors:
+        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists the fastest dimension first
+        want = expected.get(tensor.name)
+        if want is not None and shape != want:
+            raise CorruptModelError(
+                f"{tensor.name} is {shape[0]} x {shape[1]} but the file's metadata says {want[0]} x {want[1]} "
+                "(vocabulary x hidden size)"
+            )
+        if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= config.num_hidden_layers:
+            raise CorruptModelError(
+                f"{tensor.name}: the file's metadata says {config.num_hidden_layers} layers, but it holds more"
+            )
+
+
+def _release(reader, tensor) -> None:
+    """Drop the file pages `tensor` was read from out of this process's resident memory: the whole file is mapped,
+    and pages read once would otherwise stay counted until the end, up to the file's size."""
+    start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
+    end = tensor.data_offset + tensor.n_bytes
+    end -= end % mmap.PAGESIZE  # the last partial page may hold the next tensor's start
+    if end > start:
+        reader.data._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def convert_gguf(
+    gguf: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype = torch.float32, shard_bytes: int = SHARD_BYTES
+) -> None:
+    """Write `gguf` into the directory `out` (which must exist and be empty: the caller stages it) as a Hugging
+    Face model: config, tokenizer and safetensors shards of `dtype` with their index."""
+    from gguf import dequantize
+
+    gguf, out = Path(gguf), Path(out)
+
+    config, tokenizer, parsed, reader = _read_metadata(gguf)
+    architecture_for(config)  # an unsupported family is refused before any tensor is read
+    _check_shapes(reader, config)
+    name_map, processor, needed = _name_map(config, parsed)
+    element = torch.empty((), dtype=dtype).element_size()
+    total = sum(int(np.prod(tensor.shape)) for tensor in reader.tensors) * element
+
+    shard, shard_size, shards, index, written = {}, 0, [], {}, set()
+
+    def flush() -> None:
+        nonlocal shard, shard_size
+        if shard:
+            name = f"model-{len(shards) + 1:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            shards.append(name)
+            index.update(dict.fromkeys(shard, name))
+            shard, shard_size = {}, 0
+
+    started = time.perf_counter()
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"converting {gguf.name}") as progress:
+        for tensor in reader.tensors:
+            weights = dequantize(tensor.data, tensor.tensor_type)
+            result = processor.process(
+                weights=weights, name=tensor.name, tensor_key_mapping=name_map, parsed_parameters=parsed
+            )
+            progress.update(int(np.prod(tensor.shape)) * element)
+            if result.name not in name_map:
+                continue  # a tensor transformers' model has no place for (rope frequencies llama.cpp precomputed)
+            name = name_map[result.name]
+            array = np.ascontiguousarray(result.weights, dtype=np.float32)
+            if not array.flags.writeable:  # an F32 tensor is a view of the read-only memory map
+                array = array.copy()
+            value = torch.from_numpy(array).to(dtype)
+            if shard_size + value.nbytes > shard_bytes:
+                flush()
+            shard[name] = value
+            shard_size += value.nbytes
+            written.add(name)
+            del weights, result, value
+            _release(reader, tensor)
+        flush()
+    missing = sorted(needed - written)
+    if missing:
+        raise CorruptModelError(
+            f"{gguf} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''})"
+        )
+    weight_map = {name: index[name] for name in sorted(index)}
+    total_size = sum((out / name).stat().st_size for name in shards)
+    (out / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n"
+    )
+    config.dtype = dtype
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    log.info("converted %s in %.0f s", gguf, time.perf_counter() - started)
