@@ -91,6 +91,6 @@ def test_converting_a_large_gguf_holds_one_tensor_and_one_shard(smollm2_tokenize
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     before, peak = map(int, done.stdout.split()[-2:])
-    # One shard, the tensor being converted (de-quantized, then in its output type), the tokenizer and config:
-    # far below the model's 1.6 GB in float32.
-    assert peak - before < SHARD_BYTES + 3 * LARGEST_BYTES + (200 << 20), (peak - before) / 2**20
+    # One shard or one tensor (a shard is written before the next tensor is de-quantized), the de-quantizer's
+    # chunks and the metadata (its parse, the tokenizer): far below the model's 1.6 GB in float32.
+    assert peak - before < max(SHARD_BYTES, LARGEST_BYTES) + (300 << 20), (peak - before) / 2**20

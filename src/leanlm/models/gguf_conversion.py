@@ -27,7 +27,8 @@ from leanlm.models.architectures import architecture_for
 
 log = logging.getLogger(__name__)
 
-SHARD_BYTES = 1 << 30  # a shard's tensors are held until it is written: this bounds that buffer
+SHARD_BYTES = 512 << 20  # a shard's tensors are held until it is written: this bounds that buffer
+CHUNK_VALUES = 1 << 22  # values de-quantized at once
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -38,7 +39,6 @@ def _read_metadata(gguf: Path):
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
-        reader = GGUFReader(gguf)
         parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
     except Exception as error:  # the GGUF reader raises anything from ValueError to struct errors
         if "not supported" in str(error).lower():
@@ -51,8 +51,16 @@ def _read_metadata(gguf: Path):
         raise CorruptModelError(
             f"{gguf}: its metadata does not describe a model transformers builds: {error}"
         ) from None
+    try:
+        reader = GGUFReader(gguf)  # after the parse above, so that the two readers' fields are never held together
+    except Exception as error:
+        raise CorruptModelError(f"{gguf} cannot be read as a GGUF model: {error}") from None
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # the directory holds float weights
+    # The tensors are all that is read from here on: the metadata's parsed fields (a vocabulary and its merges,
+    # a few hundred MB of small arrays for a large vocabulary) are dropped, and so is the tokenizer's raw copy.
+    reader.fields.clear()
+    parsed.pop("tokenizer", None)
     return config, tokenizer, parsed, reader
 
 
@@ -90,6 +98,36 @@ def _check_shapes(reader, config) -> None:
             )
 
 
+def _dequantized(tensor) -> np.ndarray:
+    """`tensor` in float32, de-quantized CHUNK_VALUES at a time into one array: the block decoders' temporaries
+    are several times their input, so a whole embedding at once would multiply the peak."""
+    from gguf import dequantize
+
+    data = tensor.data
+    if data.ndim != 2:
+        return dequantize(data, tensor.tensor_type).astype(np.float32, copy=False)
+    rows, per_row = data.shape[0], int(tensor.shape[0])  # GGUF lists the fastest dimension first
+    out = np.empty((rows, per_row), dtype=np.float32)
+    step = max(1, CHUNK_VALUES // per_row)
+    for start in range(0, rows, step):
+        out[start : start + step] = dequantize(data[start : start + step], tensor.tensor_type)
+    return out
+
+
+def _converted(tensor, processor, name_map: dict, parsed: dict, dtype: torch.dtype):
+    """(transformers' name, the tensor in `dtype` and transformers' layout), or None for a tensor the model has
+    no place for. A function of its own, so that nothing but its result outlives it."""
+    result = processor.process(
+        weights=_dequantized(tensor), name=tensor.name, tensor_key_mapping=name_map, parsed_parameters=parsed
+    )
+    if result.name not in name_map:
+        return None
+    array = np.ascontiguousarray(result.weights, dtype=np.float32)
+    if not array.flags.writeable:  # an F32 tensor is a view of the read-only memory map
+        array = array.copy()
+    return name_map[result.name], torch.from_numpy(array).to(dtype)
+
+
 def _release(reader, tensor) -> None:
     """Drop the file pages `tensor` was read from out of this process's resident memory: the whole file is mapped,
     and pages read once would otherwise stay counted until the end, up to the file's size."""
@@ -105,8 +143,6 @@ def convert_gguf(
 ) -> None:
     """Write `gguf` into the directory `out` (which must exist and be empty: the caller stages it) as a Hugging
     Face model: config, tokenizer and safetensors shards of `dtype` with their index."""
-    from gguf import dequantize
-
     gguf, out = Path(gguf), Path(out)
 
     config, tokenizer, parsed, reader = _read_metadata(gguf)
@@ -130,25 +166,18 @@ def convert_gguf(
     started = time.perf_counter()
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"converting {gguf.name}") as progress:
         for tensor in reader.tensors:
-            weights = dequantize(tensor.data, tensor.tensor_type)
-            result = processor.process(
-                weights=weights, name=tensor.name, tensor_key_mapping=name_map, parsed_parameters=parsed
-            )
+            if shard_size + int(np.prod(tensor.shape)) * element > shard_bytes:
+                flush()  # before the next tensor is de-quantized: the two are never held together
+            converted = _converted(tensor, processor, name_map, parsed, dtype)
+            _release(reader, tensor)
             progress.update(int(np.prod(tensor.shape)) * element)
-            if result.name not in name_map:
+            if converted is None:
                 continue  # a tensor transformers' model has no place for (rope frequencies llama.cpp precomputed)
-            name = name_map[result.name]
-            array = np.ascontiguousarray(result.weights, dtype=np.float32)
-            if not array.flags.writeable:  # an F32 tensor is a view of the read-only memory map
-                array = array.copy()
-            value = torch.from_numpy(array).to(dtype)
-            if shard_size + value.nbytes > shard_bytes:
-                flush()
+            name, value = converted
             shard[name] = value
             shard_size += value.nbytes
             written.add(name)
-            del weights, result, value
-            _release(reader, tensor)
+            del converted, value  # the shard holds it now, and is the only holder
         flush()
     missing = sorted(needed - written)
     if missing:
