@@ -14,8 +14,8 @@ from leanlm.showcase import showcase_table
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
-# Pages whose tables are reference, not results (extras, papers, where each fact lives).
-NO_RESULTS = {"getting-started.md", "references.md", "design.md"}
+# Pages whose tables are reference, not results (extras, papers, where each fact lives, the models).
+NO_RESULTS = {"getting-started.md", "references.md", "design.md", "models.md"}
 # Each script in benchmarks/ and the result files the documentation quotes its tables from.
 REPORTED = {
     "baseline": ["baseline_smollm2-135m"],
