@@ -100,38 +100,33 @@ def _stream(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, help="write a PNG: windowed perplexity and per-token latency")
 
 
-def _chat(parser: argparse.ArgumentParser) -> None:
+def _interactive(parser: argparse.ArgumentParser, handler: str, settings_type: type) -> None:
+    """chat and serve: a model (the default one unless given) behind a sink cache, loaded for answering."""
     from dataclasses import asdict
 
-    from leanlm.chat import ChatSettings
     from leanlm.methods.streaming import StreamingConfig
     from leanlm.models import DEFAULT_MODEL, INTERACTIVE_LOADING, LoadSettings
 
     _setup(
         parser,
-        "command_chat",
+        handler,
         model=DEFAULT_MODEL,
-        settings=(StreamingConfig, ChatSettings, LoadSettings),
-        defaults={**asdict(ChatSettings().streaming), **asdict(INTERACTIVE_LOADING)},
+        settings=(StreamingConfig, settings_type, LoadSettings),
+        defaults={**asdict(settings_type().streaming), **asdict(INTERACTIVE_LOADING)},
         json=None,
     )
+
+
+def _chat(parser: argparse.ArgumentParser) -> None:
+    from leanlm.chat import ChatSettings
+
+    _interactive(parser, "command_chat", ChatSettings)
 
 
 def _serve(parser: argparse.ArgumentParser) -> None:
-    from dataclasses import asdict
-
-    from leanlm.methods.streaming import StreamingConfig
-    from leanlm.models import DEFAULT_MODEL, INTERACTIVE_LOADING, LoadSettings
     from leanlm.serve.server import ServeSettings
 
-    _setup(
-        parser,
-        "command_serve",
-        model=DEFAULT_MODEL,
-        settings=(StreamingConfig, ServeSettings, LoadSettings),
-        defaults={**asdict(ServeSettings().streaming), **asdict(INTERACTIVE_LOADING)},
-        json=None,
-    )
+    _interactive(parser, "command_serve", ServeSettings)
 
 
 def _finetune(parser: argparse.ArgumentParser) -> None:
