@@ -107,7 +107,7 @@ def test_quantize_then_eval_the_checkpoint(tiny_llama_dir, tmp_path, capsys):
         )
         == 0
     )
-    assert "(smoothquant, O3, weights per_tensor, alpha 0.6)" in capsys.readouterr().out
+    assert "(smoothquant, O3, weights per_channel, alpha 0.6)" in capsys.readouterr().out
     result = tmp_path / "r.json"
     assert main(["eval", str(out), "--max-tokens", "128", "--seq-len", "64", "--json", str(result)]) == 0
     payload = json.loads(result.read_text())
