@@ -322,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="leanlm: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
     command = _command_word(argv)
+    args = None
     try:
         args = build_parser(only=command if command in COMMANDS else "").parse_args(argv)
         from leanlm.cli import commands
@@ -333,11 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as error:
         extra = missing_extra(error)
         if extra is None:
-            raise
+            return _internal_error(error)
         _error(str(MissingExtraError(f"leanlm {command}", error.name, extra)))
         return 2
     except KeyboardInterrupt:
-        interrupted = getattr(locals().get("args"), "interrupted", None)
+        interrupted = getattr(args, "interrupted", None)
         print("\nleanlm: interrupted" + (f"; {interrupted(args)}" if interrupted else ""), file=sys.stderr)
         return INTERRUPTED
     except OSError as error:  # the disk filled up, a file vanished, a path became unreadable mid-run
@@ -346,16 +347,21 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    except Exception as error:  # a bug: one line for the user, the traceback on request
-        if os.environ.get("LEANLM_TRACEBACK"):
-            raise
-        print(
-            f"leanlm: internal error: {type(error).__name__}: {error} (a bug in leanlm; run again with "
-            "LEANLM_TRACEBACK=1 to see where)",
-            file=sys.stderr,
-        )
-        return 1
+    except Exception as error:
+        return _internal_error(error)
     return 0
+
+
+def _internal_error(error: Exception) -> int:
+    """A bug: one line for the user, the traceback on request."""
+    if os.environ.get("LEANLM_TRACEBACK"):
+        raise error
+    print(
+        f"leanlm: internal error: {type(error).__name__}: {error} (a bug in leanlm; run again with "
+        "LEANLM_TRACEBACK=1 to see where)",
+        file=sys.stderr,
+    )
+    return 1
 
 
 if __name__ == "__main__":

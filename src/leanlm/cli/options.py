@@ -100,7 +100,12 @@ def add_method_options(parser: argparse.ArgumentParser) -> None:
             action="store_const",
             const=item.default,
             default=argparse.SUPPRESS,
-            help=f"{', '.join(methods)}: turn {flag_of(item)} off (it is on by default)",
+            help=f"{', '.join(methods)}: "
+            + (
+                f"{item.metadata['help']} (undoes {flag_of(item)}, the default here)"
+                if item.default
+                else f"turn {flag_of(item)} off (it is on by default)"
+            ),
         )
 
 

@@ -93,6 +93,11 @@ def scheme_of(module: nn.Module) -> dict:
     """The compressed-tensors scheme ({"weights": ..., "input_activations": ...} as QuantizationArgs fields) that
     holds `module` exactly, or a ConfigError naming every setting it would need."""
     require_exact("compressed-tensors", [module], compressed_tensors_problems)
+    return _scheme(module)
+
+
+def _scheme(module: nn.Module) -> dict:
+    """The scheme of a module that has one (`compressed_tensors_problems` found none)."""
     if isinstance(module, W8A8Linear):
         per_tensor = bool((module.weight_scale == module.weight_scale[0]).all())
         weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor" if per_tensor else "channel"}
@@ -137,7 +142,7 @@ def export_compressed_tensors(source: str | os.PathLike, out: str | os.PathLike)
         )
     quantized = {name: module for name, module in model.named_modules() if type(module).__name__ in QUANTIZED_MODULES}
     require_exact("compressed-tensors", quantized.values(), compressed_tensors_problems)  # before any work
-    schemes = {name: scheme_of(module) for name, module in quantized.items()}
+    schemes = {name: _scheme(module) for name, module in quantized.items()}
     distinct = {repr(scheme) for scheme in schemes.values()}
     if len(distinct) != 1:
         raise ConfigError(f"the checkpoint's quantized linears use {len(distinct)} different schemes; one is exported")

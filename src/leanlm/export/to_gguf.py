@@ -278,7 +278,7 @@ def export_gguf(source: str | os.PathLike, out: str | os.PathLike, file_type: st
     modules = dict(loaded.model.named_modules())
     quantized = {name: module for name, module in modules.items() if type(module).__name__ in QUANTIZED_MODULES}
     require_exact("GGUF", quantized.values(), gguf_problems)  # every refusal before anything is written
-    quantized = {name: gguf_block_type(module) for name, module in quantized.items()}
+    quantized = {name: _BLOCK_TYPES[module.bits] for name, module in quantized.items()}
     block_types = sorted({kind.name for kind in quantized.values()})
     if len(block_types) == 1:  # the file type llama.cpp reports: the blocks' own where they are all one kind
         llama_file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{block_types[0]}")

@@ -150,9 +150,9 @@ def convert_gguf(
     _check_shapes(reader, config)
     name_map, processor, needed = _name_map(config, parsed)
     element = torch.empty((), dtype=dtype).element_size()
-    total = sum(int(np.prod(tensor.shape)) for tensor in reader.tensors) * element
+    total = sum(int(tensor.n_elements) for tensor in reader.tensors) * element
 
-    shard, shard_size, shards, index, written = {}, 0, [], {}, set()
+    shard, shard_size, shards, index = {}, 0, [], {}
 
     def flush() -> None:
         nonlocal shard, shard_size
@@ -166,20 +166,20 @@ def convert_gguf(
     started = time.perf_counter()
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"converting {gguf.name}") as progress:
         for tensor in reader.tensors:
-            if shard_size + int(np.prod(tensor.shape)) * element > shard_bytes:
+            size = int(tensor.n_elements) * element
+            if shard_size + size > shard_bytes:
                 flush()  # before the next tensor is de-quantized: the two are never held together
             converted = _converted(tensor, processor, name_map, parsed, dtype)
             _release(reader, tensor)
-            progress.update(int(np.prod(tensor.shape)) * element)
+            progress.update(size)
             if converted is None:
                 continue  # a tensor transformers' model has no place for (rope frequencies llama.cpp precomputed)
             name, value = converted
             shard[name] = value
             shard_size += value.nbytes
-            written.add(name)
             del converted, value  # the shard holds it now, and is the only holder
         flush()
-    missing = sorted(needed - written)
+    missing = sorted(needed - set(index))
     if missing:
         raise CorruptModelError(
             f"{gguf} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])}"
