@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import transformers as hf
 
-FAMILIES = ("llama", "mistral", "qwen2", "gemma3_text", "opt", "gpt2", "gpt_neox")
+# Keys of `tiny_config`: model types, and "llama3" for a Llama with Llama 3's rope scaling.
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "opt", "gpt2", "gpt_neox")
 
 
 def tiny_config(model_type: str, vocab_size: int = 128, layers: int = 2):
@@ -13,6 +14,15 @@ def tiny_config(model_type: str, vocab_size: int = 128, layers: int = 2):
     llama_like = dict(common, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
     if model_type == "llama":
         return hf.LlamaConfig(**llama_like, tie_word_embeddings=True)
+    if model_type == "llama3":
+        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+        return hf.LlamaConfig(**llama_like, rope_parameters=dict(rope, original_max_position_embeddings=64))
+    if model_type == "qwen3":
+        return hf.Qwen3Config(**llama_like, head_dim=16)
+    if model_type == "phi3":
+        return hf.Phi3Config(**llama_like, pad_token_id=0)
+    if model_type == "gemma2":
+        return hf.Gemma2Config(**llama_like, head_dim=16)
     if model_type == "mistral":
         return hf.MistralConfig(**llama_like)
     if model_type == "qwen2":

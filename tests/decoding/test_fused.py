@@ -21,6 +21,8 @@ from leanlm.nn.float_linear import use_gemv_
 
 needs_kernels = pytest.mark.skipif(not avx2_available(), reason="leanlm's kernels cannot be built here")
 FUSED_FAMILIES = ("llama", "mistral", "qwen2", "gemma3_text")
+# Llama 3's rope scaling and Qwen3's per-head q / k norms, through the float and one weight path of each kind.
+NEWER_FAMILIES = ("llama3", "qwen3")
 WEIGHTS = (
     "float32",
     "nf4",
@@ -97,8 +99,15 @@ def _eager_logits(model, prompt, tokens):
 
 
 @needs_kernels
-@pytest.mark.parametrize("weights", WEIGHTS)
-@pytest.mark.parametrize("family", FUSED_FAMILIES)
+@pytest.mark.parametrize(
+    "family, weights",
+    [(family, weights) for family in FUSED_FAMILIES for weights in WEIGHTS]
+    + [
+        (family, weights)
+        for family in NEWER_FAMILIES
+        for weights in ("float32", "nf4-dq+int8-head", "smoothquant-O3", "gptq")
+    ],
+)
 def test_fused_step_gives_the_eager_logits_and_tokens(family, weights):
     model = _model(family, weights)
     assert fused_decoder_problem(model) is None

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoConfig, LlamaConfig
 
-from leanlm.errors import CorruptModelError
+from leanlm.errors import CorruptModelError, UnsupportedArchitectureError
 from leanlm.export import export_gguf
 from leanlm.models.gguf_conversion import INDEX_FILE, convert_gguf
 from leanlm.models.synthetic import write_random_model
@@ -54,6 +55,71 @@ def test_a_truncated_gguf_is_named_before_any_tensor_is_read(tiny_llama_dir, tmp
     with pytest.raises(CorruptModelError, match="cut.gguf"):
         convert_gguf(cut, out)
     assert not list(out.iterdir())
+
+
+def _patched(gguf: Path, key: str, old: int, new: int, out: Path) -> Path:
+    """`gguf` with the uint32 metadata value `key` changed from `old` to `new` (its bytes follow the key's name
+    and its type)."""
+    data = bytearray(gguf.read_bytes())
+    at = data.index(key.encode()) + len(key) + 4
+    assert int.from_bytes(data[at : at + 4], "little") == old
+    data[at : at + 4] = new.to_bytes(4, "little")
+    out.write_bytes(bytes(data))
+    return out
+
+
+def _refused(gguf: Path, tmp_path: Path, error, message: str) -> None:
+    out = tmp_path / "converted"
+    out.mkdir(exist_ok=True)
+    with pytest.raises(error, match=message) as raised:
+        convert_gguf(gguf, out)
+    assert "\n" not in str(raised.value) and not list(out.iterdir())
+
+
+def test_tensors_that_disagree_with_the_metadata_are_named_before_any_is_read(tiny_llama_dir, tmp_path):
+    gguf = Path(export_gguf(tiny_llama_dir, tmp_path / "tiny.gguf", "f32")["path"])
+    narrower = _patched(gguf, "llama.feed_forward_length", 128, 96, tmp_path / "narrower.gguf")
+    _refused(narrower, tmp_path, CorruptModelError, r"blk.0.ffn_\w+.weight is \d+ x \d+, but the file's metadata makes")
+    fewer = _patched(gguf, "llama.block_count", 2, 1, tmp_path / "fewer.gguf")
+    _refused(fewer, tmp_path, CorruptModelError, "metadata says 1 layers, but it holds more")
+    more = _patched(gguf, "llama.block_count", 2, 3, tmp_path / "more.gguf")
+    _refused(more, tmp_path, CorruptModelError, r"lacks 9 of the model's tensors \(model.layers.2")
+
+
+def test_a_gguf_of_an_architecture_transformers_cannot_build_is_one_line(tmp_path):
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(tmp_path / "rwkv.gguf"), "rwkv6")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _refused(tmp_path / "rwkv.gguf", tmp_path, UnsupportedArchitectureError, "architecture rwkv6 is not supported")
+
+
+def test_a_conversion_killed_half_way_leaves_no_cache_entry_that_loads(tiny_llama_dir, tmp_path, monkeypatch):
+    from leanlm.models import gguf_conversion, load_model
+
+    monkeypatch.setenv("LEANLM_CACHE", str(tmp_path / "cache"))
+    gguf = export_gguf(tiny_llama_dir, tmp_path / "tiny.gguf", "f32")["path"]
+    written = []
+
+    def killed_after_one_shard(tensors, path, metadata=None):
+        save_file(tensors, path, metadata=metadata)
+        written.append(path)
+        raise KeyboardInterrupt  # after the shard, before the index, config and tokenizer
+
+    monkeypatch.setattr(gguf_conversion, "save_file", killed_after_one_shard)
+    with pytest.raises(KeyboardInterrupt):
+        load_model(gguf)
+    assert len(written) == 1
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))  # the staged shard went with the kill
+    monkeypatch.setattr(gguf_conversion, "save_file", save_file)
+    loaded = load_model(gguf)  # the next run converts from the start
+    assert loaded.model.config.num_hidden_layers == 2
 
 
 # The synthetic model: 12 layers of hidden 1024 / MLP 2816, a vocabulary of 49,152: about 190M values, 0.37 GB

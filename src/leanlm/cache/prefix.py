@@ -37,14 +37,21 @@ class Cushion:
         return len(self.tokens)
 
 
-def check_cushion_support(model: nn.Module) -> None:
-    """A cushion shifts every position by its length and sits in a full-attention cache."""
-    table = architecture_for(model)
+def cushion_problem(model: nn.Module) -> str | None:
+    """Why a cushion cannot serve `model` (it shifts every position by its length and sits in a full-attention
+    cache), or None."""
     if any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or ()):
-        raise UnsupportedArchitectureError(
-            f"{table.family} mixes sliding-window and full-attention layers; a cushion needs every layer to attend to "
-            "the whole prefix"
+        return (
+            f"{architecture_for(model).family} mixes sliding-window and full-attention layers; a cushion needs every "
+            "layer to attend to the whole prefix"
         )
+    return None
+
+
+def check_cushion_support(model: nn.Module) -> None:
+    problem = cushion_problem(model)
+    if problem:
+        raise UnsupportedArchitectureError(problem)
 
 
 def prefix_cache(model: nn.Module, cushion: Cushion | None, batch: int) -> SinkCache | None:

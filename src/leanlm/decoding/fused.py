@@ -10,7 +10,7 @@ cache, after which every token is one call. The results are the eager path's: th
 4-bit kernel with int8 activations, the float GEMV), activations in float32; `greedy_tokens` is the test's
 bridge between the two.
 
-Supported: the families whose table says `fused_decode` (Llama, Mistral, Qwen2, Gemma 3), float linears,
+Supported: the families whose `FAMILY_FACTS` say `fused_decode` (Llama, Mistral, Qwen2, Qwen3, Gemma 3), float linears,
 4-bit k-bit linears (NF4 / FP4 / int4, double-quantized or not) and 8-bit int ones, in blocks of a multiple of 64;
 W8A8 linears of every SmoothQuant level (static or dynamic scales, per-tensor / per-channel / per-group weights)
 and LLM.int8()'s outlier decomposition, with SmoothQuant's int8 attention matmuls where the model runs them;
@@ -39,7 +39,7 @@ from leanlm.cache.prefix import attached_cushion, prefix_cache
 from leanlm.errors import ConfigError, LeanLMError
 from leanlm.kernels.kbit_gemm import compiled_kernels, int8_kernel_table, supports_int8_activations
 from leanlm.methods.streaming import StreamingConfig, sink_cache
-from leanlm.models.architectures import architecture_for, decoder_blocks
+from leanlm.models.architectures import FAMILY_FACTS, architecture_for, decoder_blocks
 from leanlm.nn.attention import ATTENTION_NAME
 from leanlm.nn.kbit_linear import KbitEmbedding, KbitLinear
 from leanlm.nn.spqr_linear import IDENTITY_TABLE, SpQRLinear
@@ -105,7 +105,8 @@ def fused_decoder_problem(model: nn.Module, streaming: StreamingConfig | None = 
         return "leanlm's CPU kernels are not available on this machine"
     table = architecture_for(model)
     if not table.fused_decode:
-        return f"the fused decode step does not implement {table.family} blocks yet"
+        checked = ", ".join(family for family, facts in FAMILY_FACTS.items() if facts.fused_decode)
+        return f"the fused decode step is checked against {checked}; {table.family} is not one of them"
     config = model.config
     expected = _ACTIVATIONS[table.mlp_activation][1] if table.mlp_activation in _ACTIVATIONS else None
     activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)

@@ -38,6 +38,7 @@ from leanlm.cache.prefix import (
     attach_cushion,
     check_cushion_support,
     cushion_keys_values,
+    cushion_problem,
     load_cushion,
     prefix_cache,
 )
@@ -110,8 +111,13 @@ def quantization_error_probe(model: nn.Module, skip: int = 0, detach: bool = Tru
     """Hooks on every quantizable linear: yields a list that collects, per forward, each linear's per-sequence
     mean squared error of per-tensor asymmetric 8-bit quantization of its input, over positions >= `skip`."""
     errors: list[torch.Tensor] = []
+    batch: list[int] = []  # the sequences of the current forward, from the first (batch, length, width) input
 
     def record(name: str, inputs: torch.Tensor) -> None:
+        if inputs.ndim == 3:
+            batch[:] = [inputs.shape[0]]
+        else:  # OPT's MLP reads its tokens flattened to (batch * length, width)
+            inputs = inputs.reshape(batch[0], -1, inputs.shape[-1])
         x = inputs[:, skip:].float()
         flat = x.reshape(x.shape[0], -1)
         low, high = flat.amin(dim=1, keepdim=True), flat.amax(dim=1, keepdim=True)
@@ -259,7 +265,7 @@ def tune_cushion(
     return Cushion(cushion.tokens, [k.detach() for k in keys], [v.detach() for v in values], record)
 
 
-@register_method(CushionConfig, "cushion", "transform", followed_by=(W8A8Config,))
+@register_method(CushionConfig, "cushion", "transform", followed_by=(W8A8Config,), architecture_problem=cushion_problem)
 def _cushion(model: nn.Module, config: CushionConfig, run: QuantRun) -> dict:
     """Search (and tune) a cushion on the float model and attach it, so that the steps after it (SmoothQuant's
     statistics, static ranges) see only the tokens that follow it."""

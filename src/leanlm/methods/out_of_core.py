@@ -152,7 +152,7 @@ def model_skeleton(config) -> nn.Module:
     """The float32 model of `config` with every parameter on the meta device (buffers such as RoPE's
     frequencies are real and small)."""
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     retie_embeddings(model)  # a tied output head is the embedding's parameter, stored once
     return model.eval()
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from leanlm.data.calibration import calibration_batches
-from leanlm.errors import ConfigError, NeedsWholeModelError
+from leanlm.errors import ConfigError, NeedsWholeModelError, UnsupportedArchitectureError
 from leanlm.methods.blocks import ResidentBlocks, walk_blocks
 from leanlm.settings import option
 
@@ -184,6 +184,8 @@ class MethodSpec:
     # int8 needs an int8 quantizer after it); empty: any quantizer.
     followed_by: tuple[type, ...] = ()
     blockwise: bool = False
+    # (model) -> why the method cannot run on the model's family (a fact it needs is missing), or None
+    architecture_problem: Callable[[nn.Module], str | None] = lambda model: None
 
 
 _METHODS: dict[type, MethodSpec] = {}
@@ -199,12 +201,16 @@ def register_method(
     needs_calibration: Callable[[Any], bool] = lambda c: True,
     followed_by: tuple[type, ...] = (),
     blockwise: bool = False,
+    architecture_problem: Callable[[nn.Module], str | None] = lambda model: None,
 ):
     """Decorator: how `config_type` quantizes (or transforms) a model: `plan(model, config, run) -> BlockPlan`
-    when `blockwise`, else `apply(model, config, run) -> record`."""
+    when `blockwise`, else `apply(model, config, run) -> record`. `architecture_problem(model)` says why a model's
+    family lacks what the method needs; `quantize_` asks it before any work."""
 
     def decorator(apply):
-        _METHODS[config_type] = MethodSpec(name, role, apply, needs_calibration, followed_by, blockwise)
+        _METHODS[config_type] = MethodSpec(
+            name, role, apply, needs_calibration, followed_by, blockwise, architecture_problem
+        )
         return apply
 
     return decorator
@@ -279,6 +285,10 @@ def quantize_(
     configs = tuple(config) if isinstance(config, (list, tuple)) else (config,)
     specs = check_composition(configs)
     needing_text = [config_ for config_, spec in zip(configs, specs) if spec.needs_calibration(config_)]
+    for spec in specs:
+        problem = spec.architecture_problem(model)
+        if problem:
+            raise UnsupportedArchitectureError(problem)
     if calibration is None and needing_text:
         raise _needs_text(needing_text[0])
     if source is not None and not all(spec.blockwise for spec in specs):

@@ -178,7 +178,22 @@ def _smooth_attention_ranges(
         }
 
 
-@register_method(SmoothQuantConfig, "smoothquant", "transform", blockwise=True)
+def smoothing_problem(model: nn.Module) -> str | None:
+    """Why SmoothQuant cannot smooth the blocks of `model`'s family (its table lacks a fact it needs), or None."""
+    table = architecture_for(model)
+    fed = {path for feed in table.norm_feeds for path in feed.linears}
+    unfed = [path for path in (*table.attention_inputs, *table.mlp_inputs) if path not in fed]
+    if unfed:
+        return (
+            f"SmoothQuant divides the norm that feeds each linear, and in {table.family} no norm's output is the "
+            f"input of {', '.join(unfed)} (its norms come after the sub-blocks)"
+        )
+    if table.norm_kind is None:
+        return f"SmoothQuant folds its scales into {table.family}'s norms, which are neither RMSNorm nor LayerNorm"
+    return None
+
+
+@register_method(SmoothQuantConfig, "smoothquant", "transform", blockwise=True, architecture_problem=smoothing_problem)
 def _smoothquant_plan(model: nn.Module, config: SmoothQuantConfig, run: QuantRun) -> BlockPlan:
     """Each block smoothed from its statistics on the float model (observed block by block, or known), which
     are then replaced by the smoothed ones for the quantizer that follows (exact: no second calibration pass)."""

@@ -66,10 +66,15 @@ def sink_cache(model: nn.Module, config: StreamingConfig = StreamingConfig()) ->
 
 def _key_shift(model: nn.Module):
     table = architecture_for(model)
+    if table.positions == "learned":
+        raise UnsupportedArchitectureError(
+            f"{table.family} encodes positions as 'learned': a token's absolute position is baked into its "
+            "embedding, so StreamingLLM cannot re-assign positions inside the cache (it needs RoPE or ALiBi)"
+        )
     if table.positions != "rope" or table.rotary_embedding is None:
         raise UnsupportedArchitectureError(
-            f"{table.family} encodes positions as {table.positions!r}: a token's absolute position is baked into its "
-            "embedding, so StreamingLLM cannot re-assign positions inside the cache (it needs RoPE or ALiBi)"
+            f"{table.family} has no model-level rotary embedding (positions: {table.positions!r}); the sink cache "
+            "re-rotates cached keys with it"
         )
     if any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or ()):
         raise UnsupportedArchitectureError(

@@ -1,14 +1,13 @@
 """Model families (architecture tables), the registry of offline models, and loading."""
 
 from leanlm.models.architectures import (
-    TABLES,
+    FAMILY_FACTS,
     ArchitectureTable,
     LinearFeeds,
     NormFeeds,
     architecture_for,
     decoder_blocks,
     iter_quantizable_linears,
-    supported_model_types,
 )
 from leanlm.models.loading import (
     INTERACTIVE_LOADING,
@@ -26,11 +25,10 @@ __all__ = [
     "ArchitectureTable",
     "LinearFeeds",
     "NormFeeds",
-    "TABLES",
+    "FAMILY_FACTS",
     "architecture_for",
     "decoder_blocks",
     "iter_quantizable_linears",
-    "supported_model_types",
     "INTERACTIVE_LOADING",
     "LoadedModel",
     "LoadSettings",

@@ -2,8 +2,16 @@
 
 A method never asks "is this a Llama?". It asks the table: which norm feeds which linears (SmoothQuant folds
 its scales there), which linears are attention q/k/v/o and MLP up/gate/down, how positions are encoded
-(StreamingLLM re-assigns them inside the cache), and which modules are never quantized. Adding a model family
-is adding one `ArchitectureTable` row to `TABLES`.
+(StreamingLLM re-assigns them inside the cache), and which modules are never quantized.
+
+A table is derived from the model's transformers config, not written by hand: `architecture_for` builds the
+model's skeleton on the meta device (no memory, no weights, never a file's code), reads its module tree, and
+runs one forward pass of two tokens on it with hooks on the first block. The pass shows what names cannot:
+which module's output is which linear's input (a norm feeding q/k/v; one norm feeding attention and MLP alike;
+a norm after a sub-block) and the order the linears run in. Each norm's kind (RMS or layer norm) and weight
+offset (Gemma's `1 + w`) are read from how a copy of it behaves on a known input. Only what a model cannot show
+is written by hand, in `FAMILY_FACTS`: the name llama.cpp knows a family by, which families the fused decode
+step is checked against, and configs a family's code builds but leanlm refuses.
 
 All module paths inside a block are relative to the block; `blocks`, `final_norm`, `never_quantize` and
 `rotary_embedding` are relative to the model root.
@@ -11,8 +19,10 @@ All module paths inside a block are relative to the block; `blocks`, `final_norm
 
 from __future__ import annotations
 
+import copy
+import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -20,7 +30,7 @@ from torch import nn
 
 from leanlm.errors import UnsupportedArchitectureError
 
-PositionEncoding = Literal["rope", "learned", "alibi"]
+PositionEncoding = Literal["rope", "learned", "none"]
 
 
 @dataclass(frozen=True)
@@ -42,38 +52,37 @@ class LinearFeeds:
 
 @dataclass(frozen=True)
 class ArchitectureTable:
-    family: str
-    model_types: tuple[str, ...]  # values of `config.model_type` this row covers
+    family: str  # the config's model_type
     blocks: str  # the ModuleList of decoder blocks
     attention_inputs: tuple[str, ...]  # q, k, v projections, or the one fused projection
     attention_output: str
-    mlp_inputs: tuple[str, ...]  # gate and up, or fc1
+    mlp_inputs: tuple[str, ...]  # gate and up, the one fused gate_up, or fc1
     mlp_output: str  # down, or fc2
-    mlp_activation: Literal["swiglu", "geglu", "relu", "gelu"]
-    norm_feeds: tuple[NormFeeds, ...]
+    mlp_activation: str  # "swiglu" / "geglu" (gated), "relu" / "gelu", or the config's name for anything else
+    norm_feeds: tuple[NormFeeds, ...]  # empty when no norm's output is a linear's input (norms after sub-blocks)
     linear_feeds: tuple[LinearFeeds, ...]
     positions: PositionEncoding
     final_norm: str
     never_quantize: tuple[str, ...]  # embeddings and lm_head: quantizing them costs quality for little speed
-    rotary_embedding: str | None = None
+    rotary_embedding: str | None = None  # the model-level module holding the rotary frequencies
     fused_qkv: bool = False
+    fused_gate_up: bool = False
     # GPT-2's Conv1D stores its weight as (in, out); every other family uses nn.Linear's (out, in).
     weight_layout: Literal["out_in", "in_out"] = "out_in"
+    norm_kind: Literal["rms", "layer"] | None = None  # None: a norm leanlm does not recognise
     # Gemma's RMSNorm multiplies by (1 + weight): a scale folded into it must respect the offset.
     norm_weight_offset: float = 0.0
     # GGUF: the `general.architecture` llama.cpp knows this family by (None: no GGUF export), and whether q / k
     # rows are stored in llama.cpp's interleaved rotary order (Llama's converter permutes them; Gemma's does not).
     gguf_architecture: str | None = None
     gguf_interleaved_qk: bool = False
-    # Whether leanlm's one-call C++ decode step (`leanlm.decoding.fused`) implements this family's block: RMSNorm,
-    # rotary attention with grouped keys/values, a gated MLP, and what the two fields below add.
+    # Whether leanlm's one-call C++ decode step (`leanlm.decoding.fused`) is checked against this family's eager
+    # forward (tests/decoding/test_fused.py); the step checks the block's structure itself as well.
     fused_decode: bool = False
-    # Norms applied to the attention and the MLP outputs before the residual add (Gemma 3), block-relative.
+    # Norms applied to the attention and the MLP outputs before the residual add (Gemma 2 / 3), block-relative.
     output_norms: tuple[str, str] | None = None
-    # Per-head norms of the queries and keys before the rotation (Gemma 3), block-relative.
+    # Norms of the queries and keys before the rotation (Qwen3, Gemma 3), block-relative.
     qk_norms: tuple[str, str] | None = None
-    # Returns why a particular config of this family is unsupported, or None.
-    config_problem: Callable[[object], str | None] = field(default=lambda config: None, compare=False)
 
     @property
     def attention_module(self) -> str:
@@ -86,36 +95,6 @@ class ArchitectureTable:
         return (*self.attention_inputs, self.attention_output, *self.mlp_inputs, self.mlp_output)
 
 
-def _llama_like(
-    family: str, model_types: tuple[str, ...], gguf_architecture: str = "llama", gguf_interleaved_qk: bool = True
-) -> ArchitectureTable:
-    return ArchitectureTable(
-        family=family,
-        model_types=model_types,
-        blocks="model.layers",
-        attention_inputs=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        attention_output="self_attn.o_proj",
-        mlp_inputs=("mlp.gate_proj", "mlp.up_proj"),
-        mlp_output="mlp.down_proj",
-        mlp_activation="swiglu",
-        norm_feeds=(
-            NormFeeds("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-            NormFeeds("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-        ),
-        linear_feeds=(
-            LinearFeeds("self_attn.v_proj", "self_attn.o_proj"),
-            LinearFeeds("mlp.up_proj", "mlp.down_proj"),
-        ),
-        positions="rope",
-        final_norm="model.norm",
-        never_quantize=("model.embed_tokens", "lm_head"),
-        rotary_embedding="model.rotary_emb",
-        gguf_architecture=gguf_architecture,
-        gguf_interleaved_qk=gguf_interleaved_qk,
-        fused_decode=True,
-    )
-
-
 def _opt_problem(config) -> str | None:
     if not getattr(config, "do_layer_norm_before", True):
         return "this OPT variant is post-LayerNorm (do_layer_norm_before=False, e.g. opt-350m); only pre-LN OPT is supported"
@@ -124,105 +103,276 @@ def _opt_problem(config) -> str | None:
     return None
 
 
-TABLES: tuple[ArchitectureTable, ...] = (
-    # SmolLM and SmolLM2 are `llama` models.
-    _llama_like("llama", ("llama",)),
-    _llama_like("mistral", ("mistral",)),  # llama.cpp reads Mistral as a Llama
-    _llama_like("qwen2", ("qwen2",), "qwen2", gguf_interleaved_qk=False),
-    # Gemma 3 normalises both before and after each sub-block; the *pre* norms feed the linears.
-    replace(
-        _llama_like("gemma3", ("gemma3_text",), "gemma3", gguf_interleaved_qk=False),
-        mlp_activation="geglu",
-        norm_feeds=(
-            NormFeeds("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-            NormFeeds("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-        ),
-        norm_weight_offset=1.0,
-        output_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
-        qk_norms=("self_attn.q_norm", "self_attn.k_norm"),
-    ),
-    ArchitectureTable(
-        family="opt",
-        model_types=("opt",),
-        blocks="model.decoder.layers",
-        attention_inputs=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        attention_output="self_attn.out_proj",
-        mlp_inputs=("fc1",),
-        mlp_output="fc2",
-        mlp_activation="relu",
-        norm_feeds=(
-            NormFeeds("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-            NormFeeds("final_layer_norm", ("fc1",)),
-        ),
-        # ReLU(s * x) = s * ReLU(x) for s > 0, so fc1 -> fc2 is exact.
-        linear_feeds=(LinearFeeds("self_attn.v_proj", "self_attn.out_proj"), LinearFeeds("fc1", "fc2")),
-        positions="learned",
-        final_norm="model.decoder.final_layer_norm",
-        never_quantize=("model.decoder.embed_tokens", "model.decoder.embed_positions", "lm_head"),
-        config_problem=_opt_problem,
-    ),
-    ArchitectureTable(
-        family="gpt2",
-        model_types=("gpt2",),
-        blocks="transformer.h",
-        attention_inputs=("attn.c_attn",),
-        attention_output="attn.c_proj",
-        mlp_inputs=("mlp.c_fc",),
-        mlp_output="mlp.c_proj",
-        mlp_activation="gelu",
-        norm_feeds=(NormFeeds("ln_1", ("attn.c_attn",)), NormFeeds("ln_2", ("mlp.c_fc",))),
-        # The value slice of a fused qkv projection is not a module of its own, and GELU is not homogeneous.
-        linear_feeds=(),
-        positions="learned",
-        final_norm="transformer.ln_f",
-        never_quantize=("transformer.wte", "transformer.wpe", "lm_head"),
-        fused_qkv=True,
-        weight_layout="in_out",
-    ),
-    ArchitectureTable(
-        family="gpt_neox",
-        model_types=("gpt_neox",),
-        blocks="gpt_neox.layers",
-        attention_inputs=("attention.query_key_value",),
-        attention_output="attention.dense",
-        mlp_inputs=("mlp.dense_h_to_4h",),
-        mlp_output="mlp.dense_4h_to_h",
-        mlp_activation="gelu",
-        # With the parallel residual both norms read the block input; either way each feeds only its linears.
-        norm_feeds=(
-            NormFeeds("input_layernorm", ("attention.query_key_value",)),
-            NormFeeds("post_attention_layernorm", ("mlp.dense_h_to_4h",)),
-        ),
-        linear_feeds=(),
-        positions="rope",  # partial: only a fraction of each head's dimensions rotates
-        final_norm="gpt_neox.final_layer_norm",
-        never_quantize=("gpt_neox.embed_in", "lm_head"),
-        rotary_embedding="gpt_neox.rotary_emb",
-        fused_qkv=True,
-    ),
-)
+@dataclass(frozen=True)
+class FamilyFacts:
+    """What a family's config and modules cannot show, written by hand."""
 
-_BY_MODEL_TYPE = {model_type: table for table in TABLES for model_type in table.model_types}
+    gguf_architecture: str | None = None
+    gguf_interleaved_qk: bool = False
+    fused_decode: bool = False
+    # Returns why a particular config of this family is unsupported, or None.
+    config_problem: Callable[[object], str | None] = field(default=lambda config: None, compare=False)
 
 
-def supported_model_types() -> list[str]:
-    return sorted(_BY_MODEL_TYPE)
+FAMILY_FACTS: dict[str, FamilyFacts] = {
+    # SmolLM and SmolLM2 are `llama` models; llama.cpp reads Mistral as a Llama.
+    "llama": FamilyFacts("llama", gguf_interleaved_qk=True, fused_decode=True),
+    "mistral": FamilyFacts("llama", gguf_interleaved_qk=True, fused_decode=True),
+    "qwen2": FamilyFacts("qwen2", fused_decode=True),
+    "qwen3": FamilyFacts(fused_decode=True),
+    "gemma3_text": FamilyFacts("gemma3", fused_decode=True),
+    "opt": FamilyFacts(config_problem=_opt_problem),
+}
+
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_ACTIVATION_NAMES = ("hidden_activation", "hidden_act", "activation_function")
+_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu": "geglu", "gelu_new": "geglu"}
+_UNGATED = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
+_QK_NORM = re.compile(r"(^|\.)(q|k)_(norm|layernorm)$")
+_VALUE = re.compile(r"(^|\.)(v_proj|value|v)$")
+_UP = re.compile(r"(^|\.)(up_proj|w3)$")
+
+
+def _refuse(config, why: str) -> UnsupportedArchitectureError:
+    return UnsupportedArchitectureError(f"model_type {getattr(config, 'model_type', None)!r}: {why}")
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def _skeleton(config) -> nn.Module:
+    """The causal LM of `config` on the meta device: its modules, no memory, never a file's code."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=False)
+    except Exception as error:  # transformers raises ValueError, KeyError, ... for configs it cannot build
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise _refuse(config, f"transformers cannot build it as a causal language model: {first_line}") from None
+
+
+def _find_blocks(skeleton: nn.Module, config) -> str:
+    layers = getattr(config, "num_hidden_layers", None)
+    candidates = [
+        (sum(p.numel() for p in module.parameters()), name)
+        for name, module in skeleton.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) == layers and len(module) > 0
+    ]
+    if not candidates:
+        raise _refuse(config, f"no list of num_hidden_layers={layers} decoder blocks among its modules")
+    return max(candidates)[1]
+
+
+@dataclass
+class _Trace:
+    """Leaf modules of one block in the order they ran, and which module's output was which module's input."""
+
+    order: list[str]
+    feeds: dict[str, list[str]]  # producer -> consumers, in call order
+
+
+def _trace_block(skeleton: nn.Module, block: nn.Module) -> _Trace | None:
+    """One forward pass of two tokens on the meta device with hooks on `block`'s modules; None if the model
+    cannot run on meta tensors (then the table keeps what the names show)."""
+    names = {module: name for name, module in block.named_modules() if name}
+    kept: list[object] = []  # every hooked tensor stays alive, so no id is reused within the pass
+    produced: dict[int, str] = {}
+    order: list[str] = []
+    feeds: dict[str, list[str]] = {}
+
+    def before(module, args, kwargs):
+        tensor = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values()), None))
+        kept.append(tensor)
+        producer = produced.get(id(tensor))
+        if producer is not None and producer != names[module]:
+            feeds.setdefault(producer, []).append(names[module])
+        if not any(True for _ in module.children()):
+            order.append(names[module])
+
+    def after(module, args, output):
+        tensor = output[0] if isinstance(output, tuple) else output
+        kept.append(tensor)
+        if torch.is_tensor(tensor):
+            produced.setdefault(id(tensor), names[module])
+
+    handles = [module.register_forward_pre_hook(before, with_kwargs=True) for module in names]
+    handles += [module.register_forward_hook(after) for module in names]
+    try:
+        with torch.no_grad():
+            skeleton(input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta"))
+    except Exception:  # a model whose forward needs real values; the names still give the table
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return _Trace(order, feeds)
+
+
+def _norm_behaviour(norm: nn.Module) -> tuple[Literal["rms", "layer"] | None, float]:
+    """(kind, weight offset) of a norm module, from a CPU copy run on a known input: an offset of 1 means the
+    output is not zero when the weight is (Gemma's `x_hat * (1 + w)`)."""
+    weight = getattr(norm, "weight", None)
+    if weight is None or weight.ndim != 1:
+        return None, 0.0
+    probe = copy.deepcopy(norm).to_empty(device="cpu").float()
+    x = torch.linspace(1.0, 3.0, weight.numel()).reshape(1, -1)
+    with torch.no_grad():
+        for parameter in probe.parameters():
+            parameter.zero_()
+        zero_weight = probe(x)
+        offset = 0.0 if torch.allclose(zero_weight, torch.zeros_like(zero_weight)) else 1.0
+        probe.weight.fill_(1.0 - offset)
+        unit = probe(x)
+    rms = x / x.pow(2).mean(-1, keepdim=True).sqrt()
+    centred = x - x.mean(-1, keepdim=True)
+    layer = centred / centred.pow(2).mean(-1, keepdim=True).sqrt()
+    for kind, expected in (("rms", rms), ("layer", layer)):
+        if torch.allclose(unit, expected, atol=1e-3):
+            return kind, offset
+    return None, offset
+
+
+def _activation(config, gated: bool) -> str:
+    name = next((getattr(config, key) for key in _ACTIVATION_NAMES if getattr(config, key, None)), None)
+    return (_GATED if gated else _UNGATED).get(name, str(name))
+
+
+def _derive(config) -> ArchitectureTable:
+    if any(getattr(config, key, None) for key in _EXPERT_COUNTS):
+        raise _refuse(config, "a mixture-of-experts model; leanlm's methods quantize dense decoder blocks")
+    skeleton = _skeleton(config)
+    blocks = _find_blocks(skeleton, config)
+    block = skeleton.get_submodule(blocks)[0]
+    linears = [name for name, module in block.named_modules() if _is_linear(module)]
+    trace = _trace_block(skeleton, block)
+    if trace is not None:
+        ran = [name for name in trace.order if name in linears]
+        linears = ran + [name for name in linears if name not in ran]
+    feeds = trace.feeds if trace is not None else {}
+    attention = next(
+        (name for name, module in block.named_modules() if name and "attention" in type(module).__name__.lower()),
+        None,
+    )
+    if attention is None:
+        raise _refuse(config, f"no attention module in its decoder blocks ({type(block).__name__})")
+    attention_linears = [name for name in linears if name.startswith(attention + ".")]
+    mlp_linears = [name for name in linears if name not in attention_linears]
+    if len(attention_linears) < 2 or len(mlp_linears) < 2:
+        raise _refuse(
+            config,
+            f"its blocks' linears ({', '.join(linears) or 'none'}) are not an attention's input and output "
+            "projections and an MLP's",
+        )
+    attention_inputs, attention_output = tuple(attention_linears[:-1]), attention_linears[-1]
+    mlp_inputs, mlp_output = tuple(mlp_linears[:-1]), mlp_linears[-1]
+    if len(attention_inputs) not in (1, 3) or len(mlp_inputs) not in (1, 2):
+        raise _refuse(
+            config,
+            f"its attention ({', '.join(attention_linears)}) or MLP ({', '.join(mlp_linears)}) has an unknown layout",
+        )
+    modules = dict(block.named_modules())
+    down_width = modules[mlp_output].weight.shape[1 if isinstance(modules[mlp_output], nn.Linear) else 0]
+    first_up = modules[mlp_inputs[0]]
+    up_width = first_up.weight.shape[0 if isinstance(first_up, nn.Linear) else 1]
+    fused_gate_up = len(mlp_inputs) == 1 and up_width == 2 * down_width
+    gated = len(mlp_inputs) == 2 or fused_gate_up
+    activation = _activation(config, gated)
+
+    norm_feeds = tuple(
+        NormFeeds(producer, tuple(c for c in consumers if c in attention_inputs or c in mlp_inputs))
+        for producer, consumers in feeds.items()
+        if _is_norm(modules[producer]) and any(c in attention_inputs or c in mlp_inputs for c in consumers)
+    )
+    after_output = {
+        output: next((c for c in feeds.get(output, ()) if _is_norm(modules[c])), None)
+        for output in (attention_output, mlp_output)
+    }
+    output_norms = tuple(after_output.values()) if all(after_output.values()) else None
+    qk = {
+        _QK_NORM.search(name)[2]: name for name in modules if name.startswith(attention + ".") and _QK_NORM.search(name)
+    }
+    qk_norms = (qk["q"], qk["k"]) if len(qk) == 2 else None
+
+    linear_feeds = []
+    value = [name for name in attention_inputs if _VALUE.search(name)]
+    if len(attention_inputs) == 3 and len(value) == 1 and not feeds.get(value[0]):
+        linear_feeds.append(LinearFeeds(value[0], attention_output))  # nothing between v and the softmax's mix
+    if len(mlp_inputs) == 2 and activation in ("swiglu", "geglu"):
+        activated = {c for name in mlp_inputs for c in feeds.get(name, ()) if not _is_linear(modules[c])}
+        up = [name for name in mlp_inputs if feeds and not set(feeds.get(name, ())) & activated] if activated else []
+        up = up or [name for name in mlp_inputs if _UP.search(name)]
+        if len(up) == 1:
+            linear_feeds.append(LinearFeeds(up[0], mlp_output))
+    elif len(mlp_inputs) == 1 and not gated and activation == "relu":
+        linear_feeds.append(LinearFeeds(mlp_inputs[0], mlp_output))  # ReLU(s * x) = s * ReLU(x) for s > 0
+
+    outside = [
+        (name, module)
+        for name, module in skeleton.named_modules()
+        if name and not name.startswith(blocks + ".") and name != blocks
+    ]
+    norms = [name for name, module in outside if _is_norm(module)]
+    if not norms:
+        raise _refuse(config, "no final norm after its decoder blocks")
+    final_norm = norms[-1]
+    output_embedding = skeleton.get_output_embeddings()
+    head = next((name for name, module in outside if module is output_embedding), None)
+    embeddings = [name for name, module in outside if isinstance(module, nn.Embedding)]
+    rotary = next((name for name, module in outside if "rotary" in type(module).__name__.lower()), None)
+    if rotary is not None or any("rotary" in type(m).__name__.lower() for m in block.modules()):
+        positions: PositionEncoding = "rope"
+    else:
+        positions = "learned" if len(embeddings) > 1 else "none"
+    kind, offset = _norm_behaviour(skeleton.get_submodule(final_norm))
+    facts = FAMILY_FACTS.get(config.model_type, FamilyFacts())
+    return ArchitectureTable(
+        family=config.model_type,
+        blocks=blocks,
+        attention_inputs=attention_inputs,
+        attention_output=attention_output,
+        mlp_inputs=mlp_inputs,
+        mlp_output=mlp_output,
+        mlp_activation=activation,
+        norm_feeds=norm_feeds,
+        linear_feeds=tuple(linear_feeds),
+        positions=positions,
+        final_norm=final_norm,
+        never_quantize=(*embeddings, *([head] if head else [])),
+        rotary_embedding=rotary,
+        fused_qkv=len(attention_inputs) == 1,
+        fused_gate_up=fused_gate_up,
+        weight_layout="in_out" if type(modules[mlp_output]).__name__ == "Conv1D" else "out_in",
+        norm_kind=kind,
+        norm_weight_offset=offset,
+        gguf_architecture=facts.gguf_architecture,
+        gguf_interleaved_qk=facts.gguf_interleaved_qk,
+        fused_decode=facts.fused_decode,
+        output_norms=output_norms,
+        qk_norms=qk_norms,
+    )
+
+
+_TABLES: dict[tuple[type, str], ArchitectureTable] = {}  # by config class and JSON: one derivation per config
 
 
 def architecture_for(model_or_config: nn.Module | object) -> ArchitectureTable:
-    """The table for a model (or its config); raises UnsupportedArchitectureError naming the problem."""
+    """The table of a model (or of its config); raises UnsupportedArchitectureError naming the problem."""
     config = getattr(model_or_config, "config", model_or_config)
-    model_type = getattr(config, "model_type", None)
-    table = _BY_MODEL_TYPE.get(model_type)
-    if table is None:
-        raise UnsupportedArchitectureError(
-            f"leanlm has no architecture table for model_type {model_type!r}; "
-            f"supported: {', '.join(supported_model_types())}"
-        )
-    problem = table.config_problem(config)
+    if not hasattr(config, "to_json_string"):
+        raise UnsupportedArchitectureError(f"{type(config).__name__} is not a transformers model config")
+    problem = FAMILY_FACTS.get(config.model_type, FamilyFacts()).config_problem(config)
     if problem:
-        raise UnsupportedArchitectureError(f"{table.family}: {problem}")
-    return table
+        raise UnsupportedArchitectureError(f"{config.model_type}: {problem}")
+    key = (type(config), config.to_json_string(use_diff=False))
+    if key not in _TABLES:
+        _TABLES[key] = _derive(config)
+    return _TABLES[key]
 
 
 def decoder_blocks(model: nn.Module, table: ArchitectureTable | None = None) -> nn.ModuleList:

@@ -33,9 +33,9 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def _read_metadata(gguf: Path):
-    """(config, tokenizer, parsed parameters, reader) from the file's metadata, or one error naming the problem."""
+    """(config, parsed parameters, reader) from the file's metadata, or one error naming the problem."""
     from gguf import GGUFReader
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
@@ -46,7 +46,6 @@ def _read_metadata(gguf: Path):
         raise CorruptModelError(f"{gguf} cannot be read as a GGUF model: {error}") from None
     try:
         config = AutoConfig.for_model(**parsed["config"])  # what AutoConfig makes of the file, without reading it again
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     except Exception as error:
         raise CorruptModelError(
             f"{gguf}: its metadata does not describe a model transformers builds: {error}"
@@ -61,41 +60,65 @@ def _read_metadata(gguf: Path):
     # a few hundred MB of small arrays for a large vocabulary) are dropped, and so is the tokenizer's raw copy.
     reader.fields.clear()
     parsed.pop("tokenizer", None)
-    return config, tokenizer, parsed, reader
+    return config, parsed, reader
+
+
+def _read_tokenizer(gguf: Path):
+    """The tokenizer (with its chat template) the file's metadata describes, built by transformers."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    except Exception as error:
+        raise CorruptModelError(
+            f"{gguf}: its metadata does not describe a tokenizer transformers builds: {error}"
+        ) from None
 
 
 def _name_map(config, parsed: dict):
-    """(GGUF tensor name -> transformers name, the architecture's tensor processor, the names the model needs)."""
+    """(GGUF tensor name -> transformers name, the architecture's tensor processor, the shape of every tensor
+    the model needs, by transformers name)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     with init_empty_weights():
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     config.architectures = [type(skeleton).__name__]
     architecture = parsed["config"].get("model_type", config.model_type)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
-    needed = set(skeleton.state_dict())
+    needed = {name: tuple(tensor.shape) for name, tensor in skeleton.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
-        needed -= {name for name in needed if name.startswith("lm_head.")}
+        needed = {name: shape for name, shape in needed.items() if not name.startswith("lm_head.")}
     return get_gguf_hf_weights_map(skeleton, processor), processor, needed
 
 
-def _check_shapes(reader, config) -> None:
-    """Refuse a file whose tensors disagree with its own metadata, before anything is de-quantized."""
-    expected = {"token_embd.weight": (config.vocab_size, config.hidden_size)}
+def _check_tensors(gguf: Path, reader, config, name_map: dict, needed: dict) -> None:
+    """Refuse a file whose tensors disagree with its own metadata (a tensor of another size than the model the
+    metadata describes, or one the model needs and the file lacks), before anything is de-quantized."""
+    present = set()
     for tensor in reader.tensors:
-        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists the fastest dimension first
-        want = expected.get(tensor.name)
-        if want is not None and shape != want:
+        block = tensor.name.split(".")[1] if tensor.name.startswith("blk.") else ""
+        if block.isdigit() and int(block) >= config.num_hidden_layers:
             raise CorruptModelError(
-                f"{tensor.name} is {shape[0]} x {shape[1]} but the file's metadata says {want[0]} x {want[1]} "
-                "(vocabulary x hidden size)"
+                f"{gguf}: {tensor.name}: the file's metadata says {config.num_hidden_layers} layers, but it holds more"
             )
-        if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= config.num_hidden_layers:
+        name = name_map.get(tensor.name)
+        if name is None or name not in needed:
+            continue
+        present.add(name)
+        shape = needed[name]
+        if int(tensor.n_elements) != int(np.prod(shape)):
+            stored = " x ".join(str(int(n)) for n in reversed(tensor.shape.tolist()))  # fastest dimension last
             raise CorruptModelError(
-                f"{tensor.name}: the file's metadata says {config.num_hidden_layers} layers, but it holds more"
+                f"{gguf}: {tensor.name} is {stored}, but the file's metadata makes {name} {' x '.join(map(str, shape))}"
             )
+    missing = sorted(set(needed) - present)
+    if missing:
+        raise CorruptModelError(
+            f"{gguf} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''})"
+        )
 
 
 def _dequantized(tensor) -> np.ndarray:
@@ -145,10 +168,10 @@ def convert_gguf(
     Face model: config, tokenizer and safetensors shards of `dtype` with their index."""
     gguf, out = Path(gguf), Path(out)
 
-    config, tokenizer, parsed, reader = _read_metadata(gguf)
+    config, parsed, reader = _read_metadata(gguf)
     architecture_for(config)  # an unsupported family is refused before any tensor is read
-    _check_shapes(reader, config)
     name_map, processor, needed = _name_map(config, parsed)
+    _check_tensors(gguf, reader, config, name_map, needed)
     element = torch.empty((), dtype=dtype).element_size()
     total = sum(int(tensor.n_elements) for tensor in reader.tensors) * element
 
@@ -179,8 +202,8 @@ def convert_gguf(
             shard_size += value.nbytes
             del converted, value  # the shard holds it now, and is the only holder
         flush()
-    missing = sorted(needed - set(index))
-    if missing:
+    missing = sorted(set(needed) - set(index))
+    if missing:  # a tensor the processor renamed out of the model's reach
         raise CorruptModelError(
             f"{gguf} lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])}"
             f"{', ...' if len(missing) > 3 else ''})"
@@ -192,5 +215,5 @@ def convert_gguf(
     )
     config.dtype = dtype
     config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    _read_tokenizer(gguf).save_pretrained(out)
     log.info("converted %s in %.0f s", gguf, time.perf_counter() - started)

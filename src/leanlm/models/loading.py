@@ -95,9 +95,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("LEANLM_CACHE", Path.home() / ".cache" / "leanlm"))
 
 
-def load_model(source: str | os.PathLike, *, attn_implementation: str = "sdpa", dtype: str = "float32") -> LoadedModel:
+def load_model(
+    source: str | os.PathLike, *, attn_implementation: str | None = None, dtype: str = "float32"
+) -> LoadedModel:
     """Load `source` (registry name, HF directory or .gguf file) in eval mode, computing in `dtype` (float32,
-    bfloat16, or auto: see `compute_dtype`)."""
+    bfloat16, or auto: see `compute_dtype`); `attn_implementation` None is transformers' choice (PyTorch's fused
+    attention where the family supports it, else eager)."""
     torch_dtype = compute_dtype(dtype)
     directory, weights_note = resolve_float_directory(source)
     model, tokenizer = _load_hf_directory(directory, attn_implementation, torch_dtype)
@@ -168,7 +171,7 @@ def read_tokenizer(directory: Path):
         raise ModelNotFoundError(f"{directory} has no usable tokenizer files: {error}") from None
 
 
-def _load_hf_directory(directory: Path, attn_implementation: str, dtype: torch.dtype = torch.float32):
+def _load_hf_directory(directory: Path, attn_implementation: str | None, dtype: torch.dtype = torch.float32):
     read_model_config(directory)
     tokenizer = read_tokenizer(directory)
     try:

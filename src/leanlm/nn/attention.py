@@ -78,7 +78,7 @@ def _repeat_heads(states: torch.Tensor, heads: int) -> torch.Tensor:
     return states if groups == 1 else states.repeat_interleave(groups, dim=1)
 
 
-def int8_bmm_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def int8_bmm_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
     quantizer: BmmQuantizer | None = getattr(module, "bmm_quantizer", None)
     if quantizer is not None and quantizer.observe:
         quantizer.record(query, key, value)
@@ -88,15 +88,18 @@ def int8_bmm_attention(module, query, key, value, attention_mask, scaling=None, 
     key, value = _repeat_heads(key, query.shape[1]), _repeat_heads(value, query.shape[1])
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
-    if not (quantize and quantizer.quantize_probs):
+    if not (quantize and quantizer.quantize_probs) and softcap is None:
         # Nothing to do between the two matmuls: PyTorch's fused attention on the (quantized) q, k, v.
         out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:  # Gemma 2: logits squashed into (-softcap, softcap) before the mask
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    probs = torch.round(probs * QMAX) / QMAX
+    if quantize and quantizer.quantize_probs:
+        probs = torch.round(probs * QMAX) / QMAX
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
