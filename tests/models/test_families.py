@@ -45,18 +45,19 @@ BOUND = {"nf4-dq": 0.5, "rtn": 0.5, "gptq": 0.5, "spqr": 0.5, "llm-int8": 0.1, "
 
 @pytest.fixture(scope="module")
 def float_dirs(tmp_path_factory, smollm2_tokenizer):
-    """A saved tiny model of each family with SmolLM2's tokenizer (made once, on first use)."""
+    """A saved tiny model of each family with SmolLM2's tokenizer (made once, on first use): with SmolLM2's
+    vocabulary when it is to read text (a cushion's search), else with 128 tokens (calibrated on token ids)."""
     made = {}
 
-    def make(family):
-        if family not in made:
+    def make(family, reads_text):
+        if (family, reads_text) not in made:
             directory = tmp_path_factory.mktemp(family)
             torch.manual_seed(0)
-            config = tiny_config(family, vocab_size=len(smollm2_tokenizer))
+            config = tiny_config(family, vocab_size=len(smollm2_tokenizer) if reads_text else 128)
             hf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
             smollm2_tokenizer.save_pretrained(directory)
-            made[family] = directory
-        return made[family]
+            made[family, reads_text] = directory
+        return made[family, reads_text]
 
     return make
 
@@ -69,11 +70,14 @@ CASES += [(family, "cushion") for family in ("llama3", "phi3", "opt")]
 
 @pytest.mark.parametrize("family, method", CASES)
 def test_every_method_quantizes_every_family_and_the_checkpoint_round_trips(family, method, float_dirs, tmp_path):
-    loaded = load_model(float_dirs(family))
-    ids = token_ids(1, 16, seed=2, vocab_size=1000)
+    reads_text = method == "cushion"
+    loaded = load_model(float_dirs(family, reads_text))
+    ids = token_ids(1, 16, seed=2)
     with torch.inference_mode():
         reference = loaded.model(ids).logits
-    calibration = Calibration(loaded.tokenizer, samples=4, seq_len=24)
+    calibration = (
+        Calibration(loaded.tokenizer, samples=4, seq_len=24) if reads_text else Calibration(token_ids=token_ids(4, 24))
+    )
     record = quantize_(loaded.model, METHODS[method], calibration=calibration)
     replaced = [m for m in loaded.model.modules() if isinstance(m, QUANTIZED)]
     assert len(replaced) == 2 * len(loaded.table.quantizable_linears)

@@ -27,8 +27,17 @@ def _tensors(directory) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_a_converted_gguf_is_the_model_it_was_written_from(tiny_llama_dir, tmp_path):
-    gguf = export_gguf(tiny_llama_dir, tmp_path / "tiny.gguf", "f32")["path"]
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, smollm2_tokenizer):
+    """(a tiny random Llama's directory, its F32 GGUF), written once for the module."""
+    from tiny import save_tiny_llama
+
+    directory = save_tiny_llama(tmp_path_factory.mktemp("tiny"), smollm2_tokenizer)
+    return directory, Path(export_gguf(directory, directory.parent / "tiny.gguf", "f32")["path"])
+
+
+def test_a_converted_gguf_is_the_model_it_was_written_from(tiny_gguf, tmp_path):
+    tiny_llama_dir, gguf = tiny_gguf
     out = tmp_path / "converted"
     out.mkdir()
     convert_gguf(gguf, out, shard_bytes=1 << 16)  # many shards, an index
@@ -46,8 +55,8 @@ def test_a_converted_gguf_is_the_model_it_was_written_from(tiny_llama_dir, tmp_p
     )
 
 
-def test_a_truncated_gguf_is_named_before_any_tensor_is_read(tiny_llama_dir, tmp_path):
-    gguf = Path(export_gguf(tiny_llama_dir, tmp_path / "tiny.gguf", "f32")["path"])
+def test_a_truncated_gguf_is_named_before_any_tensor_is_read(tiny_gguf, tmp_path):
+    gguf = tiny_gguf[1]
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(gguf.read_bytes()[: gguf.stat().st_size // 2])
     out = tmp_path / "converted"
@@ -76,14 +85,38 @@ def _refused(gguf: Path, tmp_path: Path, error, message: str) -> None:
     assert "\n" not in str(raised.value) and not list(out.iterdir())
 
 
-def test_tensors_that_disagree_with_the_metadata_are_named_before_any_is_read(tiny_llama_dir, tmp_path):
-    gguf = Path(export_gguf(tiny_llama_dir, tmp_path / "tiny.gguf", "f32")["path"])
+def test_tensors_that_disagree_with_the_metadata_are_named_before_any_is_read(tiny_gguf, tmp_path):
+    gguf = tiny_gguf[1]
     narrower = _patched(gguf, "llama.feed_forward_length", 128, 96, tmp_path / "narrower.gguf")
     _refused(narrower, tmp_path, CorruptModelError, r"blk.0.ffn_\w+.weight is \d+ x \d+, but the file's metadata makes")
-    fewer = _patched(gguf, "llama.block_count", 2, 1, tmp_path / "fewer.gguf")
-    _refused(fewer, tmp_path, CorruptModelError, "metadata says 1 layers, but it holds more")
-    more = _patched(gguf, "llama.block_count", 2, 3, tmp_path / "more.gguf")
-    _refused(more, tmp_path, CorruptModelError, r"lacks 9 of the model's tensors \(model.layers.2")
+
+
+@pytest.fixture(scope="module")
+def tiny_metadata(tiny_gguf):
+    """The tiny GGUF's parsed metadata, read once (parsing a vocabulary's metadata takes seconds)."""
+    from leanlm.models import gguf_conversion
+
+    config, parsed, _ = gguf_conversion._read_metadata(tiny_gguf[1])
+    return config, parsed
+
+
+@pytest.mark.parametrize(
+    "layers, message",
+    [(1, "metadata says 1 layers, but it holds more"), (3, r"lacks 9 of the model's tensors \(model.layers.2")],
+)
+def test_a_layer_count_that_disagrees_with_the_blocks_is_named(tiny_gguf, tiny_metadata, layers, message):
+    """The check on the file's tensors against the model a metadata of `layers` blocks describes."""
+    import copy
+
+    from gguf import GGUFReader
+
+    from leanlm.models import gguf_conversion
+
+    config, parsed = copy.deepcopy(tiny_metadata[0]), tiny_metadata[1]
+    config.num_hidden_layers = layers
+    name_map, _, needed = gguf_conversion._name_map(config, parsed)
+    with pytest.raises(CorruptModelError, match=message):
+        gguf_conversion._check_tensors(tiny_gguf[1], GGUFReader(tiny_gguf[1]), config, name_map, needed)
 
 
 def test_a_gguf_of_an_architecture_transformers_cannot_build_is_one_line(tmp_path):
@@ -100,11 +133,11 @@ def test_a_gguf_of_an_architecture_transformers_cannot_build_is_one_line(tmp_pat
     _refused(tmp_path / "rwkv.gguf", tmp_path, UnsupportedArchitectureError, "architecture rwkv6 is not supported")
 
 
-def test_a_conversion_killed_half_way_leaves_no_cache_entry_that_loads(tiny_llama_dir, tmp_path, monkeypatch):
+def test_a_conversion_killed_half_way_leaves_no_cache_entry_that_loads(tiny_gguf, tmp_path, monkeypatch):
     from leanlm.models import gguf_conversion, load_model
 
     monkeypatch.setenv("LEANLM_CACHE", str(tmp_path / "cache"))
-    gguf = export_gguf(tiny_llama_dir, tmp_path / "tiny.gguf", "f32")["path"]
+    gguf = tiny_gguf[1]
     written = []
 
     def killed_after_one_shard(tensors, path, metadata=None):
