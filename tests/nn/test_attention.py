@@ -7,7 +7,7 @@ from tiny import tiny_model
 from leanlm.nn import BmmQuantizer, use_int8_bmm_attention
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "opt", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "gemma2", "gemma3_text", "opt", "gpt2", "gpt_neox"])
 def test_without_a_quantizer_it_is_exact_attention(model_type):
     model = tiny_model(model_type)
     ids = torch.randint(0, 128, (2, 17))
@@ -15,6 +15,27 @@ def test_without_a_quantizer_it_is_exact_attention(model_type):
         expected = model(ids).logits
         use_int8_bmm_attention(model)
         assert torch.allclose(model(ids).logits, expected, atol=1e-5)
+
+
+def test_gemma2_s_soft_capping_is_applied():
+    from tiny import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("gemma2")
+    config.attn_logit_softcapping = 1.0
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(50)  # scores far beyond the cap
+    ids = torch.randint(0, 128, (2, 17))
+    with torch.inference_mode():
+        expected = model(ids).logits
+        use_int8_bmm_attention(model)
+        assert torch.allclose(model(ids).logits, expected, atol=1e-5)
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        assert not torch.allclose(model(ids).logits, expected, atol=1e-3)
 
 
 def _attentions(model):
