@@ -25,6 +25,7 @@ REPORTED = {
     "decode": [
         "decode_smollm2-135m",
         "decode_gemma3-270m",
+        "decode_qwen2.5-coder-1.5b",
         "decode_smollm2-135m_xeon-amx",
         "decode_gemma3-270m_xeon-amx",
         "decode_smollm2-135m_3bit",

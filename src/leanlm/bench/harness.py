@@ -336,9 +336,14 @@ def results_dir() -> Path:
 
 
 def results_name(benchmark: str, model: str, tag: str | None = None) -> str:
-    """`<benchmark>_<model>` for a registry name, or for a model directory / file its last path component; then
-    `_<tag>` if a tag is given (another CPU's run, kept beside the first)."""
-    return f"{benchmark}_{Path(model).stem}" + (f"_{tag}" if tag else "")
+    """`<benchmark>_<model>` for a registry name (whole: `qwen2.5-coder-1.5b`), for a model directory its last path
+    component, for a file that component without its suffix; then `_<tag>` if a tag is given (another CPU's run,
+    kept beside the first)."""
+    from leanlm.models.registry import REGISTRY
+
+    path = Path(model)
+    label = model if model in REGISTRY else path.stem if path.suffix in (".gguf", ".safetensors") else path.name
+    return f"{benchmark}_{label}" + (f"_{tag}" if tag else "")
 
 
 def previous_results(name: str, settings: dict | None = None) -> dict:
