@@ -7,7 +7,8 @@ alike); medians over the rounds. A round: greedy decode of --new-tokens tokens a
 --prefill-tokens tokens computing the last position's logits. leanlm decodes with a manual loop over
 transformers' forward and its DynamicCache (what `leanlm serve --no-fused` runs), and in the "fused" rows through
 `leanlm.decoding.FusedDecoder` (the prompt through transformers, then one C++ call per token); llama.cpp through
-its Python bindings (`Llama.eval`, one token per call). The CPU, the load average before and after, and the threads
+its Python bindings (`Llama.eval`, one token per call), on GGUF files made from the same float weights and, for a
+model that ships as a GGUF, on that file itself. The CPU, the load average before and after, and the threads
 are recorded. The leanlm rows also score --quality-tokens of WikiText-2 in one forward and token by token.
 Writes benchmarks/results/decode_<model>.json + .png.
 
@@ -128,6 +129,16 @@ class LlamaCppSystem:
             verbose=False,
         )
 
+    def last_logits(self):
+        """The logits of the last token evaluated, from the context itself: `Llama.scores` is left unfilled on
+        this path unless every position's logits are kept (`logits_all`), which would slow prefill."""
+        import numpy as np
+
+        from leanlm.bench.llama_cpp import llama_cpp_module
+
+        pointer = llama_cpp_module().llama_get_logits_ith(self.model._ctx.ctx, -1)
+        return np.ctypeslib.as_array(pointer, shape=(self.model.n_vocab(),))
+
     def decode(self, prompt: list[int], new_tokens: int) -> float:
         import numpy as np
 
@@ -135,8 +146,7 @@ class LlamaCppSystem:
         self.model.eval(prompt)
         started = time.perf_counter()
         for _ in range(new_tokens):
-            token = int(np.argmax(self.model.scores[self.model.n_tokens - 1]))
-            self.model.eval([token])
+            self.model.eval([int(np.argmax(self.last_logits()))])
         return time.perf_counter() - started
 
     def prefill(self, ids: list[int]) -> float:
@@ -231,7 +241,20 @@ def systems(model: str, work: Path) -> dict[str, tuple[str, str]]:
         # blocks, the other matrices as Q8_0.
         for name in ("Q8_0", "Q4_0"):
             rows[f"llama.cpp {name}, leanlm RTN blocks"] = ("llama.cpp", str(work / f"rtn-{name.lower()}.gguf"))
+        own = own_gguf(model)
+        if own is not None:  # the file the model ships as: the weights every leanlm row is made from
+            rows["llama.cpp, the model's own GGUF"] = ("llama.cpp", str(own))
     return rows
+
+
+def own_gguf(model: str) -> Path | None:
+    """The GGUF file `model` is (a .gguf path) or ships as (a registry name), else None."""
+    from leanlm.models import REGISTRY, cache_root
+    from leanlm.models.registry import gguf_path_of
+
+    if model in REGISTRY:
+        return gguf_path_of(REGISTRY[model], cache_root() / "gguf")
+    return Path(model) if model.endswith(".gguf") else None
 
 
 def chosen_systems(model: str, work: Path, names: list[str] | None) -> dict[str, tuple[str, str]]:

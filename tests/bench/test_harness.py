@@ -105,3 +105,11 @@ def test_speed_ups_are_quoted_against_the_faster_float_path():
     entries = {"1": {name: {"median_ms": ms} for name, ms in (("fp32", 4.0), ("bf16", 2.0), ("int8", 1.0))}}
     table = speed_table({m: add_speedups(row, "median_ms") for m, row in entries.items()})
     assert table.splitlines()[2].split("|")[1:-1] == [" 1 ", " 4.00 ", " 2.00 ", " 1.00 (2.00x) "]
+
+
+def test_results_are_named_after_the_whole_registry_name_a_directory_or_a_file_s_stem():
+    from leanlm.bench.harness import results_name
+
+    assert results_name("decode", "qwen2.5-coder-1.5b") == "decode_qwen2.5-coder-1.5b"
+    assert results_name("decode", "/tmp/x/Llama-3.1-8B") == "decode_Llama-3.1-8B"
+    assert results_name("decode", "/models/tiny.Q4_0.gguf", "xeon") == "decode_tiny.Q4_0_xeon"
