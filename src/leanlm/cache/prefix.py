@@ -19,7 +19,7 @@ from torch import nn
 
 from leanlm.cache.sink_cache import SinkCache, cache_positions_hook
 from leanlm.errors import CorruptModelError, UnsupportedArchitectureError
-from leanlm.models.architectures import architecture_for
+from leanlm.models.architectures import architecture_for, mixes_attention_kinds
 
 CUSHION_FILE = "cushion.safetensors"
 _HOOK_ATTRIBUTE = "_leanlm_cushion_hook"
@@ -40,7 +40,7 @@ class Cushion:
 def cushion_problem(model: nn.Module) -> str | None:
     """Why a cushion cannot serve `model` (it shifts every position by its length and sits in a full-attention
     cache), or None."""
-    if any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or ()):
+    if mixes_attention_kinds(model.config):
         return (
             f"{architecture_for(model).family} mixes sliding-window and full-attention layers; a cushion needs every "
             "layer to attend to the whole prefix"

@@ -169,9 +169,10 @@ def _smooth_attention_ranges(
 ) -> None:
     """One attention's observed ranges as they are after smoothing: the value ranges divided where v_proj's
     outputs were (queries and keys do not change)."""
-    value_proj = f"{attention_name.rsplit('.', 1)[0]}.{table.attention_inputs[-1]}"
+    value = next((feed.producer for feed in table.linear_feeds if feed.consumer == table.attention_output), None)
+    value_proj = f"{attention_name.rsplit('.', 1)[0]}.{value}"
     ranges = stats.attention.get(attention_name)
-    if ranges is not None and value_proj in result.producer_scales:
+    if ranges is not None and value is not None and value_proj in result.producer_scales:
         stats.attention[attention_name] = {
             **ranges,
             "v_channel_absmax": ranges["v_channel_absmax"] / result.producer_scales[value_proj],

@@ -18,7 +18,7 @@ from torch import nn
 from leanlm.cache.prefix import attached_cushion, put_cushion
 from leanlm.cache.sink_cache import SinkCache, cache_positions_hook, rope_key_shift
 from leanlm.errors import ConfigError, UnsupportedArchitectureError
-from leanlm.models.architectures import architecture_for
+from leanlm.models.architectures import architecture_for, mixes_attention_kinds
 from leanlm.settings import option
 
 # RoPE variants whose rotation is linear in the position (so a shift composes); "dynamic" rescales with length.
@@ -76,7 +76,7 @@ def _key_shift(model: nn.Module):
             f"{table.family} has no model-level rotary embedding (positions: {table.positions!r}); the sink cache "
             "re-rotates cached keys with it"
         )
-    if any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or ()):
+    if mixes_attention_kinds(model.config):
         raise UnsupportedArchitectureError(
             f"{table.family} mixes sliding-window and full-attention layers (config.layer_types); the sink cache "
             "supports models whose layers all use full attention"

@@ -141,6 +141,11 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
+def _out_in(module: nn.Module) -> torch.Size:
+    """A linear's weight shape as (out, in): GPT-2's Conv1D stores (in, out)."""
+    return module.weight.shape if isinstance(module, nn.Linear) else module.weight.shape[::-1]
+
+
 def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
@@ -192,7 +197,7 @@ def _trace_block(skeleton: nn.Module, block: nn.Module) -> _Trace | None:
         producer = produced.get(id(tensor))
         if producer is not None and producer != names[module]:
             feeds.setdefault(producer, []).append(names[module])
-        if not any(True for _ in module.children()):
+        if next(module.children(), None) is None:  # a leaf
             order.append(names[module])
 
     def after(module, args, output):
@@ -277,10 +282,7 @@ def _derive(config) -> ArchitectureTable:
             f"its attention ({', '.join(attention_linears)}) or MLP ({', '.join(mlp_linears)}) has an unknown layout",
         )
     modules = dict(block.named_modules())
-    down_width = modules[mlp_output].weight.shape[1 if isinstance(modules[mlp_output], nn.Linear) else 0]
-    first_up = modules[mlp_inputs[0]]
-    up_width = first_up.weight.shape[0 if isinstance(first_up, nn.Linear) else 1]
-    fused_gate_up = len(mlp_inputs) == 1 and up_width == 2 * down_width
+    fused_gate_up = len(mlp_inputs) == 1 and _out_in(modules[mlp_inputs[0]])[0] == 2 * _out_in(modules[mlp_output])[1]
     gated = len(mlp_inputs) == 2 or fused_gate_up
     activation = _activation(config, gated)
 
@@ -304,8 +306,8 @@ def _derive(config) -> ArchitectureTable:
     if len(attention_inputs) == 3 and len(value) == 1 and not feeds.get(value[0]):
         linear_feeds.append(LinearFeeds(value[0], attention_output))  # nothing between v and the softmax's mix
     if len(mlp_inputs) == 2 and activation in ("swiglu", "geglu"):
-        activated = {c for name in mlp_inputs for c in feeds.get(name, ()) if not _is_linear(modules[c])}
-        up = [name for name in mlp_inputs if feeds and not set(feeds.get(name, ())) & activated] if activated else []
+        # The gate's output runs through the activation module; no module reads the up projection's (a product does).
+        up = [name for name in mlp_inputs if not feeds.get(name)] if any(map(feeds.get, mlp_inputs)) else []
         up = up or [name for name in mlp_inputs if _UP.search(name)]
         if len(up) == 1:
             linear_feeds.append(LinearFeeds(up[0], mlp_output))
@@ -373,6 +375,12 @@ def architecture_for(model_or_config: nn.Module | object) -> ArchitectureTable:
     if key not in _TABLES:
         _TABLES[key] = _derive(config)
     return _TABLES[key]
+
+
+def mixes_attention_kinds(config) -> bool:
+    """Whether some layers attend through a sliding window while others see everything (`config.layer_types`:
+    Gemma 2 / 3): a prefix or a sink cache needs every layer to attend to all it holds."""
+    return any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ())
 
 
 def decoder_blocks(model: nn.Module, table: ArchitectureTable | None = None) -> nn.ModuleList:
