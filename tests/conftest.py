@@ -23,3 +23,24 @@ def tiny_llama_dir(tmp_path, smollm2_tokenizer):
     from tiny import save_tiny_llama
 
     return save_tiny_llama(tmp_path, smollm2_tokenizer)
+
+
+DATA_BOUND = 2 << 30  # what a test of hostile files may add to the process's data segment
+
+
+@pytest.fixture
+def bounded_data():
+    """For the test's duration, an allocation that would grow the process's data segment (heap and anonymous
+    maps: RLIMIT_DATA) by more than DATA_BOUND fails, as MemoryError or torch's allocation error."""
+    import resource
+    from pathlib import Path
+
+    held = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/self/status").read_text().splitlines()
+        if line.startswith("VmData:")
+    )
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (held + DATA_BOUND, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))

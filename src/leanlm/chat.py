@@ -21,7 +21,7 @@ from leanlm.decoding import FusedDecoder, read_in_chunks
 from leanlm.errors import ConfigError
 from leanlm.evaluation.tokens import encode
 from leanlm.methods.streaming import StreamingConfig, sink_cache
-from leanlm.settings import option
+from leanlm.settings import check_seed, option
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class ChatSettings:
     )
 
     def __post_init__(self):
+        check_seed(self.seed)
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.temperature < 0:

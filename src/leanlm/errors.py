@@ -42,6 +42,12 @@ class MissingExtraError(ConfigError):
         super().__init__(f'{what} needs {module}, which is not installed: pip install "leanlm[{extra}]"')
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of a library's error message (some explain themselves over a page), or its type."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 # Optional dependencies (top-level module -> the extra of pyproject.toml that installs it).
 EXTRAS = {
     "fastapi": "serve",

@@ -25,3 +25,13 @@ def option(
         raise TypeError(f"an option on by default needs `off`, what its --no- flag does ({help!r})")
     metadata = {"help": help, "flag": flag, "none_word": none_word, "choices": choices, "cli": cli, "off": off}
     return field(default=default, metadata=metadata)
+
+
+SEEDS = 2**63  # seeds are whole numbers below this: what every generator leanlm seeds (torch's, numpy's) accepts
+
+
+def check_seed(seed, name: str = "seed") -> None:
+    from leanlm.errors import ConfigError
+
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SEEDS:
+        raise ConfigError(f"{name} must be a whole number from 0 to 2**63 - 1, got {seed!r}")

@@ -32,7 +32,7 @@ def _staging_path(out: Path, pid: int) -> Path:
 def partial_path(path: Path) -> Path:
     """Where a file is written before it is renamed into `path` (rename(2) is atomic: a reader sees the old file
     or the whole new one)."""
-    return path.with_name(f".{path.name}.partial-{os.getpid()}")
+    return _staging_path(path, os.getpid())
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -66,6 +66,45 @@ def check_output_directory(out: str | os.PathLike) -> Path:
     return out
 
 
+def check_output_file(out: str | os.PathLike, *, force: bool = False, inputs: tuple = ()) -> Path:
+    """`out` as a Path, after checking that a file can be published there without destroying anything: not a
+    directory, not an existing file that is one of `inputs` (the files or directories the result is made from) or
+    inside one, not an existing file unless `force`, and in a directory that accepts a new file. Cheap, so commands call it before
+    any slow work."""
+    out = Path(out).expanduser()
+    if out.is_dir():
+        raise ConfigError(f"output {out} is a directory; give the path of the file to write")
+    for source in inputs:
+        source = Path(source).expanduser().resolve()
+        if out.exists() and (out.resolve() == source or out.resolve().is_relative_to(source)):
+            raise ConfigError(
+                f"output {out} would write over the model it is made from ({source}); choose another path"
+            )
+    if out.exists() and not force:
+        raise ConfigError(f"output {out} exists; choose a new path, or add --force to replace it")
+    probe = partial_path(out)
+    try:
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(f"output {out} cannot be written: {error.strerror or error}") from None
+    return out
+
+
+@contextmanager
+def staged_file(out: Path) -> Iterator[Path]:
+    """Yields the path to write `out`'s content to; it becomes `out` in one rename when the block ends normally,
+    and is removed when it raises (or is interrupted). Staging files of dead runs beside `out` are removed."""
+    _remove_stale_staging(out)
+    partial = partial_path(out)
+    try:
+        yield partial
+        os.replace(partial, out)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
 def writable_directory(out: str | os.PathLike) -> Path:
     """`out`, created if need be, for a command that writes into it over time (fine-tuning's checkpoints)."""
     out = Path(out).expanduser()
@@ -81,13 +120,16 @@ def writable_directory(out: str | os.PathLike) -> Path:
 
 
 def _remove_stale_staging(out: Path) -> None:
-    """Staging directories left beside `out` by killed processes (their PID no longer runs)."""
+    """Staging directories and files left beside `out` by killed processes (their PID no longer runs)."""
     if not out.parent.is_dir():
         return
     for candidate in out.parent.glob(f".{out.name}{_STAGING_TAG}*"):
         pid = candidate.name.rsplit(_STAGING_TAG, 1)[1]
         if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(candidate, ignore_errors=True)
+            if candidate.is_dir() and not candidate.is_symlink():
+                shutil.rmtree(candidate, ignore_errors=True)
+            else:
+                candidate.unlink(missing_ok=True)
 
 
 @contextmanager

@@ -574,8 +574,8 @@ def test_finetune_refuses_bad_data_before_loading_the_model(
     assert message in _one_line_error(capsys)
 
 
-def _interrupt_at_write(monkeypatch, writes_before: int) -> None:
-    """Ctrl-C as the out-of-core quantization writes its file number `writes_before` + 1."""
+def _interrupt_at_write(monkeypatch, writes_before: int, fault=KeyboardInterrupt) -> None:
+    """Ctrl-C (or another `fault`) as the out-of-core quantization writes its file number `writes_before` + 1."""
     from leanlm.methods import out_of_core
 
     save_file = out_of_core.save_file
@@ -584,7 +584,7 @@ def _interrupt_at_write(monkeypatch, writes_before: int) -> None:
     def interrupt(*args, **kwargs):
         calls.append(1)
         if len(calls) > writes_before:
-            raise KeyboardInterrupt
+            raise fault
         return save_file(*args, **kwargs)
 
     monkeypatch.setattr(out_of_core, "save_file", interrupt)
@@ -614,6 +614,24 @@ def test_ctrl_c_in_quantize_keeps_the_blocks_written_and_resume_finishes(tiny_ll
     assert main([*argv, "--resume"]) == 0
     assert "resuming .q.partial-resumable: 1 of 2 blocks already written" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".q", "q"))) == ["q"]
+    assert load_quantized(out)[1]["method"] == "kbit"
+
+
+def test_a_full_disk_in_quantize_is_one_line_and_keeps_the_blocks_for_resume(
+    tiny_llama_dir, tmp_path, capsys, monkeypatch
+):
+    from safetensors import SafetensorError
+
+    full = SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })')
+    _interrupt_at_write(monkeypatch, 1, full)
+    out = tmp_path / "q"
+    argv = ["quantize", str(tiny_llama_dir), "--method", "kbit", "--out", str(out)]
+    assert main(argv) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1].split("\r")[-1]
+    assert error.startswith("leanlm: error: the disk is full")
+    assert "the 1 blocks done are kept in" in error and "add --resume" in error
+    monkeypatch.undo()
+    assert main([*argv, "--resume"]) == 0
     assert load_quantized(out)[1]["method"] == "kbit"
 
 
@@ -695,4 +713,15 @@ def test_finetune_checkpoints_gradients_and_returns_freed_memory_by_default(argv
     settings = settings_from_args(FinetuneSettings, args)
     assert (settings.gradient_checkpointing, settings.keep_freed_memory) == (checkpointing, keep)
     # neither changes the numbers, so a run checkpointed one way resumes the other
-    assert settings.resumable_with(FinetuneSettings(gradient_checkpointing=not checkpointing, keep_freed_memory=True))
+    assert {"gradient_checkpointing", "keep_freed_memory"} <= FinetuneSettings.ignored_on_resume()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["quantize", "m", "--method", "smoothquant", "--out", "o"], ["finetune", "m", "--data", "d", "--out", "o"]],
+)
+def test_a_seed_beyond_64_bits_is_one_line(argv, capsys):
+    assert main([*argv, "--seed", str(2**70)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"leanlm: error: --seed: seed must be a whole number from 0 to 2**63 - 1, got {2**70}"
+    )

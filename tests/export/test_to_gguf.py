@@ -242,3 +242,58 @@ def test_what_the_metadata_cannot_describe_is_refused_before_the_weights_load(
     assert main(["export", str(tiny_llama_dir), "--format", "gguf", "--out", str(tmp_path / "m.gguf")]) == 2
     assert reason in capsys.readouterr().err
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*partial*"))
+
+
+@pytest.fixture(scope="module")
+def byte_model(tmp_path_factory):
+    from tiny import byte_tokenizer, save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("byte"), byte_tokenizer())
+
+
+def test_export_never_writes_over_its_input_or_an_existing_file_without_force(byte_model, tmp_path, monkeypatch):
+    import leanlm.methods.checkpoint
+
+    out = tmp_path / "model.gguf"
+    export_gguf(byte_model, out)
+    first = out.read_bytes()
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output was checked")
+
+    monkeypatch.setattr(leanlm.methods.checkpoint, "load_any", never)
+    with pytest.raises(ConfigError, match="exists; choose a new path, or add --force"):
+        export_gguf(byte_model, out)
+    for own in (
+        out,
+        byte_model / "model.safetensors",
+        byte_model / "config.json",
+    ):  # the source file, or in its directory
+        source = out if own == out else byte_model
+        with pytest.raises(ConfigError, match="would write over the model it is made from"):
+            export_gguf(source, own, force=True)
+    with pytest.raises(ConfigError, match="is a directory"):
+        export_gguf(byte_model, tmp_path)
+    assert out.read_bytes() == first and not list(tmp_path.glob(".*partial*"))
+    monkeypatch.undo()
+    assert export_gguf(byte_model, out, "f16", force=True)["bytes"] < len(first)  # replaced, on request
+
+
+def test_a_killed_export_leaves_nothing_and_the_next_removes_a_dead_runs_staging(byte_model, tmp_path, monkeypatch):
+    import gguf as gguf_package
+
+    out = tmp_path / "model.gguf"
+    dead = tmp_path / ".model.gguf.partial-999999999"  # a pid no process has
+    dead.write_bytes(b"half a file")
+
+    def killed(self, tensor):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_package.GGUFWriter, "write_tensor_data", killed)
+    with pytest.raises(KeyboardInterrupt):
+        export_gguf(byte_model, out)
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
+    monkeypatch.undo()
+    dead.write_bytes(b"half a file")
+    export_gguf(byte_model, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]

@@ -126,6 +126,7 @@ def test_a_gguf_of_an_architecture_transformers_cannot_build_is_one_line(tmp_pat
     writer = gguf.GGUFWriter(str(tmp_path / "rwkv.gguf"), "rwkv6")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(8, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

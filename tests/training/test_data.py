@@ -109,3 +109,12 @@ def test_any_jsonl_records_render_or_are_refused(tmp_path, smollm2_tokenizer, re
         return
     for document in documents:
         assert document_ids(smollm2_tokenizer, document)
+
+
+def test_a_line_longer_than_a_document_is_refused_before_it_is_tokenized(tmp_path):
+    from leanlm.training.data import MAX_DOCUMENT_CHARS
+
+    data = tmp_path / "one-line.txt"
+    data.write_text("short line\n" + "word " * (MAX_DOCUMENT_CHARS // 5 + 1) + "\n")
+    with pytest.raises(DataError, match=r"one-line.txt:2 is 1,048,580 characters long; a line is one document"):
+        read_documents(data)

@@ -3,7 +3,7 @@ import torch
 from safetensors.torch import load_file
 from tiny import tiny_model
 
-from leanlm.errors import ConfigError, DataError
+from leanlm.errors import ConfigError, CorruptModelError, DataError
 from leanlm.methods import LoRAConfig, add_lora_
 from leanlm.training import FinetuneSettings, finetune
 
@@ -11,11 +11,11 @@ LORA = LoRAConfig(base="nf4-dq", rank=4, dropout=0.1)
 DOCUMENTS = [f"The {i}th sentence of a small training text, about item {i % 7}." for i in range(120)]
 
 
-def _run(tmp_path, tokenizer, settings, resume=False):
+def _run(tmp_path, tokenizer, settings, resume=False, documents=DOCUMENTS, base="tiny"):
     torch.manual_seed(0)
     model = tiny_model("llama", vocab_size=len(tokenizer))
     add_lora_(model, LORA)
-    record = finetune(model, tokenizer, DOCUMENTS, settings, LORA, tmp_path, "tiny", resume=resume, progress=False)
+    record = finetune(model, tokenizer, documents, settings, LORA, tmp_path, base, resume=resume, progress=False)
     return model, record
 
 
@@ -39,8 +39,29 @@ def test_resume_continues_and_refuses_what_would_not_be_the_same_run(tmp_path, s
     with pytest.raises(ConfigError, match="holds no training checkpoint"):
         _run(tmp_path / "b", smollm2_tokenizer, settings, resume=True)
     longer = FinetuneSettings(max_steps=6, batch_size=2, seq_len=32, save_every=2)
+    with pytest.raises(ConfigError, match="trained on other data"):
+        _run(tmp_path / "a", smollm2_tokenizer, longer, resume=True, documents=DOCUMENTS[::-1])
+    with pytest.raises(ConfigError, match="trains 'tiny', not 'other'"):
+        _run(tmp_path / "a", smollm2_tokenizer, longer, resume=True, base="other")
     _, record = _run(tmp_path / "a", smollm2_tokenizer, longer, resume=True)
     assert len(record["losses"]) == 6
+
+
+@pytest.mark.parametrize("damaged", ["trainer_state.json", "adapters.safetensors", "optimizer.safetensors"])
+def test_a_checkpoint_file_cut_in_half_is_named(tmp_path, smollm2_tokenizer, damaged):
+    settings = FinetuneSettings(max_steps=2, batch_size=2, seq_len=32, save_every=2)
+    _run(tmp_path, smollm2_tokenizer, settings)
+    path = tmp_path / "checkpoint" / damaged
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CorruptModelError, match=damaged) as raised:
+        _run(tmp_path, smollm2_tokenizer, FinetuneSettings(max_steps=4, batch_size=2, seq_len=32, save_every=2), True)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**70])
+def test_a_seed_beyond_what_generators_take_is_refused(seed):
+    with pytest.raises(ConfigError, match="seed must be a whole number from 0 to 2\\*\\*63 - 1"):
+        FinetuneSettings(seed=seed)
 
 
 def test_too_little_text_is_named(tmp_path, smollm2_tokenizer):

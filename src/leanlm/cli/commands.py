@@ -300,7 +300,7 @@ def command_finetune(args) -> None:
     from leanlm.models.loading import read_tokenizer
     from leanlm.storage import writable_directory
     from leanlm.training import FinetuneSettings, finetune, read_documents, training_blocks
-    from leanlm.training.finetune import last_checkpoint_step
+    from leanlm.training.finetune import check_resumable, data_fingerprint, last_checkpoint_step
 
     lora = settings_from_args(LoRAConfig, args, {"base": "float"} if args.method == "lora" else {})
     if args.method == "lora" and lora.base != "float":
@@ -314,6 +314,7 @@ def command_finetune(args) -> None:
         raise ConfigError(
             f"{args.out} already holds a training checkpoint; add --resume to continue it, or choose another --out"
         )
+    check_resumable(args.out, settings, lora, data_fingerprint(documents), args.model, args.resume)
     quantized_base = is_quantized_checkpoint(args.model)
     if quantized_base:  # a k-bit checkpoint is the frozen base as it is, loaded without a float model
         if args.method == "lora":
@@ -451,7 +452,7 @@ def command_export(args) -> None:
 
     _check_json_path(args.json)
     if args.format == "gguf":
-        result = export_gguf(args.model, args.out, args.type)
+        result = export_gguf(args.model, args.out, args.type, force=args.force)
         blocks = f", quantized matrices as {' / '.join(result['block_types'])}" if result["block_types"] else ""
         print(
             f"wrote {result['path']} ({result['file_type']}, {result['tensors']} tensors, "

@@ -207,6 +207,12 @@ def _export(parser: argparse.ArgumentParser) -> None:
         help="gguf: tensor type of the float matrices (a checkpoint's quantized ones keep their "
         "blocks; norms stay f32; default f32)",
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="gguf: replace an existing --out file (never the model's own files); without it an existing "
+        "--out is refused",
+    )
 
 
 def _swarm(parser: argparse.ArgumentParser) -> None:
@@ -342,14 +348,26 @@ def main(argv: list[str] | None = None) -> int:
         print("\nleanlm: interrupted" + (f"; {interrupted(args)}" if interrupted else ""), file=sys.stderr)
         return INTERRUPTED
     except OSError as error:  # the disk filled up, a file vanished, a path became unreadable mid-run
-        print(
-            f"leanlm: error: {error.strerror or error}" + (f": {error.filename}" if error.filename else ""),
-            file=sys.stderr,
-        )
+        _error(f"{error.strerror or error}" + (f": {error.filename}" if error.filename else "") + _kept(args))
         return 1
     except Exception as error:
+        if _disk_full(error):  # safetensors reports a failed write as its own error type
+            _error(f"the disk is full: a file could not be written ({error})" + _kept(args))
+            return 1
         return _internal_error(error)
     return 0
+
+
+def _disk_full(error: Exception) -> bool:
+    return type(error).__name__ == "SafetensorError" and any(
+        sign in str(error) for sign in ("No space left", "StorageFull", "os error 28")
+    )
+
+
+def _kept(args) -> str:
+    """What a failed run leaves for the next one (blocks to resume from), as its interruption would say."""
+    interrupted = getattr(args, "interrupted", None)
+    return f"; {interrupted(args)}" if interrupted else ""
 
 
 def _internal_error(error: Exception) -> int:

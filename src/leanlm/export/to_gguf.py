@@ -29,11 +29,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from leanlm.errors import ConfigError
+from leanlm.errors import ConfigError, CorruptModelError, first_line
 from leanlm.export.exactness import MODULE_KINDS, require_exact
+from leanlm.formats.gguf_header import read_gguf_header
 from leanlm.formats.packing import unpack
 from leanlm.nn import QUANTIZED_MODULES, SpQRLinear
-from leanlm.storage import QUANT_FILE
+from leanlm.storage import QUANT_FILE, check_output_file, staged_file
 
 FILE_TYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -49,9 +50,10 @@ BLOCK = 32  # weights per Q4_0 / Q8_0 block
 _BLOCK_TYPES = {4: gguf.GGMLQuantizationType.Q4_0, 8: gguf.GGMLQuantizationType.Q8_0}  # code bits -> block type
 
 
-def source_gguf(source: str | os.PathLike) -> Path | None:
+def source_gguf(source: str | os.PathLike, *, follow: bool = True) -> Path | None:
     """The GGUF file `source` came from: the registry model's file, `source` itself, or (for a leanlm checkpoint)
-    the GGUF of the model it was quantized from; None for a model that came from a transformers directory."""
+    the GGUF of the model it was quantized from (its record's `source_model`, followed once: a record naming
+    another checkpoint, or itself, leads nowhere); None for a model that came from a transformers directory."""
     from leanlm.methods.checkpoint import read_record
     from leanlm.models.loading import cache_root
     from leanlm.models.registry import REGISTRY, gguf_path_of
@@ -62,9 +64,19 @@ def source_gguf(source: str | os.PathLike) -> Path | None:
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path
-    if path.is_dir() and (path / QUANT_FILE).is_file():
-        return source_gguf(read_record(path).get("source_model", ""))
+    if follow and path.is_dir() and (path / QUANT_FILE).is_file():
+        named = read_record(path).get("source_model")
+        return source_gguf(named, follow=False) if isinstance(named, str) and named else None
     return None
+
+
+def _read_gguf(path: Path):
+    """The `gguf` package's reader of `path`, after its header is checked (the reader allocates by its counts)."""
+    read_gguf_header(path)
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as error:  # the reader raises ValueError, struct and numpy errors for damaged files
+        raise CorruptModelError(f"{path} cannot be read as a GGUF file: {first_line(error)}") from None
 
 
 # The GGUF architectures whose hyper-parameters `metadata_from_transformers` writes from a transformers config:
@@ -240,21 +252,23 @@ def gguf_blocks(module: nn.Module) -> tuple[np.ndarray, gguf.GGMLQuantizationTyp
     return np.ascontiguousarray(blocks), block_type
 
 
-def export_gguf(source: str | os.PathLike, out: str | os.PathLike, file_type: str = "f32") -> dict:
+def export_gguf(
+    source: str | os.PathLike, out: str | os.PathLike, file_type: str = "f32", *, force: bool = False
+) -> dict:
     """Write `source` (a float model or a leanlm checkpoint) to `out` as one GGUF: quantized modules as their
     exact GGUF blocks, other matrices as `file_type` (see FILE_TYPES), with the metadata of the GGUF it came from
-    (or, without one, written from its config and tokenizer). Returns {"path", "file_type", "tensors",
+    (or, without one, written from its config and tokenizer). An existing `out` is replaced only with `force`,
+    and never when it is (or is inside) what the model is read from. Returns {"path", "file_type", "tensors",
     "block_types", "bytes", "metadata"}."""
     from leanlm.cache.prefix import attached_cushion
     from leanlm.methods.checkpoint import load_any
-    from leanlm.storage import writable_directory
 
     if file_type not in FILE_TYPES:
         raise ConfigError(f"file type {file_type!r}: choose from {', '.join(FILE_TYPES)}")
     origin = source_gguf(source)
-    original = gguf.GGUFReader(origin) if origin is not None else None
-    out = Path(out)
-    writable_directory(out.parent)
+    local = Path(str(source)).expanduser()
+    out = check_output_file(out, force=force, inputs=tuple(p for p in (origin, local) if p is not None and p.exists()))
+    original = _read_gguf(origin) if origin is not None else None
     if original is None:  # a model directory: what its metadata needs is read and checked before the weights
         _, tokenizer, vocabulary = transformers_vocabulary(Path(source))
     loaded = load_any(source)
@@ -301,51 +315,53 @@ def export_gguf(source: str | os.PathLike, out: str | os.PathLike, file_type: st
             kind, shape = (tensor_type if tensor.ndim == 2 else gguf.GGMLQuantizationType.F32), tuple(tensor.shape)
         plan.append((name, f"{target}.{suffix}", target, kind, shape))
 
-    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    writer = gguf.GGUFWriter(partial, architecture)
-    if original is not None:
-        metadata = f"carried over from {origin.name}"
-        for key, field in original.fields.items():
-            if key.startswith("GGUF.") or key in _NOT_CARRIED:
-                continue
-            kind = field.types[0]
-            writer.add_key_value(
-                key, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-            )
-    else:
-        pre = metadata_from_transformers(writer, config, tokenizer, vocabulary, Path(str(source)).name)
-        metadata = f"written from the config and tokenizer (pre-tokenizer {pre!r})"
-    writer.add_file_type(llama_file_type)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for _, gguf_name, _, kind, shape in plan:  # described by their bytes, so that every type takes one path
-        byte_shape = gguf.quant_shape_to_byte_shape(shape, kind)
-        writer.add_tensor_info(gguf_name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), kind)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        state = loaded.model.state_dict()
-        for name, _, target, kind, _ in plan:  # one tensor in memory at a time
-            base = name.rpartition(".")[0]
-            if base in quantized and name.endswith(".weight"):
-                data, _ = gguf_blocks(modules[base])
+    metadata = (
+        f"carried over from {origin.name}"
+        if original is not None
+        else f"written from the config and tokenizer (pre-tokenizer {vocabulary[0]!r})"
+    )
+    with staged_file(out) as partial:  # the file appears only when complete
+        writer = gguf.GGUFWriter(partial, architecture)
+        try:
+            if original is not None:
+                for key, field in original.fields.items():
+                    if key.startswith("GGUF.") or key in _NOT_CARRIED:
+                        continue
+                    kind = field.types[0]
+                    writer.add_key_value(
+                        key,
+                        field.contents(),
+                        kind,
+                        sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None,
+                    )
             else:
-                data = state[name].detach().to(torch.float32).numpy()
-                if kind != gguf.GGMLQuantizationType.F32:
-                    data = gguf.quants.quantize(data, kind)
-            if table.norm_weight_offset and "norm" in target:  # the file holds what the norm multiplies by
-                data = data + np.float32(table.norm_weight_offset)
-            if table.gguf_interleaved_qk and target.endswith("attn_q"):  # whole rows move, blocks with them
-                data = _gguf_order(data, config.num_attention_heads)
-            elif table.gguf_interleaved_qk and target.endswith("attn_k"):
-                data = _gguf_order(data, config.num_key_value_heads)
-            writer.write_tensor_data(np.ascontiguousarray(data))
-        writer.close()
-    except BaseException:
-        writer.close()
-        partial.unlink(missing_ok=True)
-        raise
-    os.replace(partial, out)  # the file appears only when complete
+                metadata_from_transformers(writer, config, tokenizer, vocabulary, Path(str(source)).name)
+            writer.add_file_type(llama_file_type)
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            for _, gguf_name, _, kind, shape in plan:  # described by their bytes, so that every type takes one path
+                byte_shape = gguf.quant_shape_to_byte_shape(shape, kind)
+                writer.add_tensor_info(gguf_name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), kind)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            state = loaded.model.state_dict()
+            for name, _, target, kind, _ in plan:  # one tensor in memory at a time
+                base = name.rpartition(".")[0]
+                if base in quantized and name.endswith(".weight"):
+                    data, _ = gguf_blocks(modules[base])
+                else:
+                    data = state[name].detach().to(torch.float32).numpy()
+                    if kind != gguf.GGMLQuantizationType.F32:
+                        data = gguf.quants.quantize(data, kind)
+                if table.norm_weight_offset and "norm" in target:  # the file holds what the norm multiplies by
+                    data = data + np.float32(table.norm_weight_offset)
+                if table.gguf_interleaved_qk and target.endswith("attn_q"):  # whole rows move, blocks with them
+                    data = _gguf_order(data, config.num_attention_heads)
+                elif table.gguf_interleaved_qk and target.endswith("attn_k"):
+                    data = _gguf_order(data, config.num_key_value_heads)
+                writer.write_tensor_data(np.ascontiguousarray(data))
+        finally:
+            writer.close()
     return {
         "path": str(out),
         "file_type": file_type,

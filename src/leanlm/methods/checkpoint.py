@@ -19,7 +19,6 @@ from accelerate import init_empty_weights
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_model as save_safetensors_from
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from leanlm.cache.prefix import attached_cushion, save_cushion
 from leanlm.errors import ConfigError, CorruptModelError, ModelNotFoundError
@@ -36,12 +35,11 @@ from leanlm.models.loading import (
     read_model_config,
     read_tokenizer,
 )
+from leanlm.models.untrusted import INDEX_FILE, WEIGHTS_FILE, model_from_config, weight_files
 from leanlm.nn import QUANTIZED_MODULES, KbitLinear, SpQRLinear, use_gemv_
 from leanlm.nn.kbit_linear import KbitEmbedding
 from leanlm.storage import QUANT_FILE, QUANTIZED_MARKER, staged_directory
 
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"  # a checkpoint in several files (one per block, out of core)
 # What a checkpoint may store its token embedding and float output head in: bfloat16 halves what are then its
 # largest float tensors (a Llama-3-8B's two are 4.2 GB in float32) for their rounding to 8 significant bits.
 TABLE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -232,22 +230,10 @@ def _rebuilt_modules(model: nn.Module, modules: dict, source: Path) -> dict[str,
 
 def weights_files(directory: Path) -> list[Path]:
     """The safetensors files of a checkpoint: `model.safetensors`, or those its index lists (the out-of-core
-    pipeline writes one per block)."""
-    index = directory / INDEX_FILE
-    if not index.is_file():
-        weights = directory / WEIGHTS_FILE
-        if not weights.is_file():
-            raise ModelNotFoundError(f"{directory} has {QUANT_FILE} but no {WEIGHTS_FILE}")
-        return [weights]
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = sorted({directory / name for name in weight_map.values()})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise CorruptModelError(f"{index} cannot be read: {error}") from None
-    missing = [path.name for path in files if not path.is_file()]
-    if missing:
-        raise CorruptModelError(f"{directory} lacks {', '.join(missing[:3])}, which its {INDEX_FILE} lists")
-    return files
+    pipeline writes one per block), each inside the checkpoint."""
+    if not (directory / INDEX_FILE).is_file() and not (directory / WEIGHTS_FILE).is_file():
+        raise ModelNotFoundError(f"{directory} has {QUANT_FILE} but no {WEIGHTS_FILE}")
+    return sorted(set(weight_files(directory).values()))
 
 
 def _check_weights_files(paths: list[Path], model: nn.Module, table_dtype: str = "float32") -> dict[str, Path]:
@@ -306,7 +292,7 @@ def load_quantized(
     tokenizer = read_tokenizer(directory)
     trim_freed_memory()
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        skeleton = model_from_config(config, dtype=torch.float32)
     rebuilt = _rebuilt_modules(skeleton, record["modules"], directory / QUANT_FILE)
     for name, module in rebuilt.items():
         skeleton.set_submodule(name, module, strict=False)
@@ -315,7 +301,7 @@ def load_quantized(
     # No float model first: parameters start on the meta device (buffers, such as RoPE's frequencies and the
     # quantized modules' codes, are real) and take the files' tensors, so resident memory is the stored bytes.
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = model_from_config(config, dtype=torch.float32)
     for name, entry in record["modules"].items():
         model.set_submodule(name, QUANTIZED_MODULES[entry["class"]](**entry["args"]), strict=False)
     tables = {name: stored[name] for name in _tables(model) if name in stored}

@@ -49,7 +49,7 @@ from leanlm.methods.quantize import Calibration, QuantRun, quantize_, register_a
 from leanlm.methods.w8a8 import W8A8Config
 from leanlm.models.architectures import iter_quantizable_linears
 from leanlm.optim import AdamW
-from leanlm.settings import option
+from leanlm.settings import check_seed, option
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ class CushionConfig:
     seed: int = option(0, "seed of the search samples and tuning batches")
 
     def __post_init__(self):
+        check_seed(self.seed)
         for name in (
             "candidates",
             "max_length",

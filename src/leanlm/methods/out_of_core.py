@@ -32,9 +32,8 @@ from accelerate.utils import set_module_tensor_to_device
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM
 
-from leanlm.errors import ConfigError, CorruptModelError, ModelNotFoundError, NeedsWholeModelError
+from leanlm.errors import ConfigError, CorruptModelError
 from leanlm.memory import trim_freed_memory
 from leanlm.methods.blocks import ResidentBlocks
 from leanlm.methods.checkpoint import (
@@ -50,6 +49,7 @@ from leanlm.methods.checkpoint import (
 from leanlm.methods.quantize import Calibration, QuantRecord, quantize_
 from leanlm.models.architectures import architecture_for, decoder_blocks
 from leanlm.models.loading import LoadedModel, read_model_config, read_tokenizer, resolve_float_directory
+from leanlm.models.untrusted import model_from_config, stored_names, weight_files
 from leanlm.nn import use_gemv_
 from leanlm.storage import (
     QUANTIZED_MARKER,
@@ -78,22 +78,8 @@ class SafetensorsShards:
 
     def __init__(self, directory: Path, model: nn.Module):
         self.directory = directory
-        index = directory / INDEX_FILE
-        try:
-            if index.is_file():
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-                self.files = {name: directory / file for name, file in weight_map.items()}
-            elif (directory / "model.safetensors").is_file():
-                with safe_open(str(directory / "model.safetensors"), "pt") as handle:
-                    self.files = {name: directory / "model.safetensors" for name in handle.keys()}
-            else:
-                raise ModelNotFoundError(f"{directory} has no safetensors weights (model.safetensors or {INDEX_FILE})")
-        except (OSError, ValueError, KeyError, TypeError, SafetensorError) as error:
-            raise CorruptModelError(f"the weight index of {directory} cannot be read: {error}") from None
-        missing = sorted({path.name for path in self.files.values() if not path.is_file()})
-        if missing:
-            raise CorruptModelError(f"{directory} lacks the shard files {', '.join(missing[:3])} its index lists")
-        self.stored_names = _model_names(model, list(self.files))
+        self.files = weight_files(directory)
+        self.stored_names = stored_names(model, list(self.files))
         self.files = {name: self.files[stored] for name, stored in self.stored_names.items()}
 
     def __contains__(self, name: str) -> bool:
@@ -127,32 +113,11 @@ class SafetensorsShards:
         return wanted
 
 
-def _model_names(model: nn.Module, stored: list[str]) -> dict[str, str]:
-    """{name in `model`: name stored}, by transformers' renaming rules for the model's family."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, rename_source_key
-
-    transforms = get_model_conversion_mapping(model)
-    renamings = [transform for transform in transforms if isinstance(transform, WeightRenaming)]
-    converters = [transform for transform in transforms if not isinstance(transform, WeightRenaming)]
-    expected = model.state_dict()
-    names = {}
-    for name in stored:
-        renamed, converted = rename_source_key(name, renamings, converters, model.base_model_prefix, expected)
-        if converted is not None:
-            raise NeedsWholeModelError(
-                f"{name} is converted by transformers as it loads ({converted}); leanlm reads "
-                "only tensors stored as the model uses them"
-            )
-        names[renamed] = name
-    return names
-
-
 def model_skeleton(config) -> nn.Module:
     """The float32 model of `config` with every parameter on the meta device (buffers such as RoPE's
     frequencies are real and small)."""
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = model_from_config(config, dtype=torch.float32)
     retie_embeddings(model)  # a tied output head is the embedding's parameter, stored once
     return model.eval()
 

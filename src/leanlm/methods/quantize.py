@@ -35,7 +35,7 @@ from torch import nn
 from leanlm.data.calibration import calibration_batches
 from leanlm.errors import ConfigError, NeedsWholeModelError, UnsupportedArchitectureError
 from leanlm.methods.blocks import ResidentBlocks, walk_blocks
-from leanlm.settings import option
+from leanlm.settings import check_seed, option
 
 Role = Literal["transform", "quantizer"]
 
@@ -58,6 +58,9 @@ class Calibration:
         None, "int8 statistics already observed on this very model (`calibrate`), to reuse", cli=False
     )
     _read: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        check_seed(self.seed)
 
     def batches(self, samples: int | None = None) -> torch.Tensor:
         """(samples, seq_len) token ids; `samples` is a method's own default, overridden by `self.samples`."""

@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from leanlm.errors import UnsupportedArchitectureError
+from leanlm.errors import UnsupportedArchitectureError, first_line
 
 PositionEncoding = Literal["rope", "learned", "none"]
 
@@ -150,16 +150,15 @@ def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
-def _skeleton(config) -> nn.Module:
+def skeleton(config) -> nn.Module:
     """The causal LM of `config` on the meta device: its modules, no memory, never a file's code."""
-    from transformers import AutoModelForCausalLM
+    from leanlm.models.untrusted import model_from_config
 
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(copy.deepcopy(config), trust_remote_code=False)
+            return model_from_config(copy.deepcopy(config))
     except Exception as error:  # transformers raises ValueError, KeyError, ... for configs it cannot build
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise _refuse(config, f"transformers cannot build it as a causal language model: {first_line}") from None
+        raise _refuse(config, f"transformers cannot build it as a causal language model: {first_line(error)}") from None
 
 
 def _find_blocks(skeleton: nn.Module, config) -> str:
@@ -251,11 +250,11 @@ def _activation(config, gated: bool) -> str:
 def _derive(config) -> ArchitectureTable:
     if any(getattr(config, key, None) for key in _EXPERT_COUNTS):
         raise _refuse(config, "a mixture-of-experts model; leanlm's methods quantize dense decoder blocks")
-    skeleton = _skeleton(config)
-    blocks = _find_blocks(skeleton, config)
-    block = skeleton.get_submodule(blocks)[0]
+    meta = skeleton(config)
+    blocks = _find_blocks(meta, config)
+    block = meta.get_submodule(blocks)[0]
     linears = [name for name, module in block.named_modules() if _is_linear(module)]
-    trace = _trace_block(skeleton, block)
+    trace = _trace_block(meta, block)
     if trace is not None:
         ran = [name for name in trace.order if name in linears]
         linears = ran + [name for name in linears if name not in ran]
@@ -316,14 +315,14 @@ def _derive(config) -> ArchitectureTable:
 
     outside = [
         (name, module)
-        for name, module in skeleton.named_modules()
+        for name, module in meta.named_modules()
         if name and not name.startswith(blocks + ".") and name != blocks
     ]
     norms = [name for name, module in outside if _is_norm(module)]
     if not norms:
         raise _refuse(config, "no final norm after its decoder blocks")
     final_norm = norms[-1]
-    output_embedding = skeleton.get_output_embeddings()
+    output_embedding = meta.get_output_embeddings()
     head = next((name for name, module in outside if module is output_embedding), None)
     embeddings = [name for name, module in outside if isinstance(module, nn.Embedding)]
     rotary = next((name for name, module in outside if "rotary" in type(module).__name__.lower()), None)
@@ -331,7 +330,7 @@ def _derive(config) -> ArchitectureTable:
         positions: PositionEncoding = "rope"
     else:
         positions = "learned" if len(embeddings) > 1 else "none"
-    kind, offset = _norm_behaviour(skeleton.get_submodule(final_norm))
+    kind, offset = _norm_behaviour(meta.get_submodule(final_norm))
     facts = FAMILY_FACTS.get(config.model_type, FamilyFacts())
     return ArchitectureTable(
         family=config.model_type,

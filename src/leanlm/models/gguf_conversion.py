@@ -23,13 +23,14 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from leanlm.errors import CorruptModelError, UnsupportedArchitectureError
+from leanlm.formats.gguf_header import read_gguf_header
 from leanlm.models.architectures import architecture_for
+from leanlm.models.untrusted import INDEX_FILE, from_pretrained, model_from_config
 
 log = logging.getLogger(__name__)
 
 SHARD_BYTES = 512 << 20  # a shard's tensors are held until it is written: this bounds that buffer
 CHUNK_VALUES = 1 << 22  # values de-quantized at once
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def _read_metadata(gguf: Path):
@@ -38,6 +39,7 @@ def _read_metadata(gguf: Path):
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    read_gguf_header(gguf)  # every count, length and offset checked before a reader allocates by them
     try:
         parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
     except Exception as error:  # the GGUF reader raises anything from ValueError to struct errors
@@ -68,7 +70,7 @@ def _read_tokenizer(gguf: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        return from_pretrained(AutoTokenizer, gguf.parent, gguf_file=gguf.name)
     except Exception as error:
         raise CorruptModelError(
             f"{gguf}: its metadata does not describe a tokenizer transformers builds: {error}"
@@ -79,11 +81,10 @@ def _name_map(config, parsed: dict):
     """(GGUF tensor name -> transformers name, the architecture's tensor processor, the shape of every tensor
     the model needs, by transformers name)."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     with init_empty_weights():
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        skeleton = model_from_config(config)
     config.architectures = [type(skeleton).__name__]
     architecture = parsed["config"].get("model_type", config.model_type)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])

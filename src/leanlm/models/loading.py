@@ -19,11 +19,18 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from leanlm.checksums import sha256_of
-from leanlm.errors import ConfigError, CorruptModelError, ModelNotFoundError
+from leanlm.errors import ConfigError, CorruptModelError, ModelNotFoundError, first_line
 from leanlm.kernels.cpu import has_native_bf16
-from leanlm.models.architectures import ArchitectureTable, architecture_for
+from leanlm.models.architectures import ArchitectureTable, architecture_for, skeleton
 from leanlm.models.gguf_conversion import convert_gguf
 from leanlm.models.registry import REGISTRY, gguf_path_of
+from leanlm.models.untrusted import (
+    check_contained,
+    check_float_weights,
+    check_layer_count,
+    from_pretrained,
+    weight_files,
+)
 from leanlm.nn.float_linear import use_gemv_
 from leanlm.settings import option
 from leanlm.storage import QUANT_FILE, quantized_weights_file, staged_directory
@@ -141,10 +148,12 @@ def read_model_config(directory: Path, *, quantized: bool = False):
     weights (a quantized checkpoint is read by `leanlm.methods.load_quantized`, never as a float model)."""
     if not (directory / "config.json").is_file():
         raise ModelNotFoundError(f"{directory} is not a model directory: it has no config.json")
+    check_contained(directory)
     try:
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        config = from_pretrained(AutoConfig, directory)
     except Exception as error:  # transformers raises ValueError, OSError, TypeError, KeyError on a bad config.json
-        raise CorruptModelError(f"{directory}/config.json cannot be read: {error}") from None
+        raise CorruptModelError(f"{directory}/config.json cannot be read: {_readable(error)}") from None
+    check_layer_count(directory, config, weight_files(directory))  # before any skeleton of that many layers
     architecture_for(config)  # refuse unsupported families before spending time on the weights
     if not quantized and getattr(config, "quantization_config", None) is None:
         marked = quantized_weights_file(directory)
@@ -166,20 +175,30 @@ def read_tokenizer(directory: Path):
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise ModelNotFoundError(f"{directory} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     try:
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        return from_pretrained(AutoTokenizer, directory)
     except Exception as error:  # tokenizers raises its own exception types for damaged files
-        raise ModelNotFoundError(f"{directory} has no usable tokenizer files: {error}") from None
+        raise ModelNotFoundError(f"{directory} has no usable tokenizer files: {_readable(error)}") from None
+
+
+def _readable(error: Exception) -> str:
+    """A transformers error in a line; its request to trust a directory's code becomes what leanlm does instead."""
+    if "custom code" in str(error) or "trust_remote_code" in str(error):
+        return "it names Python code of its own (auto_map) to build it, and leanlm never runs code from a model"
+    return first_line(error)
 
 
 def _load_hf_directory(directory: Path, attn_implementation: str | None, dtype: torch.dtype = torch.float32):
-    read_model_config(directory)
+    config = read_model_config(directory)
+    if getattr(config, "quantization_config", None) is None:  # a quantizer's files hold its own tensors
+        check_float_weights(directory, config, weight_files(directory), skeleton(config))
     tokenizer = read_tokenizer(directory)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
+        model, info = from_pretrained(
+            AutoModelForCausalLM,
             directory,
             dtype=dtype,
             attn_implementation=attn_implementation,
-            local_files_only=True,
+            use_safetensors=True,
             output_loading_info=True,
         )
     except Exception as error:  # safetensors, torch and transformers each raise their own types here

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
 
 from leanlm.errors import ConfigError
+from leanlm.models.untrusted import model_from_config
 from leanlm.storage import staged_directory
 
 INIT_STD = 0.02
@@ -43,7 +43,7 @@ def write_random_model(
     shard (at most `shard_bytes` each); refuses up front when the disk has not room for it. Returns the
     directory, which appears only when complete."""
     with init_empty_weights():
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = model_from_config(config)
     shapes, seen = {}, set()
     for name, tensor in skeleton.state_dict(keep_vars=True).items():
         if id(tensor) not in seen:  # tied weights are stored once

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from leanlm.evaluation.tokens import bos_prefix, encode
 from leanlm.serve.engine import Engine, Sampling, asyncio_emitter
 from leanlm.serve.engine import Request as EngineRequest
+from leanlm.settings import SEEDS
 
 
 class ApiError(Exception):
@@ -70,7 +71,7 @@ class Sampled(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=SEEDS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)

@@ -18,6 +18,9 @@ from leanlm.errors import DataError
 from leanlm.evaluation.tokens import bos_prefix, encode
 
 Document = str | list[dict]  # plain text, or a conversation
+# A document is tokenized whole, and a tokenizer's working memory is many times its text: longer ones are
+# refused, with the line, before any is tokenized.
+MAX_DOCUMENT_CHARS = 1 << 20
 
 
 def read_documents(path: str | os.PathLike) -> list[Document]:
@@ -35,6 +38,12 @@ def read_documents(path: str | os.PathLike) -> list[Document]:
         raise DataError(f"fine-tuning data {path} cannot be read: {error.strerror or error}") from None
     if any("\x00" in line for line in lines):
         raise DataError(f"fine-tuning data {path} holds NUL bytes: it is a binary file, not text or JSONL")
+    for number, line in enumerate(lines, 1):
+        if len(line) > MAX_DOCUMENT_CHARS:
+            raise DataError(
+                f"fine-tuning data {path}:{number} is {len(line):,} characters long; a line is one document, of at "
+                f"most {MAX_DOCUMENT_CHARS:,}: break the text into lines (paragraphs)"
+            )
     if path.suffix != ".jsonl":
         documents = [line.strip() for line in lines if line.strip()]
     else:

@@ -9,6 +9,7 @@ dropout masks an uninterrupted run would have.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -23,7 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from leanlm.bench.harness import peak_memory, weight_bytes
-from leanlm.errors import ConfigError
+from leanlm.errors import ConfigError, CorruptModelError, first_line
 from leanlm.memory import return_freed_memory_at_once
 from leanlm.methods.qlora import (
     LoRAConfig,
@@ -33,7 +34,7 @@ from leanlm.methods.qlora import (
 )
 from leanlm.optim import AdamW
 from leanlm.report import plot_training_curves
-from leanlm.settings import option
+from leanlm.settings import check_seed, option
 from leanlm.training.data import Document, batch_indices, training_blocks
 from leanlm.training.loss import causal_lm_loss
 
@@ -78,12 +79,13 @@ class FinetuneSettings:
             raise ConfigError(f"lr must be positive, got {self.lr}")
         if self.optimizer_bits not in (8, 32):
             raise ConfigError(f"optimizer_bits must be 8 or 32, got {self.optimizer_bits}")
+        check_seed(self.seed)
 
-    def resumable_with(self, other: FinetuneSettings) -> bool:
-        """Everything that changes the result must match for a resumed run to continue the same run (the step
-        budget and how memory is spent do not: recomputed activations are the same numbers)."""
-        ignored = {"max_steps": 0, "gradient_checkpointing": None, "keep_freed_memory": None}
-        return {**asdict(self), **ignored} == {**asdict(other), **ignored}
+    @staticmethod
+    def ignored_on_resume() -> set[str]:
+        """What may change when a run resumes and it is still the same run: the step budget and how memory is
+        spent (recomputed activations are the same numbers)."""
+        return {"max_steps", "gradient_checkpointing", "keep_freed_memory"}
 
 
 @torch.no_grad()
@@ -124,12 +126,63 @@ def _recover_checkpoint(out: Path) -> Path | None:
 def last_checkpoint_step(out: str | os.PathLike) -> int | None:
     """The step of the newest whole checkpoint in `out`, or None."""
     checkpoint = _recover_checkpoint(Path(out))
+    return None if checkpoint is None else _read_state(checkpoint)["step"]
+
+
+def _read_state(checkpoint: Path) -> dict:
+    path = checkpoint / "trainer_state.json"
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        int(state["step"]), dict(state["settings"]), dict(state["lora"]), list(state["losses"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        raise CorruptModelError(f"{path} cannot be read ({first_line(error)}); start a new run elsewhere") from None
+    return state
+
+
+def _read_tensors(checkpoint: Path, name: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(checkpoint / name))
+    except Exception as error:  # safetensors raises its own error types for a damaged file
+        raise CorruptModelError(f"{checkpoint / name} cannot be read ({first_line(error)})") from None
+
+
+def data_fingerprint(documents: list[Document]) -> str:
+    """The sha256 of the training documents as read: a resumed run must see the same data."""
+    return hashlib.sha256(json.dumps(documents, ensure_ascii=False).encode()).hexdigest()
+
+
+def check_resumable(
+    out: str | os.PathLike, settings: FinetuneSettings, lora: LoRAConfig, data: str, base_model: str, resume: bool
+) -> Path | None:
+    """The checkpoint a run writing to `out` continues (None for a new run), after checking that resuming it is
+    exactly the same run: the same settings, adapters, base model and data (`data_fingerprint`)."""
+    out = Path(out)
+    checkpoint = _recover_checkpoint(out)
+    if checkpoint is not None and not resume:
+        raise ConfigError(f"{out} already holds a training checkpoint; resume it, or write to another directory")
+    if checkpoint is None and resume:
+        raise ConfigError(f"resume: {out} holds no training checkpoint")
     if checkpoint is None:
         return None
-    try:
-        return int(json.loads((checkpoint / "trainer_state.json").read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    state = _read_state(checkpoint)
+    ignored = settings.ignored_on_resume()
+    had = {**state["settings"], **{f"lora {key}": value for key, value in state["lora"].items()}}
+    has = {**asdict(settings), **{f"lora {key}": value for key, value in asdict(lora).items()}}
+    changed = [key for key in dict.fromkeys([*had, *has]) if key not in ignored and had.get(key) != has.get(key)]
+    if changed:
+        raise ConfigError(
+            f"the checkpoint in {out} was trained with other settings; resume with the same options ("
+            + ", ".join(f"{key}: it has {had.get(key)!r}, this run {has.get(key)!r}" for key in changed[:3])
+            + ")"
+        )
+    if state.get("base_model") != base_model:
+        raise ConfigError(f"the checkpoint in {out} trains {state.get('base_model')!r}, not {base_model!r}")
+    if state.get("data_sha256") != data:
+        raise ConfigError(
+            f"the checkpoint in {out} was trained on other data (sha256 {str(state.get('data_sha256'))[:12]}... of "
+            f"its documents; this data gives {data[:12]}...); resume with the same --data"
+        )
+    return checkpoint
 
 
 def finetune(
@@ -155,21 +208,18 @@ def finetune(
     optimizer = AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay, state_bits=settings.optimizer_bits)
     losses: list[float] = []
     start_step, train_seconds = 0, 0.0
-    checkpoint = _recover_checkpoint(out)
-    if checkpoint is not None and not resume:
-        raise ConfigError(f"{out} already holds a training checkpoint; resume it, or write to another directory")
-    if checkpoint is None and resume:
-        raise ConfigError(f"resume: {out} holds no training checkpoint")
+    data = data_fingerprint(documents)
+    checkpoint = check_resumable(out, settings, lora, data, base_model, resume)
     if checkpoint is not None:
-        state = json.loads((checkpoint / "trainer_state.json").read_text())
-        if not settings.resumable_with(FinetuneSettings(**state["settings"])) or state["lora"] != asdict(lora):
-            raise ConfigError(
-                f"the checkpoint in {out} was trained with other settings; resume with the same "
-                f"options (it has {state['settings']} and LoRA {state['lora']})"
-            )
-        load_adapter_tensors_(model, load_file(str(checkpoint / "adapters.safetensors")), str(checkpoint))
-        optimizer.load_state_tensors(load_file(str(checkpoint / "optimizer.safetensors")))
-        torch.set_rng_state(load_file(str(checkpoint / "rng.safetensors"))["torch"])
+        state = _read_state(checkpoint)
+        load_adapter_tensors_(model, _read_tensors(checkpoint, "adapters.safetensors"), str(checkpoint))
+        try:
+            optimizer.load_state_tensors(_read_tensors(checkpoint, "optimizer.safetensors"))
+            torch.set_rng_state(_read_tensors(checkpoint, "rng.safetensors")["torch"])
+        except (KeyError, ValueError, RuntimeError) as error:
+            raise CorruptModelError(
+                f"{checkpoint}: its optimizer or RNG state does not fit this run: {error}"
+            ) from None
         start_step, losses, train_seconds = state["step"], state["losses"], state["train_seconds"]
 
     warmup_steps = max(1, round(settings.warmup_fraction * settings.max_steps))
@@ -190,6 +240,8 @@ def finetune(
                 "train_seconds": train_seconds,
                 "settings": asdict(settings),
                 "lora": asdict(lora),
+                "base_model": base_model,
+                "data_sha256": data,
             },
         )
 
