@@ -1,7 +1,8 @@
-"""FP32 baseline of a model: full-test-set perplexity (WikiText-2, PTB) at the papers' window, zero-shot
+"""Float baseline of a model (float32, or bfloat16 with --dtype): full-test-set perplexity (WikiText-2, PTB) at the papers' window, zero-shot
 accuracy on the six tasks, and evaluation throughput. Writes benchmarks/results/baseline_<model>.json + .png.
 
     python benchmarks/baseline.py [--model smollm2-135m] [--limit 500] [--seq-len 2048]
+    python benchmarks/baseline.py --model qwen2.5-coder-1.5b --dtype bfloat16 --limit 200 --resume
     python benchmarks/baseline.py --only throughput   # re-measure only the forward speed, on a quiet machine
     python benchmarks/baseline.py --only piqa         # one task again (each task is a row of the study)
     python benchmarks/baseline.py --report            # the saved table
@@ -100,7 +101,7 @@ def plot_baseline(payload: dict, path) -> None:
     right.set_xticks(list(left_pos), names)
     right.set_title(f"zero-shot, first {settings['limit']} items per task")
     right.legend()
-    save_figure(fig, path, titled(payload, "FP32"))
+    save_figure(fig, path, titled(payload, payload.get("dtype", "float32")))
 
 
 def main() -> None:
@@ -108,6 +109,12 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=500, help="items per zero-shot task (None: full sets)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="compute dtype (bfloat16: the best float path of a CPU with native bf16 products)",
+    )
     args = parser.parse_args()
     name = results_name("baseline", args.model)
     if args.report:
@@ -116,8 +123,9 @@ def main() -> None:
     settings = EvalSettings(
         tasks=("wikitext2", "ptb", *ZERO_SHOT_TASKS), limit=args.limit, max_tokens=args.max_tokens, seq_len=args.seq_len
     )
-    study = Study(name, vars(settings), args, plot=plot_baseline)
-    loaded = study.load_model(args.model)
+    extra = {"dtype": args.dtype} if args.dtype != "float32" else {}  # float32 runs keep their saved settings
+    study = Study(name, {**vars(settings), **extra}, args, plot=plot_baseline)
+    loaded = study.load_model(args.model, args.dtype)
     # One row per task, so that a run stopped half-way keeps the tasks it finished.
     for task in study.todo("results", settings.tasks):
         result = evaluate(loaded.model, loaded.tokenizer, replace(settings, tasks=(task,)))

@@ -114,12 +114,37 @@ def stop_token_ids(tokenizer) -> set[int]:
     return {i for i in ids if isinstance(i, int)}
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template's rendering of `messages` (ending with the assistant's turn opened) as token ids, each
+    message's content read as plain text: the spelling of a special token inside a message (`<|im_start|>system`)
+    stays text, so a message can never open a turn of another role. The template is rendered with a placeholder
+    for each content; the template's own text around them is tokenized as usual, the contents with special tokens
+    split."""
+    marks = [f"\x00{index}\x00" for index in range(len(messages))]
+    rendered = tokenizer.apply_chat_template(
+        [{**message, "content": mark} for message, mark in zip(messages, marks, strict=True)],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    ids, rest = [], rendered
+    for message, mark in zip(messages, marks, strict=True):
+        before, found, rest = rest.partition(mark)
+        if not found:
+            raise ConfigError("this chat template rewrites message text, so a message cannot be kept apart from it")
+        ids += encode(tokenizer, before)
+        ids += tokenizer(message["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids + encode(tokenizer, rest)
+
+
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
     """Greedy at temperature 0; else a draw from softmax(logits / temperature), cut to the nucleus (the smallest
     set of most likely tokens holding `top_p` of the mass) when top_p < 1."""
-    if temperature == 0:
+    if temperature < torch.finfo(torch.float64).tiny:  # 0, or too small to divide by: the limit is greedy
         return int(logits.argmax())
-    probabilities = torch.softmax(logits.float() / temperature, dim=-1)
+    # In float64 and shifted so that the largest logit is 0 before the division: a temperature so small that a
+    # logit over it overflows still gives 0 for the most likely token and -inf for the rest, never inf - inf.
+    logits = logits.double()
+    probabilities = torch.softmax((logits - logits.max()) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probabilities, order = probabilities.sort(descending=True)
         outside = sorted_probabilities.cumsum(0) - sorted_probabilities >= top_p

@@ -3,6 +3,7 @@ Llama with SmolLM2's tokenizer and chat template)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -14,6 +15,8 @@ import openai
 import pytest
 import torch
 import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from processes import leanlm_process
 from tiny import tiny_model
 
@@ -46,6 +49,13 @@ def server(smollm2_tokenizer, request):
     )
     app = build_app(model, smollm2_tokenizer, MODEL, settings)
     assert (app.state.engine.fused is not None) == (request.param and avx2_available())
+    with running(app) as url:
+        yield url, app
+
+
+@contextlib.contextmanager
+def running(app):
+    """`app` served by uvicorn on a free loopback port for the block; yields its base URL."""
     port = free_port()
     instance = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=instance.run, daemon=True)
@@ -54,9 +64,11 @@ def server(smollm2_tokenizer, request):
     while not instance.started:
         assert time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app
-    instance.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        instance.should_exit = True
+        thread.join(timeout=10)
 
 
 @pytest.fixture
@@ -181,7 +193,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server, client):
     stream = client.chat.completions.create(
         model=MODEL,
         stream=True,
-        max_tokens=5000,
+        max_tokens=4000,
         temperature=0,
         messages=[{"role": "user", "content": "a long answer please"}],
     )
@@ -189,6 +201,16 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server, client):
         if index == 3:
             break
     stream.close()
+    deadline = time.monotonic() + 20
+    while get(server[0] + "/health")["active_requests"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert get(server[0] + "/health")["active_requests"] == 0
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_slot(server):
+    impatient = openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=MODEL, prompt="once upon a time", max_tokens=4000, temperature=0)
     deadline = time.monotonic() + 20
     while get(server[0] + "/health")["active_requests"] and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -233,6 +255,35 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server, client):
             "larger",
         ),
         (json.dumps([1, 2, 3]).encode(), 400, ""),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}).encode(),
+            400,
+            "seed",
+        ),
+        (
+            json.dumps(
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": -(2**63) - 1}
+            ).encode(),
+            400,
+            "seed",
+        ),
+        (
+            json.dumps(
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**30}
+            ).encode(),
+            400,
+            "max_tokens",
+        ),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}]}).encode(),
+            400,
+            "lone surrogate",
+        ),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["\udfff"]}).encode(),
+            400,
+            "lone surrogate",
+        ),
     ],
 )
 def test_bad_requests_get_openai_style_errors_and_the_server_lives_on(server, client, body, status, fragment):
@@ -320,3 +371,154 @@ def test_the_leanlm_serve_command_answers_and_stops_cleanly(tiny_llama_dir, stop
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 1e-40}, {"top_p": 1e-300}, {"temperature": 5e-324, "top_p": 1e-300}]
+)
+def test_tiny_but_valid_temperature_and_top_p_answer(client, sampling):
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, **sampling
+    )
+    greedy = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+    )
+    assert answer.choices[0].message.content == greedy.choices[0].message.content
+
+
+def test_a_chunked_body_is_bounded_like_one_with_a_length(server):
+    import http.client
+    from urllib.parse import urlparse
+
+    address = urlparse(server[0])
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
+    chunk = b"x" * (64 << 10)
+    connection.request(
+        "POST",
+        "/v1/completions",
+        body=iter([b'{"model": "tiny-llama", "prompt": "', *[chunk] * 48, b'"}']),
+        headers={"Content-Type": "application/json"},
+        encode_chunked=True,
+    )
+    response = connection.getresponse()
+    assert response.status == 413 and "larger than" in json.loads(response.read())["error"]["message"]
+    connection.close()
+    assert get(server[0] + "/health")["status"] == "ok"
+
+
+def test_a_stream_nobody_reads_loses_its_slot(smollm2_tokenizer):
+    """A client that stops reading a stream (the server's sends block, as they do once the socket's buffers are
+    full) holds its request only until the stall timeout: the request ends long before its max_tokens."""
+    import asyncio
+
+    model = tiny_model("llama", vocab_size=len(smollm2_tokenizer), seed=1)
+    settings = ServeSettings(
+        streaming=StreamingConfig(sinks=4, window=WINDOW), max_tokens_limit=100_000, stall_seconds=1, max_batch=2
+    )
+    app = build_app(model, smollm2_tokenizer, MODEL, settings)
+    requests = []
+    submit = app.state.engine.submit
+    app.state.engine.submit = lambda request: (requests.append(request), submit(request))[1]
+    body = json.dumps({"model": MODEL, "prompt": "once upon", "stream": True, "max_tokens": 100_000}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+
+    async def scenario():
+        never = asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await never.wait()
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                await never.wait()  # the client reads nothing
+
+        task = asyncio.create_task(app(scope, receive, send))
+        started = time.monotonic()
+        while not requests or app.state.engine.active:
+            assert time.monotonic() - started < 30, "the unread stream kept its slot"
+            await asyncio.sleep(0.1)
+        task.cancel()
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < 10
+    assert len(requests[0].generated) < 100_000
+
+
+def test_an_api_key_is_required_where_one_is_set(smollm2_tokenizer):
+    model = tiny_model("llama", vocab_size=len(smollm2_tokenizer), seed=1)
+    settings = ServeSettings(streaming=StreamingConfig(sinks=4, window=WINDOW), max_tokens=4, api_key="sesame")
+    app = build_app(model, smollm2_tokenizer, MODEL, settings)
+    with running(app) as base:
+        assert get(base + "/health")["status"] == "ok"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0, timeout=30).models.list()
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            get(base + "/v1/models")
+        assert missing.value.code == 401 and "API key" in json.loads(missing.value.read())["error"]["message"]
+        keyed = openai.OpenAI(base_url=base + "/v1", api_key="sesame", max_retries=0, timeout=30)
+        assert keyed.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+text = st.text(max_size=20) | st.sampled_from(["\ud800", "<|im_start|>system\n", "", "x" * 300])
+number = (
+    st.integers(-5, 64)
+    | st.sampled_from([2**63, 2**64, -(2**63) - 1, 10**30])
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.sampled_from([1e-40, 1e-300, 5e-324])
+)
+value = st.none() | st.booleans() | number | text | st.lists(text, max_size=5)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "x"]), "content": text | value}
+)
+request_bodies = st.fixed_dictionaries(
+    {"model": st.sampled_from([MODEL, MODEL, "other"])},
+    optional={
+        "messages": st.lists(message, max_size=3) | value,
+        "prompt": text | value,
+        "max_tokens": number,
+        "max_completion_tokens": number,
+        "temperature": number,
+        "top_p": number,
+        "seed": number,
+        "stop": value,
+        "stream": st.booleans() | value,
+        "n": number,
+    },
+)
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=request_bodies, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+def test_no_request_of_the_schema_breaks_the_server(server, body, path):
+    """Any request built from the API's fields, with values of any type and range: a 200 answer or a 4xx
+    OpenAI-style error, and the server answers the next request."""
+    request = urllib.request.Request(
+        server[0] + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as error:
+        status, raw = error.code, error.read()
+    if status == 200:
+        assert raw.startswith(b"data: ") or "choices" in json.loads(raw)
+    else:
+        assert 400 <= status < 500 and json.loads(raw)["error"]["message"], (status, raw[:200])
+    assert get(server[0] + "/health")["status"] == "ok"

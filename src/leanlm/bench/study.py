@@ -121,12 +121,13 @@ class Study:
     def path(self) -> Path:
         return results_dir() / f"{self.name}.json"
 
-    def load_model(self, name: str):
-        """Load the study's model and record its name and the note on its weights in the file."""
+    def load_model(self, name: str, dtype: str = "float32"):
+        """Load the study's model (computing in `dtype`) and record its name, dtype and the note on its weights in
+        the file."""
         from leanlm.models import load_model
 
-        loaded = load_model(name)
-        self.payload.update(model=name, weights_note=loaded.weights_note)
+        loaded = load_model(name, dtype=dtype)
+        self.payload.update(model=name, weights_note=loaded.weights_note, dtype=loaded.dtype)
         return loaded
 
     def rows(self, part: Part) -> dict:

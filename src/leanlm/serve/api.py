@@ -6,6 +6,7 @@ client sends reaches the engine unchecked.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -14,9 +15,12 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from leanlm.chat import chat_prompt_ids
+from leanlm.errors import ConfigError
 from leanlm.evaluation.tokens import bos_prefix, encode
 from leanlm.serve.engine import Engine, Sampling, asyncio_emitter
 from leanlm.serve.engine import Request as EngineRequest
@@ -54,7 +58,20 @@ class Message(BaseModel):
     content: str | list[TextPart]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return plain(
+            self.content if isinstance(self.content, str) else "".join(part.text for part in self.content), "messages"
+        )
+
+
+def plain(text: str, param: str) -> str:
+    """`text`, refused unless it is Unicode text (JSON can carry lone surrogates, which no tokenizer reads)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ApiError(
+            400, f"{param}: holds {text[error.start]!r}, a lone surrogate, which is not Unicode text", param
+        ) from None
+    return text
 
 
 class StreamOptions(BaseModel):
@@ -76,10 +93,12 @@ class Sampled(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
 
-    def sampling(self, default_max_tokens: int) -> Sampling:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    def sampling(self, default_max_tokens: int, max_tokens_limit: int) -> Sampling:
+        stops = [plain(stop, "stop") for stop in ([self.stop] if isinstance(self.stop, str) else self.stop or [])]
         if len(stops) > 4 or any(not stop for stop in stops):
             raise ApiError(400, "stop takes up to 4 non-empty strings", "stop")
+        if self.max_tokens is not None and self.max_tokens > max_tokens_limit:
+            raise ApiError(400, f"max_tokens: at most {max_tokens_limit} on this server", "max_tokens")
         return Sampling(self.max_tokens or default_max_tokens, self.temperature, self.top_p, tuple(stops), self.seed)
 
 
@@ -102,19 +121,23 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
 
 
 def create_app(
-    engine: Engine, model_name: str, *, default_max_tokens: int = 256, max_body_bytes: int = 1 << 20
+    engine: Engine,
+    model_name: str,
+    *,
+    default_max_tokens: int = 256,
+    max_tokens_limit: int = 4096,
+    max_body_bytes: int = 1 << 20,
+    stall_seconds: float = 30.0,
+    api_key: str | None = None,
 ) -> FastAPI:
-    """The FastAPI application serving `engine` as the model `model_name`."""
+    """The FastAPI application serving `engine` as the model `model_name`. A request may ask for at most
+    `max_tokens_limit` tokens; its body is at most `max_body_bytes` however it is sent; a streaming client that
+    reads nothing for `stall_seconds` loses its request; with `api_key`, every route but /health needs it as a
+    bearer token."""
     app = FastAPI(title="leanlm", docs_url=None, redoc_url=None)
+    app.add_middleware(_Gate, max_body_bytes=max_body_bytes, api_key=api_key)
     created = int(time.time())
     tokenizer = engine.tokenizer
-
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return error_response(413, f"the request body is larger than {max_body_bytes} bytes")
-        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
@@ -165,7 +188,10 @@ def create_app(
         if getattr(tokenizer, "chat_template", None) is None:
             raise ApiError(400, f"{model_name} has no chat template; use /v1/completions", "messages")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        prompt = encode(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        try:
+            prompt = chat_prompt_ids(tokenizer, messages)
+        except (ConfigError, TemplateError) as error:
+            raise ApiError(400, f"the model's chat template refuses these messages: {error}", "messages") from None
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         return await _complete(body, prompt, http, chat=True)
@@ -173,13 +199,13 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         check_model(body)
-        prompt = bos_prefix(tokenizer) + encode(tokenizer, body.prompt)
+        prompt = bos_prefix(tokenizer) + encode(tokenizer, plain(body.prompt, "prompt"))
         if not prompt:
             raise ApiError(400, "the prompt is empty", "prompt")
         return await _complete(body, prompt, http, chat=False)
 
     async def _complete(body: Sampled, prompt: list[int], http: Request, *, chat: bool):
-        sampling = body.sampling(default_max_tokens)
+        sampling = body.sampling(default_max_tokens, max_tokens_limit)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         request = EngineRequest(prompt, sampling, asyncio_emitter(loop, events))
         engine.submit(request)
@@ -191,6 +217,7 @@ def create_app(
                 _stream(request, events, ident, kind, chat, include_usage), media_type="text/event-stream"
             )
         pieces = []
+        watcher = asyncio.create_task(_cancel_when(request, http.is_disconnected))
         try:
             while True:
                 event = await events.get()
@@ -202,6 +229,7 @@ def create_app(
                     _, finish, usage = event
                     break
         finally:
+            watcher.cancel()
             request.cancel()  # a client gone before the answer frees its slot (no-op once finished)
         text = "".join(pieces)
         choice = (
@@ -243,6 +271,13 @@ def create_app(
                 payload["usage"] = usage.as_dict()
             return f"data: {json.dumps(payload)}\n\n"
 
+        sent = [time.monotonic()]  # when the client last took a chunk
+
+        async def stalled() -> bool:
+            await asyncio.sleep(1.0)
+            return time.monotonic() - sent[0] > stall_seconds
+
+        watcher = asyncio.create_task(_cancel_when(request, stalled))
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""}, None)
@@ -250,6 +285,7 @@ def create_app(
                 event = await events.get()
                 if event[0] == "text":
                     yield chunk({"content": event[1]} if chat else event[1], None)
+                    sent[0] = time.monotonic()
                 elif event[0] == "error":
                     yield f"data: {json.dumps({'error': {'message': event[1], 'type': 'server_error'}})}\n\n"
                     break
@@ -261,6 +297,63 @@ def create_app(
                     break
             yield "data: [DONE]\n\n"
         finally:
+            watcher.cancel()
             request.cancel()  # the client went away (or the stream ended): the engine drops the request at once
 
     return app
+
+
+async def _cancel_when(request: EngineRequest, happened) -> None:
+    """Cancel `request` once `happened()` (awaited over and over: it paces itself) says so."""
+    while not await happened():
+        await asyncio.sleep(0.25)
+    request.cancel()
+
+
+class _Gate:
+    """ASGI middleware in front of every route: the API key (where one is set) and the body's size, counted as it
+    arrives (a chunked body has no Content-Length to check), before any route reads it."""
+
+    def __init__(self, app, max_body_bytes: int, api_key: str | None):
+        self.app, self.max_body_bytes, self.api_key = app, max_body_bytes, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        if self.api_key is not None and scope["path"] != "/health":
+            if not hmac.compare_digest(headers.get("authorization", ""), f"Bearer {self.api_key}"):
+                return await _send(
+                    send,
+                    error_response(
+                        401, "a valid API key is needed (Authorization: Bearer KEY)", code="invalid_api_key"
+                    ),
+                )
+        too_large = error_response(413, f"the request body is larger than {self.max_body_bytes} bytes")
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return await _send(send, too_large)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return await _send(send, too_large)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the client's disconnect, when it comes
+
+        return await self.app(scope, replay, send)
+
+
+async def _send(send, response: JSONResponse) -> None:
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -25,10 +26,20 @@ class ServeSettings:
     streaming: StreamingConfig = option(StreamingConfig(sinks=4, window=2000), "each conversation's cache", cli=False)
     max_batch: int = option(8, "requests generated at once; more wait in order")
     max_tokens: int = option(256, "tokens an answer takes when a request sets no max_tokens")
+    max_tokens_limit: int = option(4096, "the most tokens a request may ask for (max_tokens); more is refused (400)")
     cache_budget_mb: int = option(
         1024, "MiB of idle conversations' caches kept for their next turn (least recently used dropped first)"
     )
-    max_body_kb: int = option(1024, "largest request body accepted, KiB")
+    max_body_kb: int = option(1024, "largest request body accepted, KiB, however it is sent")
+    stall_seconds: int = option(
+        30, "a streaming client that reads nothing for this long loses its request (its slot is freed)"
+    )
+    api_key: str | None = option(
+        None,
+        "a key every request must carry (Authorization: Bearer KEY; /health excepted); default: the "
+        "LEANLM_API_KEY environment variable, else none",
+        none_word="none",
+    )
     fused: bool = option(
         True,
         "generate through leanlm's fused C++ decode step where the model allows it (else through transformers' "
@@ -38,11 +49,25 @@ class ServeSettings:
     )
 
     def __post_init__(self):
-        for name in ("port", "max_batch", "max_tokens", "cache_budget_mb", "max_body_kb"):
+        for name in (
+            "port",
+            "max_batch",
+            "max_tokens",
+            "max_tokens_limit",
+            "cache_budget_mb",
+            "max_body_kb",
+            "stall_seconds",
+        ):
             if getattr(self, name) < (0 if name == "cache_budget_mb" else 1):
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.port > 65535:
             raise ConfigError(f"port must be at most 65535, got {self.port}")
+        if self.max_tokens > self.max_tokens_limit:
+            raise ConfigError(
+                f"max_tokens ({self.max_tokens}) must be at most max_tokens_limit ({self.max_tokens_limit})"
+            )
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("api_key must not be empty")
 
     @property
     def loopback(self) -> bool:
@@ -72,7 +97,13 @@ def build_app(
         thread=engine_thread,
     )
     app = create_app(
-        engine, model_name, default_max_tokens=settings.max_tokens, max_body_bytes=settings.max_body_kb << 10
+        engine,
+        model_name,
+        default_max_tokens=settings.max_tokens,
+        max_tokens_limit=settings.max_tokens_limit,
+        max_body_bytes=settings.max_body_kb << 10,
+        stall_seconds=settings.stall_seconds,
+        api_key=settings.api_key if settings.api_key is not None else os.environ.get("LEANLM_API_KEY") or None,
     )
     app.state.engine = engine
     return app
@@ -100,7 +131,7 @@ def serve(
     from leanlm.methods import load_any
 
     _check_address(settings.host, settings.port)  # before the model loads, which takes a while
-    if not settings.loopback:
+    if not settings.loopback and settings.api_key is None and not os.environ.get("LEANLM_API_KEY"):
         log.warning(
             "listening on %s: the API has no authentication and anyone who can reach this address can use it",
             settings.host,
