@@ -126,3 +126,13 @@ def test_the_fused_engine_answers_as_the_batched_forward_does_over_turns_past_th
         ]
     assert max(len(history[0]) for history in histories) > 2 + 24  # past the window: the rings went round
     assert len(engines[0].conversations) == 4  # every conversation back in the store, continued each turn
+
+
+def test_penalties_and_bias_follow_openais_definitions():
+    from leanlm.serve.engine import Sampling, adjusted_logits
+
+    sampling = Sampling(max_tokens=1, frequency_penalty=0.5, presence_penalty=1.0, logit_bias=((3, 2.0),))
+    adjusted = adjusted_logits(torch.zeros(5), [1, 1, 2], sampling)
+    assert adjusted.tolist() == [0.0, -2.0, -1.5, 2.0, 0.0]
+    plain = torch.zeros(5)
+    assert adjusted_logits(plain, [1], Sampling(max_tokens=1)) is plain

@@ -374,6 +374,71 @@ def test_the_leanlm_serve_command_answers_and_stops_cleanly(tiny_llama_dir, stop
 
 
 @pytest.mark.parametrize(
+    "extra, status, fragment",
+    [
+        ({"frobnicate": 1}, 400, "frobnicate: not a field this server knows"),
+        ({"top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"logit_bias": {"999999999": 5}}, 400, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, 400, "logit_bias"),
+        ({"frequency_penalty": 3}, 400, "frequency_penalty"),
+        ({"logprobs": False, "tools": [], "user": "u-1", "response_format": {"type": "text"}, "n": 1}, 200, ""),
+    ],
+)
+def test_fields_are_honoured_or_refused_by_name(server, extra, status, fragment):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    code, payload = post(server[0] + "/v1/chat/completions", json.dumps(body).encode())
+    assert code == status
+    assert fragment in (payload["error"]["message"] if code != 200 else "")
+
+
+def test_logprobs_of_each_token_whole_and_streamed(client):
+    asked = {"model": MODEL, "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    whole = client.chat.completions.create(**asked, logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for entry in content:  # greedy: the chosen token is the most likely one
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+    assert "".join(entry.token for entry in content) == whole.choices[0].message.content
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(**asked, logprobs=True, top_logprobs=3, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert client.chat.completions.create(**asked).choices[0].logprobs is None
+
+    completion = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    assert len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == completion.usage.completion_tokens
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs)
+
+
+def test_logit_bias_and_penalties_steer_the_answer(client, smollm2_tokenizer):
+    token = smollm2_tokenizer.encode(" the")[0]
+    biased = client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=4, temperature=0, logit_bias={str(token): 100}
+    )
+    assert biased.choices[0].text == " the" * 4
+    penalised = client.completions.create(
+        model=MODEL,
+        prompt="hi",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(token): 5},
+        frequency_penalty=2.0,
+        presence_penalty=2.0,
+    )
+    assert penalised.choices[0].text.count(" the") < 4
+
+
+@pytest.mark.parametrize(
     "sampling", [{"temperature": 1e-40}, {"top_p": 1e-300}, {"temperature": 5e-324, "top_p": 1e-300}]
 )
 def test_tiny_but_valid_temperature_and_top_p_answer(client, sampling):

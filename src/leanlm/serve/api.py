@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from leanlm.chat import chat_prompt_ids
 from leanlm.errors import ConfigError
 from leanlm.evaluation.tokens import bos_prefix, encode
-from leanlm.serve.engine import Engine, Sampling, asyncio_emitter
+from leanlm.serve.engine import Engine, Sampling, TokenLogprob, asyncio_emitter
 from leanlm.serve.engine import Request as EngineRequest
 from leanlm.settings import SEEDS
 
@@ -79,36 +79,101 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields a request may carry without leanlm acting on them: at these values they ask for nothing; any other value,
+# and any field not listed, is refused by name rather than dropped in silence.
+NEUTRAL = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None,),
+    "modalities": (None, ["text"]),
+    "reasoning_effort": (None,),
+}
+IGNORED = ("user", "metadata", "store", "service_tier")  # bookkeeping that changes no answer
+
+
 class Sampled(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=SEEDS)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
 
-    def sampling(self, default_max_tokens: int, max_tokens_limit: int) -> Sampling:
+    def refuse_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in IGNORED:
+                continue
+            if name not in NEUTRAL:
+                raise ApiError(400, f"{name}: not a field this server knows", name)
+            if value not in NEUTRAL[name]:
+                raise ApiError(400, f"{name}: {value!r} is not supported by this server", name)
+
+    def wanted_logprobs(self) -> int | None:
+        """None, or how many alternatives to report beside each token's log-probability."""
+        return None
+
+    def sampling(self, default_max_tokens: int, max_tokens_limit: int, vocabulary: int) -> Sampling:
+        self.refuse_unsupported()
         stops = [plain(stop, "stop") for stop in ([self.stop] if isinstance(self.stop, str) else self.stop or [])]
         if len(stops) > 4 or any(not stop for stop in stops):
             raise ApiError(400, "stop takes up to 4 non-empty strings", "stop")
         if self.max_tokens is not None and self.max_tokens > max_tokens_limit:
             raise ApiError(400, f"max_tokens: at most {max_tokens_limit} on this server", "max_tokens")
-        return Sampling(self.max_tokens or default_max_tokens, self.temperature, self.top_p, tuple(stops), self.seed)
+        bias = []
+        for token, value in (self.logit_bias or {}).items():
+            if not token.isdigit() or int(token) >= vocabulary or not -100 <= value <= 100:
+                raise ApiError(
+                    400,
+                    f"logit_bias: {token!r}: {value} (token ids below {vocabulary}, biases -100 to 100)",
+                    "logit_bias",
+                )
+            bias.append((int(token), float(value)))
+        return Sampling(
+            self.max_tokens or default_max_tokens,
+            self.temperature,
+            self.top_p,
+            tuple(stops),
+            self.seed,
+            self.frequency_penalty,
+            self.presence_penalty,
+            tuple(bias),
+            self.wanted_logprobs(),
+        )
 
 
 class ChatCompletionRequest(Sampled):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def wanted_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(Sampled):
     prompt: str
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
@@ -138,6 +203,7 @@ def create_app(
     app.add_middleware(_Gate, max_body_bytes=max_body_bytes, api_key=api_key)
     created = int(time.time())
     tokenizer = engine.tokenizer
+    vocabulary = engine.model.config.vocab_size
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
@@ -205,7 +271,7 @@ def create_app(
         return await _complete(body, prompt, http, chat=False)
 
     async def _complete(body: Sampled, prompt: list[int], http: Request, *, chat: bool):
-        sampling = body.sampling(default_max_tokens, max_tokens_limit)
+        sampling = body.sampling(default_max_tokens, max_tokens_limit, vocabulary)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         request = EngineRequest(prompt, sampling, asyncio_emitter(loop, events))
         engine.submit(request)
@@ -216,13 +282,14 @@ def create_app(
             return StreamingResponse(
                 _stream(request, events, ident, kind, chat, include_usage), media_type="text/event-stream"
             )
-        pieces = []
+        pieces, logprobs = [], []
         watcher = asyncio.create_task(_cancel_when(request, http.is_disconnected))
         try:
             while True:
                 event = await events.get()
                 if event[0] == "text":
                     pieces.append(event[1])
+                    logprobs += event[2]
                 elif event[0] == "error":
                     raise ApiError(500, event[1], kind="server_error")
                 else:
@@ -232,10 +299,16 @@ def create_app(
             watcher.cancel()
             request.cancel()  # a client gone before the answer frees its slot (no-op once finished)
         text = "".join(pieces)
+        reported = _logprobs(logprobs, chat, sampling.logprobs is not None)
         choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": reported,
+                "finish_reason": finish,
+            }
             if chat
-            else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            else {"index": 0, "text": text, "finish_reason": finish, "logprobs": reported}
         )
         return {
             "id": ident,
@@ -246,17 +319,56 @@ def create_app(
             "usage": usage.as_dict(),
         }
 
+    def _logprobs(entries: list[TokenLogprob], chat: bool, wanted: bool) -> dict | None:
+        """OpenAI's logprobs object of a choice (or a chunk): chat's `content` list, or completions' parallel lists."""
+        if not wanted:
+            return None
+        text = [tokenizer.decode([entry.token]) for entry in entries]
+        if chat:
+            return {
+                "content": [
+                    {
+                        "token": piece,
+                        "logprob": entry.logprob,
+                        "bytes": list(piece.encode("utf-8", errors="replace")),
+                        "top_logprobs": [
+                            {
+                                "token": tokenizer.decode([token]),
+                                "logprob": logprob,
+                                "bytes": list(tokenizer.decode([token]).encode("utf-8", errors="replace")),
+                            }
+                            for token, logprob in entry.top
+                        ],
+                    }
+                    for piece, entry in zip(text, entries, strict=True)
+                ]
+            }
+        offsets = [sum(len(piece) for piece in text[:index]) for index in range(len(text))]
+        return {
+            "tokens": text,
+            "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in entry.top} for entry in entries],
+            "text_offset": offsets,
+        }
+
     async def _stream(
         request: EngineRequest, events: asyncio.Queue, ident: str, kind: str, chat: bool, include_usage: bool
     ):
         created_at = int(time.time())
 
-        def chunk(delta: dict | str | None, finish: str | None, usage=None) -> str:
+        wanted = request.sampling.logprobs is not None
+
+        def chunk(delta: dict | str | None, finish: str | None, usage=None, logprobs=()) -> str:
+            reported = _logprobs(list(logprobs), chat, wanted)
             if chat:
-                choices = [{"index": 0, "delta": delta or {}, "finish_reason": finish}] if usage is None else []
+                choices = (
+                    [{"index": 0, "delta": delta or {}, "logprobs": reported, "finish_reason": finish}]
+                    if usage is None
+                    else []
+                )
             else:
                 choices = (
-                    [{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}]
+                    [{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": reported}]
                     if usage is None
                     else []
                 )
@@ -284,7 +396,7 @@ def create_app(
             while True:
                 event = await events.get()
                 if event[0] == "text":
-                    yield chunk({"content": event[1]} if chat else event[1], None)
+                    yield chunk({"content": event[1]} if chat else event[1], None, logprobs=event[2])
                     sent[0] = time.monotonic()
                 elif event[0] == "error":
                     yield f"data: {json.dumps({'error': {'message': event[1], 'type': 'server_error'}})}\n\n"

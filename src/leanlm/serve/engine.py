@@ -44,6 +44,10 @@ class Sampling:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    frequency_penalty: float = 0.0  # OpenAI's: each logit less this times its token's count in the answer so far
+    presence_penalty: float = 0.0  # ... and less this once if the token is in the answer at all
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely beside it
 
 
 @dataclass
@@ -61,7 +65,43 @@ class Usage:
         }
 
 
-Emit = Callable[[tuple], None]  # ("text", piece) / ("done", finish_reason, usage) / ("error", message)
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    best = logprobs.topk(top) if top else None
+    return TokenLogprob(
+        token,
+        float(logprobs[token]),
+        tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else (),
+    )
+
+
+def adjusted_logits(logits: torch.Tensor, generated: list[int], sampling: Sampling) -> torch.Tensor:
+    """`logits` with the request's logit bias and its frequency and presence penalties over the tokens it has
+    generated (OpenAI's definitions); the same tensor where the request sets none."""
+    penalised = generated and (sampling.frequency_penalty or sampling.presence_penalty)
+    if not sampling.logit_bias and not penalised:
+        return logits
+    logits = logits.float().clone()
+    for token, bias in sampling.logit_bias:
+        logits[token] += bias
+    if penalised:
+        counts = torch.bincount(torch.tensor(generated), minlength=len(logits))[: len(logits)].float()
+        logits -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).float()
+    return logits
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (its logits before any sampling setting), and the
+    most likely tokens at that step with theirs."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+# ("text", piece, [TokenLogprob of the tokens it completes]) / ("done", finish_reason, usage) / ("error", message)
+Emit = Callable[[tuple], None]
 
 
 @dataclass
@@ -78,6 +118,8 @@ class Request:
     logits: torch.Tensor | None = None
     fused: FusedCache | None = None  # the conversation's cache while the fused step generates
     generator: torch.Generator | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    reported: int = 0  # logprobs already emitted
     usage: Usage = field(default_factory=Usage)
 
     def cancel(self) -> None:
@@ -252,6 +294,8 @@ class Engine:
         if token in self.stop_ids:
             return "stop"
         request.generated.append(token)
+        if request.sampling.logprobs is not None:
+            request.logprobs.append(token_logprob(request.logits, token, request.sampling.logprobs))
         request.usage.completion_tokens = len(request.generated)
         text = self.tokenizer.decode(request.generated, skip_special_tokens=True)
         stops = request.sampling.stop
@@ -268,12 +312,17 @@ class Engine:
 
     def _show(self, request: Request, text: str) -> None:
         if len(text) > len(request.shown):
-            request.emit(("text", text[len(request.shown) :]))
-            request.shown = text
+            request.emit(("text", text[len(request.shown) :], request.logprobs[request.reported :]))
+            request.shown, request.reported = text, len(request.logprobs)
 
     def _pick(self, request: Request) -> int:
         sampling = request.sampling
-        return sample_token(request.logits, sampling.temperature, sampling.top_p, request.generator)
+        return sample_token(
+            adjusted_logits(request.logits, request.generated, sampling),
+            sampling.temperature,
+            sampling.top_p,
+            request.generator,
+        )
 
     def _retire(self, request: Request, finish: str) -> None:
         """A finished request's conversation goes back to the store (what its cache read identifies it), and its
