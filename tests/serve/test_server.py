@@ -420,6 +420,60 @@ def test_logprobs_of_each_token_whole_and_streamed(client):
     assert all(len(top) <= 2 for top in logprobs.top_logprobs)
 
 
+def _lm_eval_scores(response: dict, context_lengths: list[int]) -> list[tuple[float, bool]]:
+    """What lm-evaluation-harness's local-completions model reads from an echo response (its parse_logprobs): the
+    continuation's summed logprobs (the prompt's tokens after the context, the generated one left out) and whether
+    each was the most likely."""
+    scores = []
+    for choice, context in zip(sorted(response["choices"], key=lambda c: c["index"]), context_lengths, strict=True):
+        logprobs = choice["logprobs"]["token_logprobs"][context:-1]
+        tops = choice["logprobs"]["top_logprobs"][context:-1]
+        scores.append((sum(logprobs), all(lp == max(top.values()) for lp, top in zip(logprobs, tops, strict=True))))
+    return scores
+
+
+def test_lm_evaluation_harness_scores_through_echo_equal_leanlms_own(server, smollm2_tokenizer):
+    """lm-eval's loglikelihood request (token ids, echo, logprobs 1, max_tokens 1, as `local-completions` sends it)
+    gives the scores leanlm's own evaluator gives the same model."""
+    from leanlm.evaluation.loglikelihood import Request, encode_pair, score_requests
+
+    pairs = [Request("The capital of France is", " Paris"), Request("Two plus two is", " four, of course")]
+    encoded = [encode_pair(smollm2_tokenizer, pair) for pair in pairs]
+    body = {
+        "model": MODEL,
+        "prompt": [context + continuation for context, continuation in encoded],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    code, response = post(server[0] + "/v1/completions", json.dumps(body).encode())
+    assert code == 200
+    served = _lm_eval_scores(response, [len(context) for context, _ in encoded])
+    own = score_requests(server[1].state.engine.model, smollm2_tokenizer, pairs)
+    for (loglikelihood, greedy), score in zip(served, own, strict=True):
+        assert loglikelihood == pytest.approx(score.loglikelihood, abs=1e-4) and greedy == score.is_greedy
+    text = response["choices"][0]["text"]
+    assert (
+        text.startswith("The capital of France is Paris")
+        and response["choices"][0]["logprobs"]["token_logprobs"][0] is None
+    )
+
+    scored_only = {**body, "prompt": "The capital of France is Paris", "max_tokens": 0}
+    code, response = post(server[0] + "/v1/completions", json.dumps(scored_only).encode())
+    assert code == 200 and response["choices"][0]["text"] == "The capital of France is Paris"
+    assert response["usage"]["completion_tokens"] == 0
+    code, response = post(server[0] + "/v1/completions", json.dumps({**scored_only, "echo": False}).encode())
+    assert code == 400 and "max_tokens" in response["error"]["message"]
+    streamed = list(
+        openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0).completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=2, echo=True, logprobs=1, stream=True
+        )
+    )
+    assert streamed[0].choices[0].text == "The capital of France is"
+
+
 def test_logit_bias_and_penalties_steer_the_answer(client, smollm2_tokenizer):
     token = smollm2_tokenizer.encode(" the")[0]
     biased = client.completions.create(

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from leanlm.chat import chat_prompt_ids
 from leanlm.errors import ConfigError
 from leanlm.evaluation.tokens import bos_prefix, encode
-from leanlm.serve.engine import Engine, Sampling, TokenLogprob, asyncio_emitter
+from leanlm.serve.engine import Engine, Sampling, asyncio_emitter
 from leanlm.serve.engine import Request as EngineRequest
 from leanlm.settings import SEEDS
 
@@ -88,7 +88,6 @@ NEUTRAL = {
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, True, False),
     "response_format": (None, {"type": "text"}),
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None,),
     "modalities": (None, ["text"]),
@@ -102,7 +101,7 @@ class Sampled(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
@@ -132,6 +131,8 @@ class Sampled(BaseModel):
         stops = [plain(stop, "stop") for stop in ([self.stop] if isinstance(self.stop, str) else self.stop or [])]
         if len(stops) > 4 or any(not stop for stop in stops):
             raise ApiError(400, "stop takes up to 4 non-empty strings", "stop")
+        if self.max_tokens == 0 and not getattr(self, "echo", False):
+            raise ApiError(400, "max_tokens: 0 generates nothing; it is for scoring a prompt with echo", "max_tokens")
         if self.max_tokens is not None and self.max_tokens > max_tokens_limit:
             raise ApiError(400, f"max_tokens: at most {max_tokens_limit} on this server", "max_tokens")
         bias = []
@@ -144,7 +145,7 @@ class Sampled(BaseModel):
                 )
             bias.append((int(token), float(value)))
         return Sampling(
-            self.max_tokens or default_max_tokens,
+            default_max_tokens if self.max_tokens is None else self.max_tokens,
             self.temperature,
             self.top_p,
             tuple(stops),
@@ -153,6 +154,7 @@ class Sampled(BaseModel):
             self.presence_penalty,
             tuple(bias),
             self.wanted_logprobs(),
+            getattr(self, "echo", False),
         )
 
 
@@ -168,12 +170,38 @@ class ChatCompletionRequest(Sampled):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+MAX_PROMPTS = 32  # prompts one completions request may batch
+
+
 class CompletionRequest(Sampled):
-    prompt: str
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
 
     def wanted_logprobs(self) -> int | None:
         return self.logprobs
+
+    def prompt_ids(self, tokenizer, vocabulary: int) -> list[list[int]]:
+        """Each prompt as token ids: text is tokenized (after the BOS the model expects), token ids are taken as
+        they are (lm-evaluation-harness sends them)."""
+        prompts = [self.prompt] if isinstance(self.prompt, str) or _is_ids(self.prompt) else self.prompt
+        if not prompts or len(prompts) > MAX_PROMPTS:
+            raise ApiError(400, f"prompt: 1 to {MAX_PROMPTS} prompts", "prompt")
+        ids = []
+        for prompt in prompts:
+            tokens = prompt if _is_ids(prompt) else bos_prefix(tokenizer) + encode(tokenizer, plain(prompt, "prompt"))
+            if not tokens:
+                raise ApiError(400, "the prompt is empty", "prompt")
+            if not all(0 <= token < vocabulary for token in tokens):
+                raise ApiError(400, f"prompt: token ids are 0 to {vocabulary - 1}", "prompt")
+            ids.append(tokens)
+        if self.stream and len(ids) > 1:
+            raise ApiError(400, "stream: one prompt at a time", "stream")
+        return ids
+
+
+def _is_ids(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(token, int) for token in prompt)
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
@@ -260,70 +288,91 @@ def create_app(
             raise ApiError(400, f"the model's chat template refuses these messages: {error}", "messages") from None
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        return await _complete(body, prompt, http, chat=True)
+        return await _complete(body, [prompt], http, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         check_model(body)
-        prompt = bos_prefix(tokenizer) + encode(tokenizer, plain(body.prompt, "prompt"))
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", "prompt")
-        return await _complete(body, prompt, http, chat=False)
+        return await _complete(body, body.prompt_ids(tokenizer, vocabulary), http, chat=False)
 
-    async def _complete(body: Sampled, prompt: list[int], http: Request, *, chat: bool):
+    async def _complete(body: Sampled, prompts: list[list[int]], http: Request, *, chat: bool):
         sampling = body.sampling(default_max_tokens, max_tokens_limit, vocabulary)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        request = EngineRequest(prompt, sampling, asyncio_emitter(loop, events))
-        engine.submit(request)
+        loop = asyncio.get_running_loop()
+        queues = [asyncio.Queue() for _ in prompts]
+        requests = [EngineRequest(p, sampling, asyncio_emitter(loop, q)) for p, q in zip(prompts, queues, strict=True)]
+        for request in requests:
+            engine.submit(request)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         kind = "chat.completion" if chat else "text_completion"
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
-                _stream(request, events, ident, kind, chat, include_usage), media_type="text/event-stream"
+                _stream(requests[0], queues[0], ident, kind, chat, include_usage), media_type="text/event-stream"
             )
-        pieces, logprobs = [], []
-        watcher = asyncio.create_task(_cancel_when(request, http.is_disconnected))
+        watchers = [asyncio.create_task(_cancel_when(request, http.is_disconnected)) for request in requests]
         try:
-            while True:
-                event = await events.get()
-                if event[0] == "text":
-                    pieces.append(event[1])
-                    logprobs += event[2]
-                elif event[0] == "error":
-                    raise ApiError(500, event[1], kind="server_error")
-                else:
-                    _, finish, usage = event
-                    break
+            answers = await asyncio.gather(*map(_answer, queues))
         finally:
-            watcher.cancel()
-            request.cancel()  # a client gone before the answer frees its slot (no-op once finished)
-        text = "".join(pieces)
-        reported = _logprobs(logprobs, chat, sampling.logprobs is not None)
-        choice = (
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": reported,
-                "finish_reason": finish,
-            }
-            if chat
-            else {"index": 0, "text": text, "finish_reason": finish, "logprobs": reported}
-        )
+            for watcher, request in zip(watchers, requests, strict=True):
+                watcher.cancel()
+                request.cancel()  # a client gone before the answer frees its slot (no-op once finished)
+        choices = []
+        for index, (prompt, (text, logprobs, prompt_logprobs, finish, _)) in enumerate(
+            zip(prompts, answers, strict=True)
+        ):
+            if chat:
+                reported = _logprobs(logprobs, True, sampling.logprobs is not None)
+                choices.append(
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": reported,
+                        "finish_reason": finish,
+                    }
+                )
+                continue
+            if sampling.echo:
+                text = tokenizer.decode(prompt) + text
+                logprobs = prompt_logprobs + logprobs
+                tokens = prompt + [entry.token for entry in logprobs[len(prompt) :]]
+            else:
+                tokens = [entry.token for entry in logprobs]
+            reported = _logprobs(logprobs, False, sampling.logprobs is not None, tokens)
+            choices.append({"index": index, "text": text, "finish_reason": finish, "logprobs": reported})
+        usage = answers[0][4]
+        for answer in answers[1:]:
+            usage = usage.plus(answer[4])
         return {
             "id": ident,
             "object": kind,
             "created": int(time.time()),
             "model": model_name,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage.as_dict(),
         }
 
-    def _logprobs(entries: list[TokenLogprob], chat: bool, wanted: bool) -> dict | None:
-        """OpenAI's logprobs object of a choice (or a chunk): chat's `content` list, or completions' parallel lists."""
+    async def _answer(events: asyncio.Queue):
+        """(text, generated tokens' logprobs, the prompt's (with echo), finish reason, usage) of one request."""
+        pieces, logprobs, prompt_logprobs = [], [], []
+        while True:
+            event = await events.get()
+            if event[0] == "text":
+                pieces.append(event[1])
+                logprobs += event[2]
+            elif event[0] == "prompt":
+                prompt_logprobs = event[1]
+            elif event[0] == "error":
+                raise ApiError(500, event[1], kind="server_error")
+            else:
+                return "".join(pieces), logprobs, prompt_logprobs, event[1], event[2]
+
+    def _logprobs(entries: list, chat: bool, wanted: bool, tokens: list[int] | None = None) -> dict | None:
+        """OpenAI's logprobs object of a choice (or a chunk): chat's `content` list, or completions' parallel lists
+        (`tokens`: the tokens, where an echoed prompt's first has no entry: None)."""
         if not wanted:
             return None
-        text = [tokenizer.decode([entry.token]) for entry in entries]
+        tokens = [entry.token for entry in entries] if tokens is None else tokens
+        text = [tokenizer.decode([token]) for token in tokens]
         if chat:
             return {
                 "content": [
@@ -346,8 +395,10 @@ def create_app(
         offsets = [sum(len(piece) for piece in text[:index]) for index in range(len(text))]
         return {
             "tokens": text,
-            "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in entry.top} for entry in entries],
+            "token_logprobs": [None if entry is None else entry.logprob for entry in entries],
+            "top_logprobs": [
+                None if entry is None else {tokenizer.decode([t]): lp for t, lp in entry.top} for entry in entries
+            ],
             "text_offset": offsets,
         }
 
@@ -358,8 +409,8 @@ def create_app(
 
         wanted = request.sampling.logprobs is not None
 
-        def chunk(delta: dict | str | None, finish: str | None, usage=None, logprobs=()) -> str:
-            reported = _logprobs(list(logprobs), chat, wanted)
+        def chunk(delta: dict | str | None, finish: str | None, usage=None, logprobs=(), tokens=None) -> str:
+            reported = _logprobs(list(logprobs), chat, wanted, tokens)
             if chat:
                 choices = (
                     [{"index": 0, "delta": delta or {}, "logprobs": reported, "finish_reason": finish}]
@@ -398,6 +449,8 @@ def create_app(
                 if event[0] == "text":
                     yield chunk({"content": event[1]} if chat else event[1], None, logprobs=event[2])
                     sent[0] = time.monotonic()
+                elif event[0] == "prompt":  # echo: the prompt comes back first, with its tokens' logprobs
+                    yield chunk(tokenizer.decode(request.prompt), None, logprobs=event[1], tokens=request.prompt)
                 elif event[0] == "error":
                     yield f"data: {json.dumps({'error': {'message': event[1], 'type': 'server_error'}})}\n\n"
                     break

@@ -48,6 +48,7 @@ class Sampling:
     presence_penalty: float = 0.0  # ... and less this once if the token is in the answer at all
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely beside it
+    echo: bool = False  # the prompt's tokens' log-probabilities too (from its first token's successor on)
 
 
 @dataclass
@@ -55,6 +56,13 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens a stored conversation's cache had already read
+
+    def plus(self, other: Usage) -> Usage:
+        return Usage(
+            self.prompt_tokens + other.prompt_tokens,
+            self.completion_tokens + other.completion_tokens,
+            self.cached_tokens + other.cached_tokens,
+        )
 
     def as_dict(self) -> dict:
         return {
@@ -100,7 +108,8 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-# ("text", piece, [TokenLogprob of the tokens it completes]) / ("done", finish_reason, usage) / ("error", message)
+# ("prompt", [TokenLogprob | None per prompt token], with echo) / ("text", piece, [TokenLogprob of the tokens it
+# completes]) / ("done", finish_reason, usage) / ("error", message)
 Emit = Callable[[tuple], None]
 
 
@@ -120,6 +129,7 @@ class Request:
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     reported: int = 0  # logprobs already emitted
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # with echo: None for the first
     usage: Usage = field(default_factory=Usage)
 
     def cancel(self) -> None:
@@ -219,7 +229,8 @@ class Engine:
                 self._active.append(request)
 
     def _start(self, request: Request) -> None:
-        conversation = self.conversations.take(request.prompt)
+        # An echoed prompt is read whole: a stored conversation's cache has no logits for what it already read.
+        conversation = None if request.sampling.echo else self.conversations.take(request.prompt)
         if conversation is None:
             conversation = Conversation([], sink_cache(self.model, self.streaming))
         request.conversation = conversation
@@ -229,14 +240,22 @@ class Engine:
         request.generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
 
     def _feed(self, request: Request, ids: list[int]) -> None:
+        """Read `ids` into the request's cache; with echo, each token's log-probability given what precedes it."""
+        echo = request.sampling.echo
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.tensor([ids]),
                 past_key_values=request.conversation.cache,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=0 if echo else 1,
             )
         request.conversation.ids.extend(ids)
+        if echo:
+            predictors = [request.logits, *out.logits[0, :-1]]
+            request.prompt_logprobs += [
+                None if before is None else token_logprob(before, token, request.sampling.logprobs or 0)
+                for before, token in zip(predictors, ids, strict=True)
+            ]
         request.logits = out.logits[0, -1].float()
 
     def _step_fused(self, decoding: list[tuple[Request, int]]) -> None:
@@ -289,7 +308,11 @@ class Engine:
             end = min(len(request.prompt), request.fed + self.streaming.window)
             self._feed(request, request.prompt[request.fed : end])
             request.fed = end
+            if request.fed == len(request.prompt) and request.sampling.echo:
+                request.emit(("prompt", request.prompt_logprobs))
             return None
+        if request.sampling.max_tokens == 0:  # the prompt scored, nothing generated
+            return "length"
         token = self._pick(request)
         if token in self.stop_ids:
             return "stop"
