@@ -86,3 +86,41 @@ def test_bad_lora_settings_are_named():
         LoRAConfig(base="nf3")
     with pytest.raises(ConfigError, match="rank must be at least 1"):
         LoRAConfig(rank=0)
+
+
+def test_an_adapter_directory_runs_over_its_model_as_trained(tiny_llama_dir, tmp_path, smollm2_tokenizer, capsys):
+    """`--adapter` (eval, stream, chat, serve): the model with its base quantized as in training and the trained
+    adapters beside it gives the trained model's logits; a damaged adapter is one line before the model loads."""
+    from leanlm.cli.main import main
+    from leanlm.errors import CorruptModelError
+    from leanlm.methods import load_any
+    from leanlm.training import FinetuneSettings, finetune
+
+    lora = LoRAConfig(base="nf4-dq", rank=4, dropout=0.0)
+    trained = load_any(tiny_llama_dir)
+    add_lora_(trained.model, lora)
+    text = [f"Sentence {i} of a short text about item {i % 5}." for i in range(60)]
+    settings = FinetuneSettings(max_steps=4, batch_size=2, seq_len=32, lr=1e-2, save_every=4)
+    finetune(
+        trained.model,
+        smollm2_tokenizer,
+        text,
+        settings,
+        lora,
+        tmp_path / "adapter",
+        str(tiny_llama_dir),
+        progress=False,
+    )
+    trained.model.eval()
+    ids = torch.tensor([smollm2_tokenizer.encode("Sentence 3 of a short text")])
+    served = load_any(tiny_llama_dir, dtype="bfloat16", adapter=tmp_path / "adapter")
+    assert "LoRA adapters" in served.dtype and "float32" in served.dtype
+    with torch.no_grad():
+        torch.testing.assert_close(served.model(ids).logits, trained.model(ids).logits)
+        assert not torch.allclose(served.model(ids).logits, load_any(tiny_llama_dir).model(ids).logits, atol=1e-3)
+    with pytest.raises(CorruptModelError, match="adapter_config.json"):
+        load_any(tiny_llama_dir, adapter=tmp_path)
+    argv = ["eval", str(tiny_llama_dir), "--tasks", "wikitext2", "--max-tokens", "512", "--seq-len", "128"]
+    assert main([*argv, "--adapter", str(tmp_path / "adapter")]) == 0
+    assert main([*argv, "--adapter", str(tmp_path / "missing")]) == 2
+    assert "adapter_config.json" in capsys.readouterr().err

@@ -427,13 +427,22 @@ def _compute_dtype(model: nn.Module) -> torch.dtype:
     )
 
 
-def load_any(source: str | os.PathLike, dtype: str = "float32", head: str = "float") -> LoadedModel:
+def load_any(
+    source: str | os.PathLike, dtype: str = "float32", head: str = "float", adapter: str | os.PathLike | None = None
+) -> LoadedModel:
     """A float model (registry name, HF directory, .gguf) computing in `dtype` (see `compute_dtype`), or a leanlm
     quantized checkpoint, whose quantized layers compute as their kernels do (float32 activations); there
     `dtype` is that of its embedding and output head (`embeddings_to_`) and of its k-bit layers' GEMMs above
     decode sizes (`KbitLinear.gemm_dtype`). `head="int8"`: the output head in 8-bit
-    int blocks (`quantize_head_`)."""
-    LoadSettings(dtype, head)  # checked before the slow load
+    int blocks (`quantize_head_`). `adapter`: a LoRA adapter directory (`leanlm finetune`'s output) applied over
+    the model as it was trained (its base quantized as then, the adapters beside it, in float32)."""
+    LoadSettings(dtype, head, None if adapter is None else str(adapter))  # checked before the slow load
+    lora = None
+    if adapter is not None:
+        from leanlm.methods.qlora import read_adapter_config
+
+        lora = read_adapter_config(adapter)  # a damaged adapter is named before the slow load
+        dtype = "float32"
     if is_quantized_checkpoint(source):
         storage = compute_dtype(dtype)
         loaded = load_quantized(source, storage, head)[0]
@@ -455,6 +464,13 @@ def load_any(source: str | os.PathLike, dtype: str = "float32", head: str = "flo
             quantize_head_(loaded.model)
     if head == "int8":
         loaded.dtype += ", output head in 8-bit int blocks"
+    if lora is not None:
+        from leanlm.methods.qlora import add_lora_, load_adapters_
+
+        add_lora_(loaded.model, lora)
+        load_adapters_(loaded.model, adapter)
+        loaded.model.eval()
+        loaded.dtype += f", LoRA adapters from {adapter} over a {lora.base} base"
     trim_freed_memory()  # what loading freed (a table converted, fbgemm's packing) leaves resident otherwise
     return loaded
 

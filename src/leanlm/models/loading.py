@@ -87,6 +87,12 @@ class LoadSettings:
         "faster decode for a small loss; a tied embedding keeps its float copy",
         choices=HEAD_FORMATS,
     )
+    adapter: str | None = option(
+        None,
+        "a LoRA adapter directory (leanlm finetune's --out) applied over the model as it was trained: its base "
+        "quantized as then, in float32",
+        none_word="none",
+    )
 
     def __post_init__(self):
         compute_dtype(self.dtype)

@@ -136,7 +136,7 @@ def serve(
             "listening on %s: the API has no authentication and anyone who can reach this address can use it",
             settings.host,
         )
-    loaded = load_any(model_name, loading.dtype, loading.head)
+    loaded = load_any(model_name, loading.dtype, loading.head, loading.adapter)
     app = build_app(loaded.model, loaded.tokenizer, model_name, settings, engine_thread=False)
     decoder = "transformers' forward"
     if app.state.engine.fused is not None:
