@@ -54,6 +54,7 @@ EXTRAS = {
     "uvicorn": "serve",
     "starlette": "serve",
     "pydantic": "serve",
+    "prometheus_client": "serve",
     "hivemind": "swarm",
     "compressed_tensors": "export",
     "matplotlib": "plots",

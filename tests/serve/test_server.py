@@ -641,3 +641,32 @@ def test_no_request_of_the_schema_breaks_the_server(server, body, path):
     else:
         assert 400 <= status < 500 and json.loads(raw)["error"]["message"], (status, raw[:200])
     assert get(server[0] + "/health")["status"] == "ok"
+
+
+def test_metrics_count_requests_tokens_and_latency(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        with urllib.request.urlopen(server[0] + "/metrics", timeout=10) as response:
+            assert response.headers["Content-Type"].startswith("text/plain")
+            return {
+                (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                for family in text_string_to_metric_families(response.read().decode())
+                for sample in family.samples
+            }
+
+    before = scrape()
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    post(server[0] + "/v1/chat/completions", b"{not json")
+    after = scrape()
+
+    def grew(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew("leanlm_requests_total", endpoint="/v1/chat/completions", status="200") == 1
+    assert grew("leanlm_requests_total", endpoint="/v1/chat/completions", status="400") == 1
+    assert grew("leanlm_generated_tokens_total") == reply.usage.completion_tokens
+    assert grew("leanlm_prompt_tokens_total") == reply.usage.prompt_tokens
+    assert grew("leanlm_time_to_first_token_seconds_count") == 1
+    assert after[("leanlm_active_requests", ())] == 0 and ("leanlm_conversation_cache_bytes", ()) in after

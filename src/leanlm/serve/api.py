@@ -14,7 +14,7 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -227,8 +227,11 @@ def create_app(
     `max_tokens_limit` tokens; its body is at most `max_body_bytes` however it is sent; a streaming client that
     reads nothing for `stall_seconds` loses its request; with `api_key`, every route but /health needs it as a
     bearer token."""
+    from leanlm.serve.metrics import CONTENT_TYPE, Metrics
+
     app = FastAPI(title="leanlm", docs_url=None, redoc_url=None)
-    app.add_middleware(_Gate, max_body_bytes=max_body_bytes, api_key=api_key)
+    metrics = Metrics(engine)
+    app.add_middleware(_Gate, max_body_bytes=max_body_bytes, api_key=api_key, metrics=metrics)
     created = int(time.time())
     tokenizer = engine.tokenizer
     vocabulary = engine.model.config.vocab_size
@@ -259,6 +262,10 @@ def create_app(
             "idle_conversations": len(engine.conversations),
             "conversation_cache_bytes": engine.conversations.bytes(),
         }
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -297,6 +304,7 @@ def create_app(
 
     async def _complete(body: Sampled, prompts: list[list[int]], http: Request, *, chat: bool):
         sampling = body.sampling(default_max_tokens, max_tokens_limit, vocabulary)
+        arrived = time.monotonic()
         loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in prompts]
         requests = [EngineRequest(p, sampling, asyncio_emitter(loop, q)) for p, q in zip(prompts, queues, strict=True)]
@@ -307,11 +315,12 @@ def create_app(
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
-                _stream(requests[0], queues[0], ident, kind, chat, include_usage), media_type="text/event-stream"
+                _stream(requests[0], queues[0], ident, kind, chat, include_usage, arrived),
+                media_type="text/event-stream",
             )
         watchers = [asyncio.create_task(_cancel_when(request, http.is_disconnected)) for request in requests]
         try:
-            answers = await asyncio.gather(*map(_answer, queues))
+            answers = await asyncio.gather(*(_answer(events, arrived) for events in queues))
         finally:
             for watcher, request in zip(watchers, requests, strict=True):
                 watcher.cancel()
@@ -351,12 +360,13 @@ def create_app(
             "usage": usage.as_dict(),
         }
 
-    async def _answer(events: asyncio.Queue):
+    async def _answer(events: asyncio.Queue, arrived: float):
         """(text, generated tokens' logprobs, the prompt's (with echo), finish reason, usage) of one request."""
-        pieces, logprobs, prompt_logprobs = [], [], []
+        pieces, logprobs, prompt_logprobs, first_text = [], [], [], None
         while True:
             event = await events.get()
             if event[0] == "text":
+                first_text = first_text or time.monotonic()
                 pieces.append(event[1])
                 logprobs += event[2]
             elif event[0] == "prompt":
@@ -364,6 +374,7 @@ def create_app(
             elif event[0] == "error":
                 raise ApiError(500, event[1], kind="server_error")
             else:
+                metrics.finished(event[2], arrived, first_text, time.monotonic())
                 return "".join(pieces), logprobs, prompt_logprobs, event[1], event[2]
 
     def _logprobs(entries: list, chat: bool, wanted: bool, tokens: list[int] | None = None) -> dict | None:
@@ -403,7 +414,13 @@ def create_app(
         }
 
     async def _stream(
-        request: EngineRequest, events: asyncio.Queue, ident: str, kind: str, chat: bool, include_usage: bool
+        request: EngineRequest,
+        events: asyncio.Queue,
+        ident: str,
+        kind: str,
+        chat: bool,
+        include_usage: bool,
+        arrived: float,
     ):
         created_at = int(time.time())
 
@@ -441,12 +458,14 @@ def create_app(
             return time.monotonic() - sent[0] > stall_seconds
 
         watcher = asyncio.create_task(_cancel_when(request, stalled))
+        first_text = None
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""}, None)
             while True:
                 event = await events.get()
                 if event[0] == "text":
+                    first_text = first_text or time.monotonic()
                     yield chunk({"content": event[1]} if chat else event[1], None, logprobs=event[2])
                     sent[0] = time.monotonic()
                 elif event[0] == "prompt":  # echo: the prompt comes back first, with its tokens' logprobs
@@ -456,6 +475,7 @@ def create_app(
                     break
                 else:
                     _, finish, usage = event
+                    metrics.finished(usage, arrived, first_text, time.monotonic())
                     yield chunk(None, finish)
                     if include_usage:
                         yield chunk(None, None, usage)
@@ -475,16 +495,29 @@ async def _cancel_when(request: EngineRequest, happened) -> None:
     request.cancel()
 
 
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
 class _Gate:
     """ASGI middleware in front of every route: the API key (where one is set) and the body's size, counted as it
     arrives (a chunked body has no Content-Length to check), before any route reads it."""
 
-    def __init__(self, app, max_body_bytes: int, api_key: str | None):
-        self.app, self.max_body_bytes, self.api_key = app, max_body_bytes, api_key
+    def __init__(self, app, max_body_bytes: int, api_key: str | None, metrics):
+        self.app, self.max_body_bytes, self.api_key, self.metrics = app, max_body_bytes, api_key, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in _ENDPOINTS else "other"
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        return await self._gate(scope, receive, counted)
+
+    async def _gate(self, scope, receive, send):
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         if self.api_key is not None and scope["path"] != "/health":
             if not hmac.compare_digest(headers.get("authorization", ""), f"Bearer {self.api_key}"):

@@ -181,6 +181,10 @@ class Engine:
     def active(self) -> int:
         return len(self._active)
 
+    @property
+    def waiting(self) -> int:
+        return self._waiting.qsize()
+
     def run(self, until: Callable[[], bool] = lambda: False) -> None:
         """Generate in the calling thread until `until()` (asked at least every 0.2 s while idle)."""
         while not until():
