@@ -670,3 +670,29 @@ def test_metrics_count_requests_tokens_and_latency(server, client):
     assert grew("leanlm_prompt_tokens_total") == reply.usage.prompt_tokens
     assert grew("leanlm_time_to_first_token_seconds_count") == 1
     assert after[("leanlm_active_requests", ())] == 0 and ("leanlm_conversation_cache_bytes", ()) in after
+
+
+def test_embeddings_are_the_mean_last_hidden_state(server, client, smollm2_tokenizer):
+    texts = ["hello there", "a second, longer text to embed"]
+    response = client.embeddings.create(model=MODEL, input=texts)  # the client asks for base64 and decodes it
+    model = server[1].state.engine.model
+    assert [item.index for item in response.data] == [0, 1]
+    for text, item in zip(texts, response.data, strict=True):
+        ids = torch.tensor([smollm2_tokenizer.encode(text)])
+        with torch.no_grad():
+            expected = model(ids, output_hidden_states=True).hidden_states[-1][0].mean(0)
+        assert len(item.embedding) == model.config.hidden_size
+        torch.testing.assert_close(torch.tensor(item.embedding), expected, rtol=1e-4, atol=1e-5)
+    as_floats = post(
+        server[0] + "/v1/embeddings",
+        json.dumps({"model": MODEL, "input": texts[0], "encoding_format": "float"}).encode(),
+    )
+    assert as_floats[0] == 200 and as_floats[1]["data"][0]["embedding"] == pytest.approx(response.data[0].embedding)
+    for body, fragment in (
+        ({"input": "hi", "dimensions": 3}, "dimensions"),
+        ({"input": "word " * 200}, "at most"),
+        ({"input": []}, "input"),
+        ({"input": "hi", "frobnicate": 1}, "frobnicate"),
+    ):
+        code, payload = post(server[0] + "/v1/embeddings", json.dumps({"model": MODEL, **body}).encode())
+        assert code == 400 and fragment in payload["error"]["message"]

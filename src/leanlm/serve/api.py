@@ -6,12 +6,14 @@ client sends reaches the engine unchecked.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import time
 import uuid
 from typing import Literal
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -182,22 +184,41 @@ class CompletionRequest(Sampled):
         return self.logprobs
 
     def prompt_ids(self, tokenizer, vocabulary: int) -> list[list[int]]:
-        """Each prompt as token ids: text is tokenized (after the BOS the model expects), token ids are taken as
-        they are (lm-evaluation-harness sends them)."""
-        prompts = [self.prompt] if isinstance(self.prompt, str) or _is_ids(self.prompt) else self.prompt
-        if not prompts or len(prompts) > MAX_PROMPTS:
-            raise ApiError(400, f"prompt: 1 to {MAX_PROMPTS} prompts", "prompt")
-        ids = []
-        for prompt in prompts:
-            tokens = prompt if _is_ids(prompt) else bos_prefix(tokenizer) + encode(tokenizer, plain(prompt, "prompt"))
-            if not tokens:
-                raise ApiError(400, "the prompt is empty", "prompt")
-            if not all(0 <= token < vocabulary for token in tokens):
-                raise ApiError(400, f"prompt: token ids are 0 to {vocabulary - 1}", "prompt")
-            ids.append(tokens)
+        """Each prompt as token ids (see `token_ids`)."""
+        ids = token_ids(self.prompt, "prompt", tokenizer, vocabulary)
         if self.stream and len(ids) > 1:
             raise ApiError(400, "stream: one prompt at a time", "stream")
         return ids
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        for name in self.model_extra or {}:
+            if name not in IGNORED:
+                raise ApiError(400, f"{name}: not a field this server knows", name)
+
+
+def token_ids(value, param: str, tokenizer, vocabulary: int) -> list[list[int]]:
+    """One text or token-id list, or a list of up to MAX_PROMPTS of them, as token ids: text is tokenized (after
+    the BOS the model expects), token ids are taken as they are (lm-evaluation-harness sends them)."""
+    prompts = [value] if isinstance(value, str) or _is_ids(value) else value
+    if not prompts or len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"{param}: 1 to {MAX_PROMPTS} prompts", param)
+    ids = []
+    for prompt in prompts:
+        tokens = prompt if _is_ids(prompt) else bos_prefix(tokenizer) + encode(tokenizer, plain(prompt, param))
+        if not tokens:
+            raise ApiError(400, f"{param}: empty", param)
+        if not all(0 <= token < vocabulary for token in tokens):
+            raise ApiError(400, f"{param}: token ids are 0 to {vocabulary - 1}", param)
+        ids.append(tokens)
+    return ids
 
 
 def _is_ids(prompt) -> bool:
@@ -274,7 +295,7 @@ def create_app(
             "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "leanlm"}],
         }
 
-    def check_model(body: Sampled) -> None:
+    def check_model(body: Sampled | EmbeddingRequest) -> None:
         if body.model != model_name:
             raise ApiError(
                 404,
@@ -296,6 +317,48 @@ def create_app(
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         return await _complete(body, [prompt], http, chat=True)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        check_model(body)
+        body.refuse_unsupported()
+        hidden = engine.model.config.hidden_size
+        if body.dimensions not in (None, hidden):
+            raise ApiError(400, f"dimensions: this model's embeddings have {hidden}", "dimensions")
+        prompts = token_ids(body.input, "input", tokenizer, vocabulary)
+        window = engine.streaming.window
+        if any(len(ids) > window for ids in prompts):
+            raise ApiError(400, f"input: at most {window} tokens (the server's --window)", "input")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def reply(result, error):
+            loop.call_soon_threadsafe(
+                lambda: done.done() or (done.set_exception(error) if error else done.set_result(result))
+            )
+
+        engine.call(lambda: engine.embed(prompts), reply)
+        try:
+            vectors = await done
+        except Exception as error:
+            raise ApiError(500, f"embedding failed: {error}", kind="server_error") from None
+        data = [
+            {
+                "object": "embedding",
+                "index": index,
+                "embedding": vector
+                if body.encoding_format == "float"
+                else base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode(),
+            }
+            for index, vector in enumerate(vectors)
+        ]
+        tokens = sum(len(ids) for ids in prompts)
+        return {
+            "object": "list",
+            "data": data,
+            "model": model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
@@ -495,7 +558,7 @@ async def _cancel_when(request: EngineRequest, happened) -> None:
     request.cancel()
 
 
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics")
 
 
 class _Gate:

@@ -170,6 +170,7 @@ class Engine:
         sink_cache(model, streaming)  # refuses a model or sizes the sink cache cannot serve, before any request
         self.fused = FusedDecoder.build(model, streaming=streaming) if fused else None
         self._waiting: queue.Queue[Request] = queue.Queue()
+        self._calls: queue.Queue[tuple[Callable, Callable]] = queue.Queue()
         self._active: list[Request] = []
         if thread:
             threading.Thread(target=self.run, name="leanlm-engine", daemon=True).start()
@@ -185,9 +186,20 @@ class Engine:
     def waiting(self) -> int:
         return self._waiting.qsize()
 
+    def call(self, work: Callable[[], object], reply: Callable[[object, Exception | None], None]) -> None:
+        """Run `work()` in the engine's thread between two rounds (the model is only ever used from that thread);
+        `reply(result, error)` receives its outcome there."""
+        self._calls.put((work, reply))
+
     def run(self, until: Callable[[], bool] = lambda: False) -> None:
         """Generate in the calling thread until `until()` (asked at least every 0.2 s while idle)."""
         while not until():
+            while not self._calls.empty():
+                work, reply = self._calls.get()
+                try:
+                    reply(work(), None)
+                except Exception as error:  # the caller hears it; the engine goes on
+                    reply(None, error)
             self._admit()
             decoding: list[tuple[Request, int]] = []
             for request in list(self._active):
@@ -212,6 +224,23 @@ class Engine:
                         self._feed(request, [token])
                     except Exception as single_error:
                         self._end(request, self._fail(request, single_error))
+
+    def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Each prompt's embedding: the mean over its tokens of the model's last hidden state (after the final
+        norm), read through a fresh conversation cache (a CushionCache prefix included), so that the model sees
+        what it sees when it generates."""
+        vectors = []
+        with torch.inference_mode():
+            for ids in prompts:
+                out = self.model(
+                    input_ids=torch.tensor([ids]),
+                    past_key_values=sink_cache(self.model, self.streaming),
+                    use_cache=True,
+                    output_hidden_states=True,
+                    logits_to_keep=1,
+                )
+                vectors.append(out.hidden_states[-1][0].float().mean(0).tolist())
+        return vectors
 
     def _fail(self, request: Request, error: Exception) -> str:
         request.emit(("error", f"generation failed: {error}"))
