@@ -366,7 +366,10 @@ def test_the_leanlm_serve_command_answers_and_stops_cleanly(tiny_llama_dir, stop
         assert answer.usage.completion_tokens == 4
         process.send_signal(getattr(signal, stop))
         assert process.wait(timeout=30) in (0, 130, -signal.SIGTERM)
-        assert "Traceback" not in process.stdout.read().decode()
+        output = process.stdout.read().decode()
+        assert "Traceback" not in output
+        # a line per request, without its text
+        assert "127.0.0.1 POST /v1/completions 200" in output and "Once upon" not in output
     finally:
         if process.poll() is None:
             process.kill()

@@ -9,6 +9,7 @@ import asyncio
 import base64
 import hmac
 import json
+import logging
 import time
 import uuid
 from typing import Literal
@@ -27,6 +28,8 @@ from leanlm.evaluation.tokens import bos_prefix, encode
 from leanlm.serve.engine import Engine, Sampling, asyncio_emitter
 from leanlm.serve.engine import Request as EngineRequest
 from leanlm.settings import SEEDS
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -572,13 +575,19 @@ class _Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         endpoint = scope["path"] if scope["path"] in _ENDPOINTS else "other"
+        started, status = time.monotonic(), [None]
 
         async def counted(message):
             if message["type"] == "http.response.start":
-                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+                status[0] = message["status"]
+                self.metrics.requests.labels(endpoint, str(status[0])).inc()
             await send(message)
 
-        return await self._gate(scope, receive, counted)
+        try:
+            return await self._gate(scope, receive, counted)
+        finally:  # what was asked and how it went; never what a prompt or an answer said
+            client = (scope.get("client") or ("-",))[0]
+            log.info("%s %s %s %s %.2f s", client, scope["method"], endpoint, status[0], time.monotonic() - started)
 
     async def _gate(self, scope, receive, send):
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}

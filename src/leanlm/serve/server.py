@@ -31,6 +31,11 @@ class ServeSettings:
         1024, "MiB of idle conversations' caches kept for their next turn (least recently used dropped first)"
     )
     max_body_kb: int = option(1024, "largest request body accepted, KiB, however it is sent")
+    log_requests: bool = option(
+        True,
+        "a line per request on stderr: client, method, endpoint, status, seconds (never a prompt or an answer)",
+        off="no request lines",
+    )
     stall_seconds: int = option(
         30, "a streaming client that reads nothing for this long loses its request (its slot is freed)"
     )
@@ -137,6 +142,8 @@ def serve(
             settings.host,
         )
     loaded = load_any(model_name, loading.dtype, loading.head, loading.adapter)
+    if settings.log_requests:
+        logging.getLogger("leanlm.serve.api").setLevel(logging.INFO)
     app = build_app(loaded.model, loaded.tokenizer, model_name, settings, engine_thread=False)
     decoder = "transformers' forward"
     if app.state.engine.fused is not None:
