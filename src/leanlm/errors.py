@@ -55,6 +55,7 @@ EXTRAS = {
     "starlette": "serve",
     "pydantic": "serve",
     "prometheus_client": "serve",
+    "llguidance": "serve",
     "hivemind": "swarm",
     "compressed_tensors": "export",
     "matplotlib": "plots",

@@ -382,7 +382,12 @@ def test_the_leanlm_serve_command_answers_and_stops_cleanly(tiny_llama_dir, stop
         ({"frobnicate": 1}, 400, "frobnicate: not a field this server knows"),
         ({"top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"response_format": {"type": "xml"}}, 400, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}},
+            400,
+            "cannot be enforced",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ({"logit_bias": {"999999999": 5}}, 400, "logit_bias"),
         ({"logit_bias": {"5": 101}}, 400, "logit_bias"),
@@ -699,3 +704,43 @@ def test_embeddings_are_the_mean_last_hidden_state(server, client, smollm2_token
     ):
         code, payload = post(server[0] + "/v1/embeddings", json.dumps({"model": MODEL, **body}).encode())
         assert code == 400 and fragment in payload["error"]["message"]
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["cat", "dog"]},
+    },
+    "required": ["name", "ok", "kind"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_answers_always_parse_and_validate(client, temperature):
+    """A random model, which left alone writes no JSON, answers in the schema's shape: constrained decoding
+    (llguidance) masks every token the schema does not allow next."""
+    asked = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Describe a pet."}],
+        "max_tokens": 80,
+        "temperature": temperature,
+        "seed": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}},
+    }
+    answer = client.chat.completions.create(**asked)
+    assert answer.choices[0].finish_reason == "stop"
+    value = json.loads(answer.choices[0].message.content)
+    assert set(value) == {"name", "ok", "kind"} and isinstance(value["ok"], bool) and value["kind"] in ("cat", "dog")
+    assert isinstance(value["name"], str) and len(value["name"]) <= 8
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(**asked, stream=True)
+        if chunk.choices
+    )
+    assert streamed == answer.choices[0].message.content
+    free = client.chat.completions.create(**{**asked, "response_format": {"type": "text"}})
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from leanlm.chat import chat_prompt_ids
-from leanlm.errors import ConfigError
+from leanlm.errors import ConfigError, first_line
 from leanlm.evaluation.tokens import bos_prefix, encode
 from leanlm.serve.engine import Engine, Sampling, asyncio_emitter
 from leanlm.serve.engine import Request as EngineRequest
@@ -92,7 +92,6 @@ NEUTRAL = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
     "best_of": (None, 1),
     "suffix": (None,),
     "modalities": (None, ["text"]),
@@ -117,6 +116,35 @@ class Sampled(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
+    response_format: dict | None = None
+
+    def grammar(self) -> str | None:
+        """llguidance's grammar for `response_format` (json_object: any JSON object; json_schema: its schema), or
+        None for free text; a schema llguidance cannot compile is refused here, before any work."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            schema = {"type": "object"}
+        elif kind == "json_schema":
+            schema = (self.response_format.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format: json_schema needs {'schema': {...}}", "response_format")
+        else:
+            raise ApiError(
+                400, f"response_format: type {kind!r} is not text, json_object or json_schema", "response_format"
+            )
+        import llguidance
+
+        try:
+            # Compact JSON: free whitespace lets a model pad without end instead of answering.
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+            problem = llguidance.LLMatcher.validate_grammar(grammar)
+        except Exception as error:  # llguidance raises ValueError and its own types for what it cannot read
+            problem = first_line(error)
+        if problem:
+            raise ApiError(400, f"response_format: the schema cannot be enforced: {problem}", "response_format")
+        return grammar
 
     def refuse_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -160,6 +188,7 @@ class Sampled(BaseModel):
             tuple(bias),
             self.wanted_logprobs(),
             getattr(self, "echo", False),
+            self.grammar(),
         )
 
 

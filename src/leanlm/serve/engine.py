@@ -49,6 +49,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely beside it
     echo: bool = False  # the prompt's tokens' log-probabilities too (from its first token's successor on)
+    grammar: str | None = None  # llguidance's grammar the answer must follow (a JSON schema, compiled), or None
 
 
 @dataclass
@@ -130,6 +131,7 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     reported: int = 0  # logprobs already emitted
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # with echo: None for the first
+    matcher: object | None = None  # with a grammar: llguidance's matcher, which masks every token it forbids
     usage: Usage = field(default_factory=Usage)
 
     def cancel(self) -> None:
@@ -171,6 +173,7 @@ class Engine:
         self.fused = FusedDecoder.build(model, streaming=streaming) if fused else None
         self._waiting: queue.Queue[Request] = queue.Queue()
         self._calls: queue.Queue[tuple[Callable, Callable]] = queue.Queue()
+        self._grammar_tokenizer = None
         self._active: list[Request] = []
         if thread:
             threading.Thread(target=self.run, name="leanlm-engine", daemon=True).start()
@@ -271,6 +274,10 @@ class Engine:
         request.usage = Usage(prompt_tokens=len(request.prompt), cached_tokens=len(conversation.ids))
         seed = request.sampling.seed
         request.generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+        if request.sampling.grammar is not None:
+            import llguidance
+
+            request.matcher = llguidance.LLMatcher(self.grammar_tokenizer(), request.sampling.grammar)
 
     def _feed(self, request: Request, ids: list[int]) -> None:
         """Read `ids` into the request's cache; with echo, each token's log-probability given what precedes it."""
@@ -361,6 +368,9 @@ class Engine:
             return "stop"
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
             self._show(request, text[: len(text) - held_back(text, stops)])
+        if request.matcher is not None and request.matcher.is_stopped():  # the grammar's answer is complete
+            self._show(request, text)
+            return "stop"
         if len(request.generated) >= request.sampling.max_tokens:
             self._show(request, text)
             return "length"
@@ -371,14 +381,30 @@ class Engine:
             request.emit(("text", text[len(request.shown) :], request.logprobs[request.reported :]))
             request.shown, request.reported = text, len(request.logprobs)
 
+    def grammar_tokenizer(self):
+        """llguidance's view of the tokenizer (built once: it reads the whole vocabulary)."""
+        if self._grammar_tokenizer is None:
+            import llguidance.hf
+
+            self._grammar_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer)
+        return self._grammar_tokenizer
+
     def _pick(self, request: Request) -> int:
         sampling = request.sampling
-        return sample_token(
-            adjusted_logits(request.logits, request.generated, sampling),
-            sampling.temperature,
-            sampling.top_p,
-            request.generator,
-        )
+        logits = adjusted_logits(request.logits, request.generated, sampling)
+        if request.matcher is not None:  # only what the grammar allows next (the end token once it is complete)
+            import llguidance.torch
+
+            mask = llguidance.torch.allocate_token_bitmask(1, self.grammar_tokenizer().vocab_size)
+            llguidance.torch.fill_next_token_bitmask(request.matcher, mask, 0)
+            logits = logits.float().clone()
+            width = min(len(logits), self.grammar_tokenizer().vocab_size)
+            llguidance.torch.apply_token_bitmask_inplace(logits[:width], mask[0])
+            logits[width:] = -torch.inf
+        token = sample_token(logits, sampling.temperature, sampling.top_p, request.generator)
+        if request.matcher is not None and not request.matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {request.matcher.get_error()}")
+        return token
 
     def _retire(self, request: Request, finish: str) -> None:
         """A finished request's conversation goes back to the store (what its cache read identifies it), and its
