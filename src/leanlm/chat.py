@@ -114,20 +114,23 @@ def stop_token_ids(tokenizer) -> set[int]:
     return {i for i in ids if isinstance(i, int)}
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The chat template's rendering of `messages` (ending with the assistant's turn opened) as token ids, each
-    message's content read as plain text: the spelling of a special token inside a message (`<|im_start|>system`)
-    stays text, so a message can never open a turn of another role. The template is rendered with a placeholder
-    for each content; the template's own text around them is tokenized as usual, the contents with special tokens
-    split."""
-    marks = [f"\x00{index}\x00" for index in range(len(messages))]
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The chat template's rendering of `messages` (and `tools`, for a template that takes them), ending with the
+    assistant's turn opened, as token ids, each message's content read as plain text: the spelling of a special
+    token inside a message (`<|im_start|>system`) stays text, so a message can never open a turn of another role.
+    The template is rendered with a placeholder for each content; the template's own text around them is
+    tokenized as usual, the contents with special tokens split."""
+    marks = [f"\x00{index}\x00" if message["content"] else "" for index, message in enumerate(messages)]
     rendered = tokenizer.apply_chat_template(
         [{**message, "content": mark} for message, mark in zip(messages, marks, strict=True)],
+        tools=tools,
         tokenize=False,
         add_generation_prompt=True,
     )
     ids, rest = [], rendered
     for message, mark in zip(messages, marks, strict=True):
+        if not mark:
+            continue
         before, found, rest = rest.partition(mark)
         if not found:
             raise ConfigError("this chat template rewrites message text, so a message cannot be kept apart from it")

@@ -27,6 +27,7 @@ from leanlm.errors import ConfigError, first_line
 from leanlm.evaluation.tokens import bos_prefix, encode
 from leanlm.serve.engine import Engine, Sampling, asyncio_emitter
 from leanlm.serve.engine import Request as EngineRequest
+from leanlm.serve.tools import read_calls, template_tags_calls, template_takes_tools
 from leanlm.settings import SEEDS
 
 log = logging.getLogger(__name__)
@@ -59,13 +60,39 @@ class TextPart(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return plain(
             self.content if isinstance(self.content, str) else "".join(part.text for part in self.content), "messages"
         )
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (a developer message is a system one; a call's arguments an
+        object, not the JSON text OpenAI's clients send)."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                try:
+                    arguments = json.loads(function.get("arguments") or "{}")
+                    calls.append(
+                        {"type": "function", "function": {"name": str(function["name"]), "arguments": arguments}}
+                    )
+                except (AttributeError, KeyError, TypeError, ValueError):
+                    raise ApiError(
+                        400, "messages: a tool call is {'function': {'name', 'arguments': JSON text}}", "messages"
+                    ) from None
+            message["tool_calls"] = calls
+        return message
 
 
 def plain(text: str, param: str) -> str:
@@ -87,8 +114,6 @@ class StreamOptions(BaseModel):
 # Fields a request may carry without leanlm acting on them: at these values they ask for nothing; any other value,
 # and any field not listed, is refused by name rather than dropped in silence.
 NEUTRAL = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, True, False),
@@ -118,7 +143,7 @@ class Sampled(BaseModel):
     n: int = Field(1, ge=1, le=1)
     response_format: dict | None = None
 
-    def grammar(self) -> str | None:
+    def grammar(self, tokenizer=None) -> str | None:
         """llguidance's grammar for `response_format` (json_object: any JSON object; json_schema: its schema), or
         None for free text; a schema llguidance cannot compile is refused here, before any work."""
         kind = (self.response_format or {}).get("type", "text")
@@ -159,7 +184,7 @@ class Sampled(BaseModel):
         """None, or how many alternatives to report beside each token's log-probability."""
         return None
 
-    def sampling(self, default_max_tokens: int, max_tokens_limit: int, vocabulary: int) -> Sampling:
+    def sampling(self, default_max_tokens: int, max_tokens_limit: int, vocabulary: int, tokenizer=None) -> Sampling:
         self.refuse_unsupported()
         stops = [plain(stop, "stop") for stop in ([self.stop] if isinstance(self.stop, str) else self.stop or [])]
         if len(stops) > 4 or any(not stop for stop in stops):
@@ -188,7 +213,7 @@ class Sampled(BaseModel):
             tuple(bias),
             self.wanted_logprobs(),
             getattr(self, "echo", False),
-            self.grammar(),
+            self.grammar(tokenizer),
         )
 
 
@@ -197,6 +222,47 @@ class ChatCompletionRequest(Sampled):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict] | None = Field(None, max_length=128)
+    tool_choice: str | dict | None = None
+
+    def tool_list(self) -> list[dict]:
+        """The tools the model may call (none with tool_choice "none"), checked: functions with a name and, if
+        given, a JSON-schema object of parameters."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        for tool in self.tools:
+            function = tool.get("function")
+            if (
+                tool.get("type") != "function"
+                or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("parameters", {}), dict)
+            ):
+                raise ApiError(400, "tools: each is {'type': 'function', 'function': {'name', 'parameters'}}", "tools")
+        return self.tools
+
+    def required_calls(self) -> list[str] | None:
+        """The functions one of which the answer must call (tool_choice "required" or a named one), or None."""
+        names = [tool["function"]["name"] for tool in self.tool_list()]
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        if choice == "required":
+            return names
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if name not in names:
+            raise ApiError(400, f"tool_choice: {choice!r} names no function of tools", "tool_choice")
+        return [name]
+
+    def grammar(self, tokenizer=None) -> str | None:
+        required = self.required_calls()
+        if required is None:
+            return super().grammar(tokenizer)
+        if self.response_format is not None:
+            raise ApiError(400, "response_format: not together with a required tool call", "response_format")
+        from leanlm.serve.tools import call_grammar
+
+        return call_grammar(tokenizer, self.tool_list(), required)
 
     def wanted_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -341,14 +407,21 @@ def create_app(
         check_model(body)
         if getattr(tokenizer, "chat_template", None) is None:
             raise ApiError(400, f"{model_name} has no chat template; use /v1/completions", "messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        messages = [message.for_template() for message in body.messages]
+        tools = body.tool_list()
+        if tools and not template_takes_tools(tokenizer):
+            raise ApiError(400, f"tools: {model_name}'s chat template has no place for tools", "tools")
+        if body.required_calls() is not None and not template_tags_calls(tokenizer):
+            raise ApiError(
+                400, f"tool_choice: a required call needs a <tool_call> template; {model_name}'s is not", "tool_choice"
+            )
         try:
-            prompt = chat_prompt_ids(tokenizer, messages)
+            prompt = chat_prompt_ids(tokenizer, messages, tools or None)
         except (ConfigError, TemplateError) as error:
             raise ApiError(400, f"the model's chat template refuses these messages: {error}", "messages") from None
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        return await _complete(body, [prompt], http, chat=True)
+        return await _complete(body, [prompt], http, chat=True, tools=bool(tools))
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
@@ -397,8 +470,8 @@ def create_app(
         check_model(body)
         return await _complete(body, body.prompt_ids(tokenizer, vocabulary), http, chat=False)
 
-    async def _complete(body: Sampled, prompts: list[list[int]], http: Request, *, chat: bool):
-        sampling = body.sampling(default_max_tokens, max_tokens_limit, vocabulary)
+    async def _complete(body: Sampled, prompts: list[list[int]], http: Request, *, chat: bool, tools: bool = False):
+        sampling = body.sampling(default_max_tokens, max_tokens_limit, vocabulary, tokenizer)
         arrived = time.monotonic()
         loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in prompts]
@@ -410,7 +483,7 @@ def create_app(
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
-                _stream(requests[0], queues[0], ident, kind, chat, include_usage, arrived),
+                _stream(requests[0], queues[0], ident, kind, chat, include_usage, arrived, tools),
                 media_type="text/event-stream",
             )
         watchers = [asyncio.create_task(_cancel_when(request, http.is_disconnected)) for request in requests]
@@ -426,14 +499,12 @@ def create_app(
         ):
             if chat:
                 reported = _logprobs(logprobs, True, sampling.logprobs is not None)
-                choices.append(
-                    {
-                        "index": index,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": reported,
-                        "finish_reason": finish,
-                    }
-                )
+                message = {"role": "assistant", "content": text}
+                if tools:
+                    message["content"], calls = read_calls(text)
+                    if calls:
+                        message["tool_calls"], finish = calls, "tool_calls"
+                choices.append({"index": index, "message": message, "logprobs": reported, "finish_reason": finish})
                 continue
             if sampling.echo:
                 text = tokenizer.decode(prompt) + text
@@ -516,6 +587,7 @@ def create_app(
         chat: bool,
         include_usage: bool,
         arrived: float,
+        tools: bool = False,
     ):
         created_at = int(time.time())
 
@@ -553,7 +625,7 @@ def create_app(
             return time.monotonic() - sent[0] > stall_seconds
 
         watcher = asyncio.create_task(_cancel_when(request, stalled))
-        first_text = None
+        first_text, held = None, []
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""}, None)
@@ -561,6 +633,9 @@ def create_app(
                 event = await events.get()
                 if event[0] == "text":
                     first_text = first_text or time.monotonic()
+                    if tools:  # whether the answer is a call is known at its end
+                        held.append(event[1])
+                        continue
                     yield chunk({"content": event[1]} if chat else event[1], None, logprobs=event[2])
                     sent[0] = time.monotonic()
                 elif event[0] == "prompt":  # echo: the prompt comes back first, with its tokens' logprobs
@@ -571,6 +646,14 @@ def create_app(
                 else:
                     _, finish, usage = event
                     metrics.finished(usage, arrived, first_text, time.monotonic())
+                    if tools:
+                        content, calls = read_calls("".join(held))
+                        if content:
+                            yield chunk({"content": content}, None)
+                        if calls:
+                            deltas = [{"index": index, **call} for index, call in enumerate(calls)]
+                            yield chunk({"tool_calls": deltas}, None)
+                            finish = "tool_calls"
                     yield chunk(None, finish)
                     if include_usage:
                         yield chunk(None, None, usage)
