@@ -57,7 +57,7 @@ def test_the_store_continues_the_longest_prefix_and_keeps_to_its_budget():
             model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
             filled.append(Conversation(list(ids), cache))
     size = cache_bytes(filled[0].cache)
-    store = ConversationStore(budget_bytes=10 * size)
+    store = ConversationStore(budget_bytes=10 * size, exact=False)  # any shared token (exactness: below)
     for conversation in filled:
         store.put(conversation)
     assert store.take([1, 2, 3, 4, 5, 6]) is filled[1]  # continued exactly: it leaves the store
@@ -70,7 +70,7 @@ def test_the_store_continues_the_longest_prefix_and_keeps_to_its_budget():
     torch.testing.assert_close(cut.cache.layers[0].keys, fresh.layers[0].keys)
     assert filled[0].cache.get_seq_length() == 3
     assert store.take([9]) is None
-    small = ConversationStore(budget_bytes=int(size * 2.5))  # room for two of these: the oldest leaves
+    small = ConversationStore(budget_bytes=int(size * 2.5), exact=False)  # room for two of these: the oldest leaves
     for conversation in filled:
         small.put(conversation)
     assert len(small) == 2
@@ -84,11 +84,16 @@ def test_held_back_text_is_the_part_a_stop_string_could_still_begin():
     assert held_back("ab", ("b!", "ab?")) == 2
 
 
-def _serve_turns(engine: Engine, conversations: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Every conversation's prompt as a request at once; each one's generated ids."""
+def _serve_turns(engine: Engine, conversations: list[list[int]], max_tokens: int, requests_out=None) -> list[list[int]]:
+    """Every conversation's prompt as a request at once; each one's generated ids (`requests_out` gets the
+    requests)."""
     events: queue.Queue = queue.Queue()
     requests = [
-        Request(prompt, Sampling(max_tokens=max_tokens, temperature=0.0), lambda event, i=i: events.put((i, event)))
+        Request(
+            prompt,
+            Sampling(max_tokens=max_tokens, temperature=0.0, logprobs=0),
+            lambda event, i=i: events.put((i, event)),
+        )
         for i, prompt in enumerate(conversations)
     ]
     for request in requests:
@@ -98,6 +103,8 @@ def _serve_turns(engine: Engine, conversations: list[list[int]], max_tokens: int
         index, event = events.get(timeout=60)
         assert event[0] != "error", event
         finished += event[0] == "done"
+    if requests_out is not None:
+        requests_out.extend(requests)
     return [request.generated for request in requests]
 
 
@@ -110,7 +117,10 @@ def test_the_fused_engine_answers_as_the_batched_forward_does_over_turns_past_th
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(20)  # decisive logits: no near-ties between the two paths
     streaming = StreamingConfig(sinks=2, window=24)
-    engines = [Engine(model, smollm2_tokenizer, streaming, max_batch=4, fused=fused) for fused in (True, False)]
+    engines = [
+        Engine(model, smollm2_tokenizer, streaming, max_batch=4, fused=fused, exact_reuse=False)
+        for fused in (True, False)
+    ]
     assert engines[0].fused is not None and engines[1].fused is None
     histories = [[[7 * i + j + 3 for j in range(5 + 3 * i)]] * 2 for i in range(4)]
     for turn in range(3):
@@ -136,3 +146,24 @@ def test_penalties_and_bias_follow_openais_definitions():
     assert adjusted.tolist() == [0.0, -2.0, -1.5, 2.0, 0.0]
     plain = torch.zeros(5)
     assert adjusted_logits(plain, [1], Sampling(max_tokens=1)) is plain
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "transformers"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_an_answer_does_not_depend_on_what_the_store_held(smollm2_tokenizer, fused, dtype):
+    """The second turn of a conversation, continued from the stored first turn or read fresh by another engine:
+    the same greedy tokens, in bfloat16 too (the store shares only whole prompt chunks, computed alike)."""
+    if fused and not avx2_available():
+        pytest.skip("leanlm's kernels cannot be built here")
+    model = tiny_model("llama", vocab_size=len(smollm2_tokenizer), seed=4).to(dtype)
+    streaming = StreamingConfig(sinks=4, window=120)  # prompts read in chunks of 30
+    first = [(7 * i) % 5000 + 3 for i in range(60)]
+    stored = Engine(model, smollm2_tokenizer, streaming, max_batch=2, fused=fused)
+    answer = _serve_turns(stored, [first], max_tokens=10)[0]
+    second = first + answer + [11, 12, 13]
+    requests = []
+    _serve_turns(stored, [second], max_tokens=20, requests_out=requests)
+    assert requests[0].usage.cached_tokens == 60  # the first turn's whole chunks
+    _serve_turns(Engine(model, smollm2_tokenizer, streaming, max_batch=2, fused=fused), [second], 20, requests)
+    continued, fresh = ([(e.token, e.logprob) for e in request.logprobs] for request in requests)
+    assert continued == fresh  # the same tokens, and logits equal to the last bit

@@ -46,6 +46,7 @@ def server(smollm2_tokenizer, request):
         cache_budget_mb=64,
         max_body_kb=64,
         fused=request.param,
+        exact_reuse=False,  # conversations are continued past the window (the 50-turn test); exactness: test_engine
     )
     app = build_app(model, smollm2_tokenizer, MODEL, settings)
     assert (app.state.engine.fused is not None) == (request.param and avx2_available())

@@ -2,7 +2,13 @@
 history every turn) reads only its new tokens.
 
 A conversation is known by the token ids its cache has read: a new prompt that starts like them continues it
-(its cache cut back to the part they share).
+(its cache cut back to the part they share). Only the part a fresh read would compute the same way is shared: the
+engine reads prompts in chunks at fixed multiples of `chunk` tokens from the start, and a conversation records how
+many of its tokens were read as such whole chunks (`exact`); its answer's tokens, read one at a time, and a last
+partial chunk are read again; and a conversation whose cache has evicted tokens (it ran past the window) is not
+continued, since a fresh read would evict at other points. So an answer never depends on what the store held, in
+any dtype. With `exact=False` a conversation is continued from any shared token, past the window too: faster for
+long chats, but an answer may then differ in its last bits, or its tokens, from a fresh read's.
 Each cache is a sink cache, bounded by its sinks + window tokens however long the conversation gets; the store
 as a whole is bounded by a byte budget, the least recently used conversations leaving first.
 """
@@ -21,6 +27,7 @@ from leanlm.cache.sink_cache import SinkCache
 class Conversation:
     ids: list[int]  # every token the cache has read, in order (evicted ones included: they identify it)
     cache: SinkCache
+    exact: int = 0  # leading ids read as whole prompt chunks: what a fresh read of them computes, bit for bit
 
 
 def cache_bytes(cache: SinkCache) -> int:
@@ -46,8 +53,8 @@ class ConversationStore:
     """Idle conversations, least recently used first out. `take` hands one out (it leaves the store while a request
     extends it, so two requests never write one cache); `put` brings it back."""
 
-    def __init__(self, budget_bytes: int):
-        self.budget_bytes = budget_bytes
+    def __init__(self, budget_bytes: int, chunk: int = 1, exact: bool = True):
+        self.budget_bytes, self.chunk, self.exact = budget_bytes, chunk, exact
         self._idle: OrderedDict[int, tuple[Conversation, int]] = OrderedDict()
         self._next_key = 0
         self._lock = threading.Lock()
@@ -62,6 +69,12 @@ class ConversationStore:
             best_key, best_shared = None, 0
             for key, (conversation, _) in self._idle.items():
                 shared = min(_shared_length(conversation.ids, prompt), len(prompt) - 1)
+                if self.exact:
+                    capacity = conversation.cache.get_max_length()
+                    if 0 <= capacity < len(conversation.ids):
+                        continue
+                    shared = min(shared, conversation.exact)
+                    shared -= shared % self.chunk
                 if shared > best_shared and len(conversation.ids) - shared <= conversation.cache.droppable():
                     best_key, best_shared = key, shared
             if best_key is None:
@@ -69,7 +82,7 @@ class ConversationStore:
             stored = self._idle[best_key][0]
             if best_shared == len(stored.ids):
                 return self._idle.pop(best_key)[0]
-            cut = Conversation(stored.ids[:best_shared], copy.deepcopy(stored.cache))
+            cut = Conversation(stored.ids[:best_shared], copy.deepcopy(stored.cache), best_shared)
         cut.cache.drop_last(len(stored.ids) - best_shared)
         return cut
 

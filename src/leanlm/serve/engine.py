@@ -36,6 +36,10 @@ from leanlm.decoding import FusedCache, FusedDecoder
 from leanlm.methods.streaming import StreamingConfig, sink_cache
 from leanlm.serve.conversations import Conversation, ConversationStore
 
+# Tokens a prompt is read in at most (a quarter of the window at most, so that a conversation inside the window
+# can be continued from a chunk boundary), at multiples of which a stored conversation is shared.
+PREFILL_CHUNK = 256
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -164,10 +168,14 @@ class Engine:
         cache_budget_bytes: int = 1 << 30,
         fused: bool = True,
         thread: bool = True,
+        exact_reuse: bool = True,
     ):
         self.model, self.tokenizer, self.streaming = model, tokenizer, streaming
         self.max_batch = max_batch
-        self.conversations = ConversationStore(cache_budget_bytes)
+        # Prompts are read in chunks at multiples of this from the start, so a stored conversation's chunks are
+        # what a fresh read computes (ConversationStore shares only those).
+        self.chunk = max(1, min(PREFILL_CHUNK, streaming.window // 4))
+        self.conversations = ConversationStore(cache_budget_bytes, self.chunk, exact_reuse)
         self.stop_ids = stop_token_ids(tokenizer)
         sink_cache(model, streaming)  # refuses a model or sizes the sink cache cannot serve, before any request
         self.fused = FusedDecoder.build(model, streaming=streaming) if fused else None
@@ -345,9 +353,11 @@ class Engine:
         if request.cancelled.is_set():
             return "cancelled"
         if request.fed < len(request.prompt):
-            end = min(len(request.prompt), request.fed + self.streaming.window)
+            end = min(len(request.prompt), (request.fed // self.chunk + 1) * self.chunk)
             self._feed(request, request.prompt[request.fed : end])
             request.fed = end
+            if end % self.chunk == 0:
+                request.conversation.exact = end
             if request.fed == len(request.prompt) and request.sampling.echo:
                 request.emit(("prompt", request.prompt_logprobs))
             return None

@@ -31,6 +31,13 @@ class ServeSettings:
         1024, "MiB of idle conversations' caches kept for their next turn (least recently used dropped first)"
     )
     max_body_kb: int = option(1024, "largest request body accepted, KiB, however it is sent")
+    exact_reuse: bool = option(
+        True,
+        "continue a stored conversation only where that computes what a fresh read would (whole prompt chunks, "
+        "inside the window): an answer never depends on what the store held",
+        off="continue stored conversations from any shared token, past the window too (faster for long chats; "
+        "an answer may then differ from a fresh read's)",
+    )
     log_requests: bool = option(
         True,
         "a line per request on stderr: client, method, endpoint, status, seconds (never a prompt or an answer)",
@@ -100,6 +107,7 @@ def build_app(
         cache_budget_bytes=settings.cache_budget_mb << 20,
         fused=settings.fused,
         thread=engine_thread,
+        exact_reuse=settings.exact_reuse,
     )
     app = create_app(
         engine,
