@@ -38,7 +38,7 @@ from leanlm.serve.conversations import Conversation, ConversationStore
 
 # Tokens a prompt is read in at most (a quarter of the window at most, so that a conversation inside the window
 # can be continued from a chunk boundary), at multiples of which a stored conversation is shared.
-PREFILL_CHUNK = 256
+PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
