@@ -745,3 +745,17 @@ def test_json_schema_answers_always_parse_and_validate(client, temperature):
     free = client.chat.completions.create(**{**asked, "response_format": {"type": "text"}})
     with pytest.raises(ValueError):
         json.loads(free.choices[0].message.content)
+
+
+def test_n_choices_each_their_own_draw(client):
+    asked = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "seed": 5, "n": 3}
+    first = client.chat.completions.create(**asked, temperature=1.0)
+    again = client.chat.completions.create(**asked, temperature=1.0)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]  # seeded
+    assert len({c.message.content for c in first.choices}) > 1  # each choice draws with its own seed
+    greedy = client.chat.completions.create(**asked, temperature=0)
+    assert len({c.message.content for c in greedy.choices}) == 1
+    for extra in ({"n": 9}, {"n": 2, "stream": True}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(**{**asked, **extra})

@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Literal
 
 import numpy as np
@@ -125,6 +126,9 @@ NEUTRAL = {
 IGNORED = ("user", "metadata", "store", "service_tier")  # bookkeeping that changes no answer
 
 
+MAX_CHOICES = 8  # n: choices one request may ask for
+
+
 class Sampled(BaseModel):
     """The fields both endpoints share."""
 
@@ -140,7 +144,7 @@ class Sampled(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, max_length=1024)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     response_format: dict | None = None
 
     def grammar(self, tokenizer=None) -> str | None:
@@ -474,8 +478,15 @@ def create_app(
         sampling = body.sampling(default_max_tokens, max_tokens_limit, vocabulary, tokenizer)
         arrived = time.monotonic()
         loop = asyncio.get_running_loop()
+        if body.n > 1 and body.stream:
+            raise ApiError(400, "n: streams carry one choice; ask for n > 1 without stream", "n")
+        prompts = [prompt for prompt in prompts for _ in range(body.n)]  # n choices of each prompt, in order
+        seeds = [None if sampling.seed is None else sampling.seed + index % body.n for index in range(len(prompts))]
         queues = [asyncio.Queue() for _ in prompts]
-        requests = [EngineRequest(p, sampling, asyncio_emitter(loop, q)) for p, q in zip(prompts, queues, strict=True)]
+        requests = [
+            EngineRequest(prompt, replace(sampling, seed=seed), asyncio_emitter(loop, events))
+            for prompt, seed, events in zip(prompts, seeds, queues, strict=True)
+        ]
         for request in requests:
             engine.submit(request)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
