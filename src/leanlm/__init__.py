@@ -32,6 +32,47 @@ from leanlm.errors import (  # noqa: E402
 __version__ = "0.1.0"
 
 
+def _register_with_transformers() -> None:
+    """Make leanlm checkpoints loadable by transformers' `from_pretrained` (`leanlm.integrations.transformers`):
+    now if transformers is imported already, else once it is, so that `import leanlm` itself stays light."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    def register() -> None:
+        try:
+            from leanlm.integrations.transformers import register
+
+            register()
+        except Exception as error:  # never let leanlm break importing transformers
+            logging.getLogger(__name__).debug("transformers integration not registered: %s", error)
+
+    if "transformers" in sys.modules:
+        return register()
+
+    class AfterTransformers(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "transformers":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None:
+                return spec
+            execute = spec.loader.exec_module
+
+            def exec_module(module):
+                execute(module)
+                register()
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, AfterTransformers())
+
+
+_register_with_transformers()
+
+
 def __getattr__(name: str):
     """`leanlm.quantize_`, `leanlm.Calibration` and the method configs, imported on first use: `import leanlm`
     alone stays light (no torch)."""

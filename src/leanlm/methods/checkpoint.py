@@ -81,8 +81,14 @@ def quantized_module_records(module: nn.Module, prefix: str = "") -> dict[str, d
 
 
 def write_checkpoint_files(config, tokenizer, quant: dict, staging: Path) -> None:
-    """Everything but the weights; the record last."""
+    """Everything but the weights; the record last. config.json carries the record for transformers too
+    (`leanlm.integrations.transformers`)."""
+    from leanlm.integrations.transformers import quantization_config
+
     config.save_pretrained(staging)
+    written = json.loads((staging / "config.json").read_text())
+    written["quantization_config"] = quantization_config(quant)
+    (staging / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(staging)
     (staging / QUANT_FILE).write_text(json.dumps(quant, indent=2) + "\n")
 
@@ -157,13 +163,18 @@ def is_quantized_checkpoint(source: str | os.PathLike) -> bool:
 
 
 def read_record(directory: str | os.PathLike) -> dict:
-    """A checkpoint's `leanlm_quant.json`, checked: an object naming a known method (and level) and the modules
-    to rebuild as {name: {"class", "args"}}."""
+    """A checkpoint's `leanlm_quant.json`, checked (`check_record`)."""
     path = Path(directory) / QUANT_FILE
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as error:
         raise CorruptModelError(f"{path} cannot be read: {error}") from None
+    return check_record(record, path)
+
+
+def check_record(record, path) -> dict:
+    """`record` (read from `path`), checked: an object naming a known method (and level) and the modules to
+    rebuild as {name: {"class", "args"}}."""
     if not isinstance(record, dict):
         raise CorruptModelError(f"{path} holds a JSON {type(record).__name__}; a checkpoint record is an object")
     method = record.get("method")
@@ -192,7 +203,7 @@ def read_record(directory: str | os.PathLike) -> dict:
     return record
 
 
-def _rebuilt_modules(model: nn.Module, modules: dict, source: Path) -> dict[str, nn.Module]:
+def rebuilt_modules(model: nn.Module, modules: dict, source: Path) -> dict[str, nn.Module]:
     """The quantized modules the record names, built empty on the meta device (no memory, whatever the args
     say), each checked to replace a module of its own shape."""
     rebuilt = {}
@@ -275,6 +286,20 @@ def _check_weights_files(paths: list[Path], model: nn.Module, table_dtype: str =
     return found
 
 
+def _check_format(directory: Path, config) -> None:
+    """A record config.json carries for transformers must be one this leanlm reads."""
+    from leanlm.integrations.transformers import FORMAT_VERSION, METHOD
+
+    carried = getattr(config, "quantization_config", None)
+    if isinstance(carried, dict) and carried.get("quant_method") == METHOD:
+        version = carried.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise CorruptModelError(
+                f"{directory}: this leanlm checkpoint is format {version!r}; this leanlm reads format "
+                f"{FORMAT_VERSION} and older: upgrade leanlm"
+            )
+
+
 def load_quantized(
     directory: str | os.PathLike, table_dtype: torch.dtype = torch.float32, head: str = "float"
 ) -> tuple[LoadedModel, dict]:
@@ -286,6 +311,7 @@ def load_quantized(
     record = read_record(directory)
     files = weights_files(directory)
     config = read_model_config(directory, quantized=True)
+    _check_format(directory, config)
     table = architecture_for(config)
     # The tokenizer first: a damaged one is found before the slow part, and what building it takes beyond what it
     # keeps (hundreds of MiB for a vocabulary of 262k) is freed before the weights arrive, not on top of them.
@@ -293,7 +319,7 @@ def load_quantized(
     trim_freed_memory()
     with torch.device("meta"):
         skeleton = model_from_config(config, dtype=torch.float32)
-    rebuilt = _rebuilt_modules(skeleton, record["modules"], directory / QUANT_FILE)
+    rebuilt = rebuilt_modules(skeleton, record["modules"], directory / QUANT_FILE)
     for name, module in rebuilt.items():
         skeleton.set_submodule(name, module, strict=False)
     stored = _check_weights_files(files, skeleton, record.get("table_dtype", "float32"))

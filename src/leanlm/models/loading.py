@@ -161,7 +161,9 @@ def read_model_config(directory: Path, *, quantized: bool = False):
         raise CorruptModelError(f"{directory}/config.json cannot be read: {_readable(error)}") from None
     check_layer_count(directory, config, weight_files(directory))  # before any skeleton of that many layers
     architecture_for(config)  # refuse unsupported families before spending time on the weights
-    if not quantized and getattr(config, "quantization_config", None) is None:
+    # A quantization_config is another format's (or leanlm's, as transformers saved it: no record file), read by
+    # transformers' quantizer; a leanlm checkpoint (its record file is there) is never a float model.
+    if not quantized and (getattr(config, "quantization_config", None) is None or (directory / QUANT_FILE).exists()):
         marked = quantized_weights_file(directory)
         if marked is not None:
             reason = (

@@ -1,0 +1,1 @@
+"""leanlm inside other tools: transformers' quantizer API (`from_pretrained` of a leanlm checkpoint)."""
