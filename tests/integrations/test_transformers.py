@@ -87,3 +87,15 @@ def test_a_record_leanlm_cannot_read_is_one_line_in_both(tmp_path, change, messa
     assert "\n" not in str(raised.value).strip()
     with pytest.raises(LeanLMError, match=message):
         load_any(checkpoint)
+
+
+def test_import_leanlm_registers_with_transformers_whichever_comes_first():
+    import subprocess
+    import sys
+
+    for program in (
+        "import sys, leanlm; assert 'torch' not in sys.modules and 'transformers' not in sys.modules; import transformers",
+        "import transformers, leanlm",
+    ):
+        check = "; from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as M; assert 'leanlm' in M"
+        subprocess.run([sys.executable, "-c", program + check], check=True, timeout=120)
