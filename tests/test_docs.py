@@ -50,6 +50,7 @@ REPORTED = {
     "serve": ["serve_smollm2-135m_xeon-amx"],
     "sink_pretraining": ["sink_pretraining"],
     "streaming": ["streaming_smollm2-135m"],
+    "structured_output": ["structured_output"],
     "swarm": ["swarm"],
     "w8a8_accuracy": ["w8a8_accuracy_smollm2-135m"],
     "w8a8_speed": ["w8a8_speed"],
