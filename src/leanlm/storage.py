@@ -22,6 +22,15 @@ from leanlm.errors import ConfigError, CorruptModelError
 
 QUANT_FILE = "leanlm_quant.json"  # a quantized checkpoint's record: method, settings, replaced modules
 QUANTIZED_MARKER = "leanlm_quantized"
+# How config.json carries the record for transformers (`leanlm.integrations.transformers` reads it).
+TRANSFORMERS_METHOD = "leanlm"
+FORMAT_VERSION = 1
+
+
+def transformers_quantization_config(record: dict) -> dict:
+    return {"quant_method": TRANSFORMERS_METHOD, "format_version": FORMAT_VERSION, "record": record}
+
+
 _STAGING_TAG = ".partial-"
 
 
@@ -149,16 +158,17 @@ def staged_directory(out: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def quantized_weights_file(directory: Path) -> Path | None:
-    """The first safetensors file in `directory` that holds leanlm quantized tensors (marked, or int8 `weight`s
-    as W8A8 stored them before the marker existed), or None. Reads headers only. (For a directory whose
-    config.json declares no `quantization_config`: other formats store int8 weights too.)"""
+def quantized_weights_file(directory: Path, marker_only: bool = False) -> Path | None:
+    """The first safetensors file in `directory` that holds leanlm quantized tensors (marked, or, unless
+    `marker_only`, int8 `weight`s as W8A8 stored them before the marker existed), or None. Reads headers only.
+    (`marker_only` for a directory whose config.json declares a `quantization_config`: other formats store int8
+    weights too.)"""
     for path in sorted(directory.glob("*.safetensors")):
         try:
             with safe_open(str(path), "pt") as handle:
                 if QUANTIZED_MARKER in (handle.metadata() or {}):
                     return path
-                if any(
+                if not marker_only and any(
                     name.endswith(".weight") and handle.get_slice(name).get_dtype() in ("I8", "U8")
                     for name in handle.keys()
                 ):

@@ -75,7 +75,7 @@ def test_a_checkpoint_from_before_still_loads_in_leanlm():
 def test_a_record_leanlm_cannot_read_is_one_line_in_both(tmp_path, change, message):
     checkpoint = Path(shutil.copytree(FIXTURE, tmp_path / "q"))
     config = json.loads((checkpoint / "config.json").read_text())
-    from leanlm.integrations.transformers import quantization_config
+    from leanlm.storage import transformers_quantization_config as quantization_config
 
     config["quantization_config"] = quantization_config(json.loads((checkpoint / "leanlm_quant.json").read_text()))
     change(config["quantization_config"])

@@ -1,4 +1,4 @@
-"""transformers loads leanlm checkpoints: `AutoModelForCausalLM.from_pretrained(CHECKPOINT)` after `import leanlm`.
+"""transformers loads leanlm checkpoints: AutoModelForCausalLM's from_pretrained, after `import leanlm`.
 
 A checkpoint's config.json carries `quantization_config = {"quant_method": "leanlm", "format_version": 1,
 "record": <leanlm_quant.json>}`. transformers finds the method through its registries
@@ -17,13 +17,9 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-METHOD = "leanlm"
-FORMAT_VERSION = 1
-
-
-def quantization_config(record: dict) -> dict:
-    """What a checkpoint's config.json carries for transformers."""
-    return {"quant_method": METHOD, "format_version": FORMAT_VERSION, "record": record}
+from leanlm.storage import FORMAT_VERSION
+from leanlm.storage import TRANSFORMERS_METHOD as METHOD
+from leanlm.storage import transformers_quantization_config as quantization_config
 
 
 class LeanLMQuantizationConfig(QuantizationConfigMixin):

@@ -38,7 +38,14 @@ from leanlm.models.loading import (
 from leanlm.models.untrusted import INDEX_FILE, WEIGHTS_FILE, model_from_config, weight_files
 from leanlm.nn import QUANTIZED_MODULES, KbitLinear, SpQRLinear, use_gemv_
 from leanlm.nn.kbit_linear import KbitEmbedding
-from leanlm.storage import QUANT_FILE, QUANTIZED_MARKER, staged_directory
+from leanlm.storage import (
+    FORMAT_VERSION,
+    QUANT_FILE,
+    QUANTIZED_MARKER,
+    TRANSFORMERS_METHOD,
+    staged_directory,
+    transformers_quantization_config,
+)
 
 # What a checkpoint may store its token embedding and float output head in: bfloat16 halves what are then its
 # largest float tensors (a Llama-3-8B's two are 4.2 GB in float32) for their rounding to 8 significant bits.
@@ -83,11 +90,9 @@ def quantized_module_records(module: nn.Module, prefix: str = "") -> dict[str, d
 def write_checkpoint_files(config, tokenizer, quant: dict, staging: Path) -> None:
     """Everything but the weights; the record last. config.json carries the record for transformers too
     (`leanlm.integrations.transformers`)."""
-    from leanlm.integrations.transformers import quantization_config
-
     config.save_pretrained(staging)
     written = json.loads((staging / "config.json").read_text())
-    written["quantization_config"] = quantization_config(quant)
+    written["quantization_config"] = transformers_quantization_config(quant)
     (staging / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(staging)
     (staging / QUANT_FILE).write_text(json.dumps(quant, indent=2) + "\n")
@@ -288,10 +293,8 @@ def _check_weights_files(paths: list[Path], model: nn.Module, table_dtype: str =
 
 def _check_format(directory: Path, config) -> None:
     """A record config.json carries for transformers must be one this leanlm reads."""
-    from leanlm.integrations.transformers import FORMAT_VERSION, METHOD
-
     carried = getattr(config, "quantization_config", None)
-    if isinstance(carried, dict) and carried.get("quant_method") == METHOD:
+    if isinstance(carried, dict) and carried.get("quant_method") == TRANSFORMERS_METHOD:
         version = carried.get("format_version")
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise CorruptModelError(

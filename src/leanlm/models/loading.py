@@ -161,10 +161,12 @@ def read_model_config(directory: Path, *, quantized: bool = False):
         raise CorruptModelError(f"{directory}/config.json cannot be read: {_readable(error)}") from None
     check_layer_count(directory, config, weight_files(directory))  # before any skeleton of that many layers
     architecture_for(config)  # refuse unsupported families before spending time on the weights
-    # A quantization_config is another format's (or leanlm's, as transformers saved it: no record file), read by
-    # transformers' quantizer; a leanlm checkpoint (its record file is there) is never a float model.
-    if not quantized and (getattr(config, "quantization_config", None) is None or (directory / QUANT_FILE).exists()):
-        marked = quantized_weights_file(directory)
+    # A quantization_config is another format's, or leanlm's as transformers' save_pretrained wrote it (no record
+    # file, no leanlm marker in the weights): transformers' quantizer reads those. What leanlm wrote (its marker)
+    # is a float model never: with its record it is a checkpoint, without it a checkpoint not written completely.
+    carried = getattr(config, "quantization_config", None)
+    if not quantized:
+        marked = quantized_weights_file(directory, marker_only=carried is not None)
         if marked is not None:
             reason = (
                 f"{QUANT_FILE} is there, so it is a quantized checkpoint: this needs a float model"
