@@ -200,7 +200,7 @@ def _readable(error: Exception) -> str:
 def _load_hf_directory(directory: Path, attn_implementation: str | None, dtype: torch.dtype = torch.float32):
     config = read_model_config(directory)
     if getattr(config, "quantization_config", None) is None:  # a quantizer's files hold its own tensors
-        check_float_weights(directory, config, weight_files(directory), skeleton(config))
+        check_float_weights(directory, weight_files(directory), skeleton(config))
     tokenizer = read_tokenizer(directory)
     try:
         model, info = from_pretrained(

@@ -118,7 +118,7 @@ def check_layer_count(directory: Path, config, names) -> None:
         )
 
 
-def check_float_weights(directory: Path, config, files: dict[str, Path], skeleton) -> None:
+def check_float_weights(directory: Path, files: dict[str, Path], skeleton) -> None:
     """Every tensor the model (`skeleton`, on the meta device) needs is stored, in a float dtype, with its shape:
     checked on the headers, so that nothing is allocated for a model its files do not fill."""
     stored: dict[str, tuple[str, list[int]]] = {}

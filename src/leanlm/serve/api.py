@@ -126,6 +126,18 @@ NEUTRAL = {
 IGNORED = ("user", "metadata", "store", "service_tier")  # bookkeeping that changes no answer
 
 
+def refuse_unsupported(extra: dict | None, neutral: dict) -> None:
+    """Refuse by name every field of `extra` (what a request carried beyond the model's fields) that is neither
+    IGNORED nor at a value of `neutral` that asks for nothing."""
+    for name, value in (extra or {}).items():
+        if name in IGNORED:
+            continue
+        if name not in neutral:
+            raise ApiError(400, f"{name}: not a field this server knows", name)
+        if value not in neutral[name]:
+            raise ApiError(400, f"{name}: {value!r} is not supported by this server", name)
+
+
 MAX_CHOICES = 8  # n: choices one request may ask for
 
 
@@ -176,13 +188,7 @@ class Sampled(BaseModel):
         return grammar
 
     def refuse_unsupported(self) -> None:
-        for name, value in (self.model_extra or {}).items():
-            if name in IGNORED:
-                continue
-            if name not in NEUTRAL:
-                raise ApiError(400, f"{name}: not a field this server knows", name)
-            if value not in NEUTRAL[name]:
-                raise ApiError(400, f"{name}: {value!r} is not supported by this server", name)
+        refuse_unsupported(self.model_extra, NEUTRAL)
 
     def wanted_logprobs(self) -> int | None:
         """None, or how many alternatives to report beside each token's log-probability."""
@@ -301,9 +307,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = None
 
     def refuse_unsupported(self) -> None:
-        for name in self.model_extra or {}:
-            if name not in IGNORED:
-                raise ApiError(400, f"{name}: not a field this server knows", name)
+        refuse_unsupported(self.model_extra, {})
 
 
 def token_ids(value, param: str, tokenizer, vocabulary: int) -> list[list[int]]:

@@ -181,7 +181,7 @@ class Engine:
         self.fused = FusedDecoder.build(model, streaming=streaming) if fused else None
         self._waiting: queue.Queue[Request] = queue.Queue()
         self._calls: queue.Queue[tuple[Callable, Callable]] = queue.Queue()
-        self._grammar_tokenizer = None
+        self._grammar_tokenizer = self._grammar_mask = None
         self._active: list[Request] = []
         if thread:
             threading.Thread(target=self.run, name="leanlm-engine", daemon=True).start()
@@ -405,11 +405,13 @@ class Engine:
         if request.matcher is not None:  # only what the grammar allows next (the end token once it is complete)
             import llguidance.torch
 
-            mask = llguidance.torch.allocate_token_bitmask(1, self.grammar_tokenizer().vocab_size)
-            llguidance.torch.fill_next_token_bitmask(request.matcher, mask, 0)
+            vocabulary = self.grammar_tokenizer().vocab_size
+            if self._grammar_mask is None:  # one buffer for every step: the engine picks one token at a time
+                self._grammar_mask = llguidance.torch.allocate_token_bitmask(1, vocabulary)
+            llguidance.torch.fill_next_token_bitmask(request.matcher, self._grammar_mask, 0)
             logits = logits.float().clone()
-            width = min(len(logits), self.grammar_tokenizer().vocab_size)
-            llguidance.torch.apply_token_bitmask_inplace(logits[:width], mask[0])
+            width = min(len(logits), vocabulary)
+            llguidance.torch.apply_token_bitmask_inplace(logits[:width], self._grammar_mask[0])
             logits[width:] = -torch.inf
         token = sample_token(logits, sampling.temperature, sampling.top_p, request.generator)
         if request.matcher is not None and not request.matcher.consume_token(token):

@@ -153,9 +153,9 @@ def data_fingerprint(documents: list[Document]) -> str:
 
 def check_resumable(
     out: str | os.PathLike, settings: FinetuneSettings, lora: LoRAConfig, data: str, base_model: str, resume: bool
-) -> Path | None:
-    """The checkpoint a run writing to `out` continues (None for a new run), after checking that resuming it is
-    exactly the same run: the same settings, adapters, base model and data (`data_fingerprint`)."""
+) -> tuple[Path, dict] | None:
+    """(the checkpoint a run writing to `out` continues, its state), or None for a new run, after checking that
+    resuming it is exactly the same run: the same settings, adapters, base model and data (`data_fingerprint`)."""
     out = Path(out)
     checkpoint = _recover_checkpoint(out)
     if checkpoint is not None and not resume:
@@ -182,7 +182,7 @@ def check_resumable(
             f"the checkpoint in {out} was trained on other data (sha256 {str(state.get('data_sha256'))[:12]}... of "
             f"its documents; this data gives {data[:12]}...); resume with the same --data"
         )
-    return checkpoint
+    return checkpoint, state
 
 
 def finetune(
@@ -209,9 +209,9 @@ def finetune(
     losses: list[float] = []
     start_step, train_seconds = 0, 0.0
     data = data_fingerprint(documents)
-    checkpoint = check_resumable(out, settings, lora, data, base_model, resume)
-    if checkpoint is not None:
-        state = _read_state(checkpoint)
+    resumed = check_resumable(out, settings, lora, data, base_model, resume)
+    if resumed is not None:
+        checkpoint, state = resumed
         load_adapter_tensors_(model, _read_tensors(checkpoint, "adapters.safetensors"), str(checkpoint))
         try:
             optimizer.load_state_tensors(_read_tensors(checkpoint, "optimizer.safetensors"))
