@@ -32,29 +32,35 @@ from leanlm.errors import (  # noqa: E402
 __version__ = "0.1.0"
 
 
-def _register_with_transformers() -> None:
-    """Make leanlm checkpoints loadable by transformers' `from_pretrained` (`leanlm.integrations.transformers`):
-    now if transformers is imported already, else once it is, so that `import leanlm` itself stays light."""
+def _register_with_tools() -> None:
+    """Make leanlm known to the tools of `leanlm.integrations.AFTER_IMPORT` (transformers' `from_pretrained`,
+    lm-eval's `--model leanlm`): now for those imported already, else once they are, so that `import leanlm`
+    itself stays light."""
     import importlib.abc
     import importlib.util
     import sys
 
-    def register() -> None:
+    from leanlm.integrations import AFTER_IMPORT
+
+    def run(name: str) -> None:
         try:
-            from leanlm.integrations.transformers import register
+            AFTER_IMPORT[name]()
+        except Exception as error:  # never let leanlm break importing another tool
+            logging.getLogger(__name__).debug("not registered with %s: %s", name, error)
 
-            register()
-        except Exception as error:  # never let leanlm break importing transformers
-            logging.getLogger(__name__).debug("transformers integration not registered: %s", error)
+    waiting = {name for name in AFTER_IMPORT if name not in sys.modules}
+    for name in AFTER_IMPORT.keys() - waiting:
+        run(name)
+    if not waiting:
+        return
 
-    if "transformers" in sys.modules:
-        return register()
-
-    class AfterTransformers(importlib.abc.MetaPathFinder):
+    class AfterImport(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "transformers":
+            if name not in waiting:
                 return None
-            sys.meta_path.remove(self)
+            waiting.discard(name)
+            if not waiting:
+                sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)
             if spec is None or spec.loader is None:
                 return spec
@@ -62,15 +68,15 @@ def _register_with_transformers() -> None:
 
             def exec_module(module):
                 execute(module)
-                register()
+                run(name)
 
             spec.loader.exec_module = exec_module
             return spec
 
-    sys.meta_path.insert(0, AfterTransformers())
+    sys.meta_path.insert(0, AfterImport())
 
 
-_register_with_transformers()
+_register_with_tools()
 
 
 def __getattr__(name: str):

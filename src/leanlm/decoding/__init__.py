@@ -4,9 +4,18 @@ from leanlm.decoding.fused import (
     FusedCache,
     FusedDecoder,
     fused_decoder_problem,
+    greedy_stream,
     greedy_tokens,
     new_cache,
     read_in_chunks,
 )
 
-__all__ = ["FusedCache", "FusedDecoder", "fused_decoder_problem", "greedy_tokens", "new_cache", "read_in_chunks"]
+__all__ = [
+    "FusedCache",
+    "FusedDecoder",
+    "fused_decoder_problem",
+    "greedy_stream",
+    "greedy_tokens",
+    "new_cache",
+    "read_in_chunks",
+]

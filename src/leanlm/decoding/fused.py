@@ -29,6 +29,7 @@ through the step: `leanlm chat` and `leanlm serve` decode this way.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -463,24 +464,32 @@ def read_in_chunks(model: nn.Module, cache, ids: list[int], chunk: int) -> torch
     return logits
 
 
-def greedy_tokens(
+def greedy_stream(
     model: nn.Module, prompt: list[int], new_tokens: int, fused: bool, streaming: StreamingConfig | None = None
-) -> list[int]:
-    """Greedy decode of `new_tokens` tokens after `prompt`, through the fused step or transformers' forward, with a
-    dense cache or StreamingLLM's (`streaming`)."""
+) -> Iterator[int]:
+    """Greedy decode of up to `new_tokens` tokens after `prompt`, yielded as they come (the caller may stop early),
+    through the fused step or transformers' forward, with a dense cache or StreamingLLM's (`streaming`)."""
     if fused:
         cushion = attached_cushion(model)
         capacity = (cushion.length if cushion is not None else 0) + len(prompt) + new_tokens + 1
         decoder = FusedDecoder(model, capacity, streaming)
-        logits, tokens = decoder.prefill(prompt), []
+        logits = decoder.prefill(prompt)
         for _ in range(new_tokens):
-            tokens.append(int(logits.argmax()))
-            logits = decoder.step(tokens[-1])
-        return tokens
-    cache, tokens = new_cache(model, streaming), []
+            token = int(logits.argmax())
+            yield token
+            logits = decoder.step(token)
+        return
+    cache = new_cache(model, streaming)
     logits = read_in_chunks(model, cache, prompt, streaming.window if streaming is not None else len(prompt))
-    with torch.inference_mode():
-        for _ in range(new_tokens):
-            tokens.append(int(logits.argmax()))
-            logits = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1]
-    return tokens
+    for _ in range(new_tokens):
+        token = int(logits.argmax())
+        yield token
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+
+
+def greedy_tokens(
+    model: nn.Module, prompt: list[int], new_tokens: int, fused: bool, streaming: StreamingConfig | None = None
+) -> list[int]:
+    """All `new_tokens` tokens of `greedy_stream`."""
+    return list(greedy_stream(model, prompt, new_tokens, fused, streaming))

@@ -47,29 +47,33 @@ def score_requests(model, tokenizer, requests: list[Request], desc: str = "scori
     prefix = bos_prefix(tokenizer)
     limit = max_input_length(model)
     scores = []
-    with torch.inference_mode():
-        for request in tqdm(requests, desc=desc, unit="req", leave=False):
-            context_ids, continuation_ids = encode_pair(tokenizer, request)
-            if not prefix and not context_ids:
-                raise ConfigError(f"{desc}: a request has an empty context and the model has no BOS token")
-            if not continuation_ids:
-                raise ConfigError(f"{desc}: a request has an empty continuation: {request.continuation!r}")
-            if len(continuation_ids) > limit:
-                raise ConfigError(
-                    f"{desc}: a continuation of {len(continuation_ids)} tokens does not fit the "
-                    f"model's context of {limit} tokens"
-                )
-            # Like lm-evaluation-harness: keep the last limit + 1 tokens, the final one is only predicted.
-            ids = (prefix + context_ids + continuation_ids)[-(limit + 1) :]
-            inputs = torch.tensor([ids[:-1]])
-            n = len(continuation_ids)
-            logits = _last_logits(model, inputs, n)
-            log_probs = F.log_softmax(logits.float(), dim=-1)
-            target = torch.tensor(continuation_ids)
-            token_log_probs = log_probs.gather(1, target[:, None]).squeeze(1)
-            greedy = bool((log_probs.argmax(-1) == target).all())
-            scores.append(Score(token_log_probs.sum().item(), greedy, n))
+    for request in tqdm(requests, desc=desc, unit="req", leave=False):
+        context_ids, continuation_ids = encode_pair(tokenizer, request)
+        if not prefix and not context_ids:
+            raise ConfigError(f"{desc}: a request has an empty context and the model has no BOS token")
+        if not continuation_ids:
+            raise ConfigError(f"{desc}: a request has an empty continuation: {request.continuation!r}")
+        if len(continuation_ids) > limit:
+            raise ConfigError(
+                f"{desc}: a continuation of {len(continuation_ids)} tokens does not fit the "
+                f"model's context of {limit} tokens"
+            )
+        scores.append(score_tokens(model, prefix + context_ids, continuation_ids, limit))
     return scores
+
+
+def score_tokens(model, context_ids: list[int], continuation_ids: list[int], limit: int) -> Score:
+    """log P(continuation_ids | context_ids), of the last `limit` + 1 tokens (like lm-evaluation-harness: the final
+    one is only predicted)."""
+    ids = (context_ids + continuation_ids)[-(limit + 1) :]
+    n = len(continuation_ids)
+    with torch.inference_mode():
+        logits = _last_logits(model, torch.tensor([ids[:-1]]), n)
+        log_probs = F.log_softmax(logits.float(), dim=-1)
+        target = torch.tensor(continuation_ids)
+        token_log_probs = log_probs.gather(1, target[:, None]).squeeze(1)
+        greedy = bool((log_probs.argmax(-1) == target).all())
+    return Score(token_log_probs.sum().item(), greedy, n)
 
 
 def _last_logits(model, inputs: torch.Tensor, n: int) -> torch.Tensor:
