@@ -17,7 +17,14 @@ from leanlm.training.data import batch_indices, training_blocks
 
 DOCUMENTS = [f"The {i}th sentence of a small training text, about item {i % 7}." for i in range(120)]
 SETTINGS = FinetuneSettings(
-    max_steps=12, batch_size=2, seq_len=32, lr=3e-3, save_every=100, optimizer_bits=32, gradient_checkpointing=False
+    max_steps=8,
+    batch_size=2,
+    seq_len=32,
+    lr=3e-3,
+    save_every=100,
+    optimizer_bits=32,
+    gradient_checkpointing=False,
+    max_eval_blocks=1,
 )
 LORA = LoRAConfig(base="nf4-dq", rank=4, alpha=8.0, dropout=0.0)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -68,7 +75,7 @@ def test_peft_qlora_over_a_leanlm_checkpoint_trains_as_leanlm_finetune_does(chec
     add_lora_(loaded.model, LORA)
     ours = finetune(loaded.model, smollm2_tokenizer, DOCUMENTS, SETTINGS, LORA, tmp_path, "tiny", progress=False)
     theirs = _peft_losses(checkpoint, smollm2_tokenizer)
-    assert theirs[-1] < theirs[0] - 0.2  # it trains
+    assert theirs[-1] < theirs[0] - 0.1  # it trains
     torch.testing.assert_close(torch.tensor(theirs), torch.tensor(ours["losses"]), rtol=1e-3, atol=1e-3)
 
 
