@@ -89,6 +89,27 @@ def test_a_record_leanlm_cannot_read_is_one_line_in_both(tmp_path, change, messa
         load_any(checkpoint)
 
 
+def test_tensors_that_disagree_with_the_record_are_one_line_in_both(tiny, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    directory, tokenizer = tiny
+    loaded = load_any(directory)
+    checkpoint = m.save_quantized(loaded, loaded.model, m.quantize_(loaded.model, m.KbitConfig()), tmp_path / "q")
+    (weights,) = checkpoint.glob("*.safetensors")
+    with safe_open(str(weights), "pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(weights)
+    tensors["model.layers.0.mlp.down_proj.packed"] = tensors["model.layers.0.mlp.down_proj.packed"][:-5]
+    save_file(tensors, weights, metadata=metadata)
+    message = r"model.layers.0.mlp.down_proj.packed: U8 \[\d+\], expected U8"
+    with pytest.raises(LeanLMError, match=message) as raised:
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert "\n" not in str(raised.value).strip()
+    with pytest.raises(LeanLMError, match=message):
+        load_any(checkpoint)
+
+
 def test_import_leanlm_registers_with_transformers_whichever_comes_first():
     import subprocess
     import sys

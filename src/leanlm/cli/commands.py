@@ -122,28 +122,27 @@ def _describe(record: dict) -> str:
 
 
 def command_quantize(args) -> None:
-    from dataclasses import replace
-
     from leanlm.cli.options import method_configs
-    from leanlm.errors import NeedsWholeModelError
-    from leanlm.methods import quantize_, save_quantized
     from leanlm.methods.checkpoint import check_table_dtype
-    from leanlm.methods.out_of_core import quantize_out_of_core
-    from leanlm.models import load_model
+    from leanlm.methods.out_of_core import quantize_checkpoint
+    from leanlm.plan import quantizing_warning
 
     configs, calibration = method_configs(args)  # every option checked before the model loads
     check_table_dtype(args.table_dtype, "--table-dtype")
     check_output_directory(args.out)
     _check_json_path(args.json)
-    try:  # block by block from disk: resident memory holds one float block, whatever the model's size
-        out, record = quantize_out_of_core(
-            args.model, configs, args.out, calibration=calibration, resume=args.resume, table_dtype=args.table_dtype
-        )
-    except NeedsWholeModelError as reason:
-        print(f"quantizing in memory: {reason}", flush=True)
-        loaded = load_model(args.model)
-        record = quantize_(loaded.model, configs, calibration=replace(calibration, tokenizer=loaded.tokenizer))
-        out = save_quantized(loaded, loaded.model, record, args.out, args.table_dtype)
+    warning = quantizing_warning(args.model, configs)
+    if warning:
+        print(warning, flush=True)
+    out, record = quantize_checkpoint(
+        args.model,
+        configs,
+        args.out,
+        calibration=calibration,
+        resume=args.resume,
+        table_dtype=args.table_dtype,
+        say=lambda line: print(line, flush=True),
+    )
     record["quantize_seconds"] = record["seconds"]
     curve = record.get("cushion", {}).get("tuning", {}).get("curve")
     if curve:  # an illustration beside the finished checkpoint, which does not need it
@@ -165,6 +164,20 @@ def command_quantize(args) -> None:
             "record": record,
         },
     )
+
+
+def command_plan(args) -> None:
+    from leanlm.plan import PlanSettings, plan_model, plan_table
+
+    settings = settings_from_args(PlanSettings, args)
+    _check_json_path(args.json)
+    payload = plan_model(args.model, settings)
+    print(
+        f"{args.model}: {payload['parameters'] / 1e9:.2f} B parameters, {payload['layers']} layers; memory "
+        f"{payload['memory_bytes'] / 2**30:.2f} GiB ({payload['memory_from']})"
+    )
+    print(plan_table(payload))
+    _write_json(args.json, payload)
 
 
 def command_analyze(args) -> None:

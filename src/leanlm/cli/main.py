@@ -84,6 +84,12 @@ def _quantize(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _plan(parser: argparse.ArgumentParser) -> None:
+    from leanlm.plan import PlanSettings
+
+    _setup(parser, "command_plan", settings=(PlanSettings,), json="write the plan as one JSON object to this path")
+
+
 def _analyze(parser: argparse.ArgumentParser) -> None:
     _setup(parser, "command_analyze", json="write the report as one JSON object to this path")
     parser.add_argument("--samples", type=_positive_int, default=8, help="text windows analysed")
@@ -235,6 +241,11 @@ def _showcase(parser: argparse.ArgumentParser) -> None:
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "eval": ("perplexity and zero-shot accuracy of a model", _eval),
     "quantize": ("quantize a model and write a reloadable checkpoint", _quantize),
+    "plan": (
+        "what each method stores, holds when running and needs while quantizing, and what fits this machine, "
+        "from the model's config alone (nothing loads)",
+        _plan,
+    ),
     "analyze": ("activation outlier features (as in LLM.int8(), section 2.3)", _analyze),
     "stream": (
         "streaming perplexity, latency and memory over a long text (dense, window, re-computation, StreamingLLM)",

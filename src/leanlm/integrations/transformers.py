@@ -48,12 +48,15 @@ class LeanLMHfQuantizer(HfQuantizer):
             )
         check_record(self.quantization_config.record, "config.json quantization_config.record")
 
-    def _process_model_before_weight_loading(self, model, **kwargs):
-        from leanlm.methods.checkpoint import rebuilt_modules
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        from leanlm.methods.checkpoint import check_weights_files, rebuilt_modules, retie_embeddings
 
         record = self.quantization_config.record
         for name, module in rebuilt_modules(model, record["modules"], "config.json quantization_config").items():
             model.set_submodule(name, module, strict=False)
+        if checkpoint_files:  # tensors that disagree with the record are one line, before any is read
+            retie_embeddings(model)  # as the load will: a tied head is stored once
+            check_weights_files([Path(f) for f in checkpoint_files], model, table_dtype=None)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         from leanlm.methods.quantize import after_load

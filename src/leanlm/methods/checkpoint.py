@@ -252,10 +252,10 @@ def weights_files(directory: Path) -> list[Path]:
     return sorted(set(weight_files(directory).values()))
 
 
-def _check_weights_files(paths: list[Path], model: nn.Module, table_dtype: str = "float32") -> dict[str, Path]:
+def check_weights_files(paths: list[Path], model: nn.Module, table_dtype: str | None = "float32") -> dict[str, Path]:
     """The files must hold, together, exactly the tensors of `model` (a meta-device skeleton), with their shapes
-    and types (the float tables in `table_dtype`); checked on the headers, before anything is read into memory.
-    Returns each name's file."""
+    and types (the float tables in `table_dtype`; None: any float dtype for every float tensor, as transformers
+    converts them); checked on the headers, before anything is read into memory. Returns each name's file."""
     expected = model.state_dict()
     tables = float_tables(model)
     problems = []
@@ -268,11 +268,16 @@ def _check_weights_files(paths: list[Path], model: nn.Module, table_dtype: str =
                     if name not in expected:
                         continue
                     stored = handle.get_slice(name)
-                    dtype = TABLE_DTYPES[table_dtype] if name in tables else expected[name].dtype
-                    want = (list(expected[name].shape), _SAFETENSORS_DTYPES.get(dtype))
+                    if table_dtype is None and expected[name].is_floating_point():
+                        dtypes = (torch.float32, torch.bfloat16, torch.float16)  # transformers converts them
+                    elif name in tables:
+                        dtypes = (TABLE_DTYPES[table_dtype],)
+                    else:
+                        dtypes = (expected[name].dtype,)
+                    want = (list(expected[name].shape), [_SAFETENSORS_DTYPES.get(dtype) for dtype in dtypes])
                     have = (stored.get_shape(), stored.get_dtype())
-                    if have != want:
-                        problems.append(f"{name}: {have[1]} {have[0]}, expected {want[1]} {want[0]}")
+                    if have[0] != want[0] or have[1] not in want[1]:
+                        problems.append(f"{name}: {have[1]} {have[0]}, expected {'/'.join(want[1])} {want[0]}")
         except (SafetensorError, OSError, ValueError) as error:
             raise CorruptModelError(f"{path} is not a readable safetensors file: {error}") from None
     unexpected = sorted(set(found) - set(expected))
@@ -325,7 +330,7 @@ def load_quantized(
     rebuilt = rebuilt_modules(skeleton, record["modules"], directory / QUANT_FILE)
     for name, module in rebuilt.items():
         skeleton.set_submodule(name, module, strict=False)
-    stored = _check_weights_files(files, skeleton, record.get("table_dtype", "float32"))
+    stored = check_weights_files(files, skeleton, record.get("table_dtype", "float32"))
     del skeleton, rebuilt
     # No float model first: parameters start on the meta device (buffers, such as RoPE's frequencies and the
     # quantized modules' codes, are real) and take the files' tensors, so resident memory is the stored bytes.

@@ -357,6 +357,33 @@ def quantize_out_of_core(
         raise
 
 
+def quantize_checkpoint(
+    source: str | os.PathLike,
+    configs: tuple,
+    out: str | os.PathLike,
+    *,
+    calibration: Calibration | None = None,
+    resume: bool = False,
+    table_dtype: str = "float32",
+    say=print,
+) -> tuple[Path, QuantRecord]:
+    """What `leanlm quantize` does: out of core, or in memory (saying why) for a method that needs the whole model."""
+    from leanlm.errors import NeedsWholeModelError
+    from leanlm.methods.checkpoint import save_quantized
+    from leanlm.models import load_model
+
+    try:  # block by block from disk: resident memory holds one float block, whatever the model's size
+        return quantize_out_of_core(
+            source, configs, out, calibration=calibration, resume=resume, table_dtype=table_dtype
+        )
+    except NeedsWholeModelError as reason:
+        say(f"quantizing in memory: {reason}")
+        loaded = load_model(source)
+        calibration = replace(calibration or Calibration(), tokenizer=loaded.tokenizer)
+        record = quantize_(loaded.model, configs, calibration=calibration)
+        return save_quantized(loaded, loaded.model, record, out, table_dtype), record
+
+
 def _module_prefix(model: nn.Module, module: nn.Module) -> str:
     return next(f"{name}." for name, candidate in model.named_modules() if candidate is module)
 

@@ -33,9 +33,12 @@ SHARD_BYTES = 512 << 20  # a shard's tensors are held until it is written: this 
 CHUNK_VALUES = 1 << 22  # values de-quantized at once
 
 
-def _read_metadata(gguf: Path):
-    """(config, parsed parameters, reader) from the file's metadata, or one error naming the problem."""
-    from gguf import GGUFReader
+def gguf_config(gguf: Path):
+    """The transformers config a GGUF's metadata describes (its header is checked first; no tensor is read)."""
+    return _parsed_config(gguf)[0]
+
+
+def _parsed_config(gguf: Path):
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -52,12 +55,20 @@ def _read_metadata(gguf: Path):
         raise CorruptModelError(
             f"{gguf}: its metadata does not describe a model transformers builds: {error}"
         ) from None
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # what leanlm makes of the file is float weights
+    return config, parsed
+
+
+def _read_metadata(gguf: Path):
+    """(config, parsed parameters, reader) from the file's metadata, or one error naming the problem."""
+    from gguf import GGUFReader
+
+    config, parsed = _parsed_config(gguf)
     try:
         reader = GGUFReader(gguf)  # after the parse above, so that the two readers' fields are never held together
     except Exception as error:
         raise CorruptModelError(f"{gguf} cannot be read as a GGUF model: {error}") from None
-    if getattr(config, "quantization_config", None) is not None:
-        del config.quantization_config  # the directory holds float weights
     # The tensors are all that is read from here on: the metadata's parsed fields (a vocabulary and its merges,
     # a few hundred MB of small arrays for a large vocabulary) are dropped, and so is the tokenizer's raw copy.
     reader.fields.clear()

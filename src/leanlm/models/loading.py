@@ -233,11 +233,16 @@ def _cached_float_checkpoint(gguf: Path, expected_sha256: str | None) -> Path:
         raise CorruptModelError(
             f"{gguf} fails its checksum (sha256 {checksum}, expected {expected_sha256}); reinstall the package"
         )
-    directory = cache_root() / "models" / f"{gguf.stem}-{checksum[:16]}"
+    directory = cached_float_directory(gguf, checksum)
     if (directory / "config.json").is_file():
         return directory
     _convert_gguf(gguf, directory)
     return directory
+
+
+def cached_float_directory(gguf: Path, sha256: str) -> Path:
+    """Where the float checkpoint converted from the GGUF of this checksum is (or will be) cached."""
+    return cache_root() / "models" / f"{gguf.stem}-{sha256[:16]}"
 
 
 def _convert_gguf(gguf: Path, directory: Path) -> None:

@@ -1,0 +1,225 @@
+"""`leanlm plan`'s estimates against the processes they predict, row by row (every method row `leanlm plan` prints).
+
+For each row: the plan (`leanlm plan MODEL --context N --json`, its own process, nothing loaded), then in fresh
+processes what it predicts: the checkpoint written the way `leanlm quantize` writes it (its peak resident memory;
+the bytes of its safetensors files) and the model running: loaded with `load_any`, N tokens read in chunks of
+512 into its cache (the sink cache's 256 tokens for the streaming row), then 8 tokens decoded greedily (the
+process' peak resident memory). Writes benchmarks/results/plan_accuracy_<model>.json + .png.
+
+    python benchmarks/plan_accuracy.py [--model smollm2-135m] [--context 2048]
+    python benchmarks/plan_accuracy.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
+from leanlm.bench.harness import process_peak_rss_bytes  # noqa: E402
+from leanlm.report import format_table, save_figure  # noqa: E402
+
+DECODE_TOKENS = 8
+ESTIMATES = (("stored", "stored_bytes"), ("running", "running_bytes"), ("quantizing", "quantizing_bytes"))
+
+
+def _steps(row: str, calibration_samples: int) -> tuple:
+    from leanlm.plan import PlanSettings
+    from leanlm.showcase import ROWS
+
+    steps = next((r.steps for r in ROWS if r.name == row), ())
+    return PlanSettings(calibration_samples=calibration_samples).applied(steps)
+
+
+def quantize_worker(model: str, row: str, out: str, calibration_samples: str) -> dict:
+    from leanlm.methods.out_of_core import quantize_checkpoint
+    from leanlm.methods.quantize import Calibration
+
+    steps = _steps(row, int(calibration_samples))
+    quantize_checkpoint(model, steps, out, calibration=Calibration(), say=lambda line: None)
+    return {"peak_rss_bytes": process_peak_rss_bytes()}
+
+
+def run_worker(source: str, context: int, dtype: str, streaming: bool) -> dict:
+    import torch
+
+    from leanlm.decoding import new_cache, read_in_chunks
+    from leanlm.methods import load_any
+    from leanlm.methods.streaming import StreamingConfig
+
+    loaded = load_any(source, dtype)
+    vocab = loaded.model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    sink = StreamingConfig(sinks=4, window=252) if streaming else None
+    cache = new_cache(loaded.model, sink)
+    logits = read_in_chunks(loaded.model, cache, ids, 256 if streaming else 512)
+    with torch.inference_mode():
+        for _ in range(DECODE_TOKENS):
+            token = torch.tensor([[int(logits.argmax())]])
+            logits = loaded.model(input_ids=token, past_key_values=cache, use_cache=True).logits[0, -1]
+    return {"peak_rss_bytes": process_peak_rss_bytes()}
+
+
+def _child(*args: str) -> dict:
+    result = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"worker {' '.join(args)} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _stored_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.glob("*.safetensors"))
+
+
+def measure(row: dict, args, workdir: Path) -> dict:
+    measured: dict = {}
+    source = args.model
+    if row["quantizing_bytes"] is not None:
+        out = workdir / row["row"]
+        for left in (out, workdir / f".{out.name}.partial-resumable"):  # a killed run's checkpoint or staging
+            shutil.rmtree(left, ignore_errors=True)
+        measured["quantizing_bytes"] = _child("quantize", args.model, row["row"], str(out), str(args.calib_samples))[
+            "peak_rss_bytes"
+        ]
+        measured["stored_bytes"] = _stored_bytes(out)
+        source = str(out)
+    dtype = "bfloat16" if row["row"] == "bf16" else "float32"
+    streaming = "1" if row["row"] == "streaming" else "0"
+    measured["running_bytes"] = _child("run", source, str(args.context), dtype, streaming)["peak_rss_bytes"]
+    if row["quantizing_bytes"] is not None:
+        shutil.rmtree(workdir / row["row"], ignore_errors=True)
+    return {**_predicted(row), "measured": measured}
+
+
+def _predicted(row: dict) -> dict:
+    return {"predicted": {key: row[key] for _, key in ESTIMATES}, "parts": row["parts"]}
+
+
+def _error(value: dict, key: str) -> float | None:
+    predicted, measured = value["predicted"].get(key), value["measured"].get(key)
+    if predicted is None or measured is None:
+        return None
+    return predicted / measured - 1
+
+
+def summary(value: dict) -> str:
+    return ", ".join(
+        f"{label} {value['measured'][key] / 2**20:.0f} MiB measured, {100 * _error(value, key):+.1f}%"
+        for label, key in ESTIMATES
+        if _error(value, key) is not None
+    )
+
+
+def report(payload: dict) -> str:
+    def mib(value):
+        return "-" if value is None else f"{value / 2**20:,.0f}"
+
+    def error(value, key):
+        e = _error(value, key)
+        return "-" if e is None else f"{100 * e:+.1f}%"
+
+    rows = []
+    for name, value in payload.get("rows", {}).items():
+        cells = [name]
+        for _, key in ESTIMATES:
+            cells += [mib(value["predicted"].get(key)), mib(value["measured"].get(key)), error(value, key)]
+        rows.append(cells)
+    headers = ["row"]
+    for label, _ in ESTIMATES:
+        headers += [f"{label} predicted MiB", "measured MiB", "error"]
+    errors = [abs(e) for v in payload.get("rows", {}).values() for _, k in ESTIMATES if (e := _error(v, k)) is not None]
+    worst = f"\nlargest error: {100 * max(errors):.1f}%" if errors else ""
+    return (
+        f"{payload.get('model')}, context {payload['settings']['context']} tokens, "
+        f"{payload['settings']['calibration_samples']} calibration windows\n"
+        + format_table(headers, rows, markdown=True)
+        + worst
+    )
+
+
+def plot(payload: dict, path: Path) -> None:
+    rows = payload.get("rows", {})
+    figure, axis = plt.subplots(figsize=(9, 4.5))
+    for offset, (label, key) in enumerate(ESTIMATES):
+        names = [n for n, v in rows.items() if _error(v, key) is not None]
+        axis.bar(
+            [i + 0.27 * (offset - 1) for i in range(len(names))],
+            [100 * _error(rows[n], key) for n in names],
+            width=0.27,
+            label=label,
+        )
+    axis.set_xticks(range(len(rows)), list(rows), rotation=35, ha="right", fontsize=8)
+    axis.axhline(10, color="grey", linestyle=":")
+    axis.axhline(-10, color="grey", linestyle=":")
+    axis.set_ylabel("predicted / measured - 1 (%)")
+    axis.set_title(titled(payload, "leanlm plan: predicted against measured memory"))
+    axis.legend()
+    save_figure(figure, path)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        kind, *rest = sys.argv[2:]
+        if kind == "quantize":
+            result = quantize_worker(*rest)
+        else:
+            source, context, dtype, streaming = rest
+            result = run_worker(source, int(context), dtype, streaming == "1")
+        print(json.dumps(result))
+        return
+    parser = study_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--calib-samples", type=int, default=16, help="calibration windows of the calibrated rows")
+    parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-plan")
+    args = parser.parse_args()
+    name = results_name("plan_accuracy", args.model)
+    if args.report:
+        return print_report(name, report)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    plan_file = args.workdir / "plan.json"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "leanlm.cli.main",
+            "plan",
+            args.model,
+            "--context",
+            str(args.context),
+            "--calib-samples",
+            str(args.calib_samples),
+            "--memory",
+            "1TiB",
+            "--json",
+            str(plan_file),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    plan = json.loads(plan_file.read_text())
+    settings = {"model": args.model, "context": args.context, "calibration_samples": args.calib_samples}
+    study = Study(name, settings, args, plot=plot)
+    study.payload["model"] = args.model
+    rows = {row["row"]: row for row in plan["rows"]}
+    for name, saved in study.rows("rows").items():  # measured before: the current planner's prediction beside it
+        if name in rows:
+            saved.update(_predicted(rows[name]))
+    study.save()
+    for row in study.todo("rows", rows):
+        study.record("rows", row, measure(rows[row], args, args.workdir), summary=summary)
+    print(report(study.payload))
+    print(f"wrote {study.path}")
+
+
+if __name__ == "__main__":
+    main()

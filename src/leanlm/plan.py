@@ -1,0 +1,459 @@
+"""What fits before anything loads: `leanlm plan MODEL [--memory 8GiB] [--context 4096]`.
+
+From the model's config alone (config.json, or a GGUF's header) leanlm builds the model's skeleton on the meta
+device (accelerate's empty weights), and for every method row of the showcase builds each quantized layer the
+method would write, empty, on the meta device too: the stored bytes are those modules' buffers, the same bytes a
+checkpoint holds. Around them three estimates, each the sum of named parts (`Estimate.parts`):
+
+- stored: the quantized layers plus the tables (token embedding, norms, an untied output head) in float32;
+- running: this process' own resident memory once torch and transformers are imported (what any leanlm process
+  starts from), the weights and the kernels' working memory (`KERNELS_RUNTIME`), the KV cache at the
+  context asked (or the sink cache's fixed size), and the working memory of one prefill chunk;
+- quantizing: `leanlm quantize`'s peak, out of core (one float block, the calibration windows' hidden states, the
+  method's per-block statistics) or in memory for methods that need the whole model.
+
+benchmarks/plan_accuracy.py measures each estimate against the process it predicts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from leanlm.errors import ConfigError
+from leanlm.settings import option
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+PREFILL_CHUNK = 512  # tokens per prefill forward (`leanlm serve`, `leanlm chat`)
+SPQR_OUTLIER_SHARE = 0.01  # SpQR's outliers depend on the weights; its paper keeps about 1 % of them
+# What a quantized model holds beyond its stored bytes once its first forward has run: the int8 and k-bit kernels'
+# libraries and buffers (a constant, measured by benchmarks/plan_accuracy.py), and the float32 de-quantized weight
+# of the largest layer, twice (a prefill GEMM's operand and the next one's while the first is freed).
+KERNELS_RUNTIME = 96 * 2**20
+# What tokenizing the calibration text takes beside the windows it makes (a constant, measured by the same script).
+CALIBRATION_TEXT = 96 * 2**20
+
+
+def parse_bytes(text: str) -> int:
+    """ "8GiB", "12GB", "512 MiB" or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in UNITS:
+        raise ConfigError(f"memory {text!r}: expected a size such as 8GiB, 12GB or 512MiB")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def available_memory() -> int:
+    """What this machine can give a new process now: MemAvailable, within a cgroup's limit if one is set."""
+    available = None
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    limit = _cgroup_room()
+    candidates = [value for value in (available, limit) if value is not None]
+    if not candidates:
+        raise ConfigError("cannot tell this machine's available memory: give --memory")
+    return min(candidates)
+
+
+def _cgroup_room() -> int | None:
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else int(limit) - used
+
+
+def current_rss() -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    memory: str | None = option(
+        None,
+        "memory to plan for (8GiB, 12GB, 512MiB, ...); default: this machine's available memory",
+        none_word="available",
+    )
+    context: int = option(4096, "tokens in the KV cache when running")
+    calibration_samples: int | None = option(
+        None,
+        "calibration windows of the calibrated methods, as `leanlm quantize --calib-samples` (default: each "
+        "method's own)",
+        flag="--calib-samples",
+        none_word="default",
+    )
+
+    def __post_init__(self):
+        if self.memory is not None:
+            parse_bytes(self.memory)
+        if self.context < 1:
+            raise ConfigError(f"context must be at least 1, got {self.context}")
+        if self.calibration_samples is not None and self.calibration_samples < 1:
+            raise ConfigError(f"calibration samples must be at least 1, got {self.calibration_samples}")
+
+    def applied(self, configs: tuple) -> tuple:
+        """`configs` with these calibration windows where a config has that setting."""
+        if self.calibration_samples is None:
+            return tuple(configs)
+        return tuple(
+            replace(c, calibration_samples=self.calibration_samples) if hasattr(c, "calibration_samples") else c
+            for c in configs
+        )
+
+
+@dataclass
+class ModelFacts:
+    """What the planner needs of a model, read from its skeleton."""
+
+    name: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    linears: list[tuple[str, int, int, bool]]  # (name, in_features, out_features, bias), every quantizable linear
+    block_parameters: int  # numel of one decoder block (the largest)
+    table_parameters: int  # numel outside the blocks (embedding, norms, untied head), tied weights once
+    total_parameters: int
+
+
+def model_facts(source: str) -> ModelFacts:
+    """`source`'s facts from its config alone (no weight is read)."""
+    from leanlm.methods.out_of_core import model_skeleton
+    from leanlm.models.architectures import architecture_for, decoder_blocks, iter_quantizable_linears
+
+    config = read_config(source)
+    model = model_skeleton(config)
+    table = architecture_for(model)
+    linears = []
+    for name, module in iter_quantizable_linears(model, table):
+        weight = module.weight if table.weight_layout == "out_in" else module.weight.t()
+        out_features, in_features = weight.shape
+        linears.append((name, in_features, out_features, getattr(module, "bias", None) is not None))
+    blocks = decoder_blocks(model, table)
+    block_sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    total = sum(p.numel() for p in model.parameters())
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    return ModelFacts(
+        name=str(source),
+        layers=len(blocks),
+        hidden=text.hidden_size,
+        intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        vocab=text.vocab_size,
+        linears=linears,
+        block_parameters=max(block_sizes),
+        table_parameters=total - sum(block_sizes),
+        total_parameters=total,
+    )
+
+
+def read_config(source: str):
+    """The config of a registry name, model directory, leanlm checkpoint or .gguf file, converting nothing."""
+    from leanlm.methods.checkpoint import is_quantized_checkpoint
+    from leanlm.models.gguf_conversion import gguf_config
+    from leanlm.models.loading import cache_root, cached_float_directory, read_model_config
+    from leanlm.models.registry import REGISTRY, gguf_path_of
+
+    if source in REGISTRY:
+        registered = REGISTRY[source]
+        gguf = gguf_path_of(registered, cache_root() / "gguf")
+        directory = cached_float_directory(gguf, registered.sha256)
+        return read_model_config(directory) if (directory / "config.json").is_file() else gguf_config(gguf)
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_config(path)
+    if path.is_dir():
+        return read_model_config(path, quantized=is_quantized_checkpoint(path))
+    from leanlm.models.loading import resolve_float_directory
+
+    resolve_float_directory(source)  # its one line naming what `source` is not
+    raise AssertionError("unreachable")
+
+
+def empty_linear(config, in_features: int, out_features: int, bias: bool) -> nn.Module:
+    """The module `config`'s method writes for a linear of this shape, empty, on the meta device."""
+    from leanlm.formats.packing import preferred_layout
+    from leanlm.methods.gptq import GPTQConfig, RTNConfig, SpQRConfig
+    from leanlm.methods.kbit import KbitConfig
+    from leanlm.methods.w8a8 import LEVELS, LLMInt8Config, W8A8Config
+    from leanlm.nn.kbit_linear import KbitLinear
+    from leanlm.nn.spqr_linear import SpQRLinear
+    from leanlm.nn.w8a8_linear import W8A8Linear
+
+    with torch.device("meta"):
+        if isinstance(config, LLMInt8Config):
+            config = config.w8a8()
+        if isinstance(config, W8A8Config):
+            activation, static = LEVELS[config.level]
+            return W8A8Linear(
+                in_features, out_features, bias, activation, static, None, config.outlier_threshold, config.asymmetric
+            )
+        if isinstance(config, KbitConfig):
+            proxy = round(config.proxy_fraction * in_features)
+            return KbitLinear(
+                in_features,
+                out_features,
+                bias,
+                config.dtype,
+                config.bits,
+                config.block_size,
+                config.double_quant,
+                config.exponent_bits,
+                proxy_dims=proxy,
+            )
+        if isinstance(config, (RTNConfig, GPTQConfig, SpQRConfig)):
+            settings = config.solver()
+            outliers = round(SPQR_OUTLIER_SHARE * in_features * out_features) if isinstance(config, SpQRConfig) else 0
+            return SpQRLinear(
+                in_features,
+                out_features,
+                bias,
+                settings.bits,
+                settings.group_size,
+                settings.statistic_bits,
+                settings.statistic_group_size,
+                outliers,
+                settings.act_order,
+                preferred_layout(settings.bits),
+            )
+    raise ConfigError(f"the planner does not know the layers of {type(config).__name__}")
+
+
+def module_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+@dataclass
+class Estimate:
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass
+class RowPlan:
+    row: str
+    description: str
+    stored: Estimate
+    running: Estimate
+    quantizing: Estimate | None  # None: nothing to quantize
+    quantizing_path: str | None  # "out of core" or "in memory"
+
+    def as_dict(self, memory: int) -> dict:
+        peak = max(self.running.total, self.quantizing.total if self.quantizing else 0)
+        return {
+            "row": self.row,
+            "description": self.description,
+            "stored_bytes": self.stored.total,
+            "running_bytes": self.running.total,
+            "quantizing_bytes": self.quantizing.total if self.quantizing else None,
+            "quantizing_path": self.quantizing_path,
+            "fits": peak <= memory,
+            "parts": {
+                "stored": self.stored.parts,
+                "running": self.running.parts,
+                "quantizing": self.quantizing.parts if self.quantizing else None,
+            },
+        }
+
+
+def kv_cache_bytes(facts: ModelFacts, tokens: int, dtype_bytes: int = 4) -> int:
+    return facts.layers * 2 * facts.kv_heads * facts.head_dim * tokens * dtype_bytes
+
+
+def prefill_workspace(facts: ModelFacts, context: int, dtype_bytes: int = 4) -> int:
+    """One prefill chunk's activations: its hidden states and MLP intermediates, and the attention scores of the
+    chunk over the whole context."""
+    chunk = min(PREFILL_CHUNK, context)
+    hidden = chunk * (6 * facts.hidden + 3 * facts.intermediate) * dtype_bytes
+    scores = 3 * facts.heads * chunk * context * 4  # the scores, their softmax and the masked copy, in float32
+    return hidden + scores
+
+
+def stored_estimate(facts: ModelFacts, configs: tuple, table_bytes: int = 4) -> tuple[Estimate, dict[str, int]]:
+    """(stored bytes, stored bytes per quantized module type)."""
+    quantizer = _weight_quantizer(configs)
+    parts: dict[str, int] = {"tables": facts.table_parameters * table_bytes}
+    by_type: dict[str, int] = {}
+    if quantizer is None:
+        parts["linears"] = sum(i * o + (o if b else 0) for _, i, o, b in facts.linears) * table_bytes
+        return Estimate(parts), by_type
+    shapes: dict[tuple[int, int, bool], int] = {}
+    for _, in_features, out_features, bias in facts.linears:
+        key = (in_features, out_features, bias)
+        shapes[key] = shapes.get(key, 0) + 1
+    for (in_features, out_features, bias), count in shapes.items():
+        module = empty_linear(quantizer, in_features, out_features, bias)
+        kind = type(module).__name__
+        by_type[kind] = by_type.get(kind, 0) + count * module_bytes(module)
+    parts["linears"] = sum(by_type.values())
+    return Estimate(parts), by_type
+
+
+def _weight_quantizer(configs: tuple):
+    from leanlm.methods.quantize import method_spec
+
+    quantizers = [c for c in configs if method_spec(c).role == "quantizer"]
+    return quantizers[-1] if quantizers else None
+
+
+def _calibration(configs: tuple) -> tuple[int, int]:
+    """(windows, tokens per window) the configs calibrate on (0 windows: none)."""
+    from leanlm.methods.quantize import Calibration, method_spec
+
+    windows = 0
+    for config in configs:
+        spec = method_spec(config)
+        if spec.needs_calibration(config):
+            windows = max(windows, getattr(config, "calibration_samples", 0) or 0)
+    return windows, Calibration().seq_len
+
+
+def _needs_whole_model(configs: tuple) -> bool:
+    from leanlm.methods.quantize import method_spec
+
+    return any(not method_spec(config).blockwise for config in configs)
+
+
+def plan_row(
+    facts: ModelFacts, name: str, description: str, configs: tuple, settings: PlanSettings, baseline: int
+) -> RowPlan:
+    from leanlm.methods.gptq import GPTQConfig, SpQRConfig
+
+    configs = settings.applied(configs)
+    compute_bytes = 2 if name == "bf16" else 4
+    stored, _ = stored_estimate(facts, configs)
+    if not configs:
+        weights = facts.total_parameters * compute_bytes
+        # Loading converts the stored float32 tensors, read through a memory map, into the compute dtype: both are
+        # resident until the load ends (float32 itself is used in place).
+        loading = stored.total if compute_bytes != 4 else 0
+    else:
+        weights = stored.total
+        loading = 0
+    kv = kv_cache_bytes(facts, settings.context, compute_bytes)
+    prefill = prefill_workspace(facts, settings.context, compute_bytes)
+    running = Estimate({"process": baseline, "weights": weights, "kv_cache": kv, "prefill": prefill})
+    if configs:
+        largest = max(i * o for _, i, o, _ in facts.linears)
+        running.parts["kernels"] = KERNELS_RUNTIME + 2 * largest * 4
+    if loading > kv + prefill:  # the load's peak is the higher one
+        running.parts["loading, beyond the cache and prefill"] = loading - kv - prefill
+    if not configs:
+        return RowPlan(name, description, stored, running, None, None)
+    windows, seq_len = _calibration(configs)
+    hidden_states = 2 * windows * seq_len * facts.hidden * 4  # entering and leaving the block
+    per_window = prefill_workspace(facts, seq_len)
+    quantizer = _weight_quantizer(configs)
+    statistics = 0
+    if isinstance(quantizer, (GPTQConfig, SpQRConfig)):
+        first_block = facts.linears[: len(facts.linears) // facts.layers]
+        statistics = sum(i * i * 4 for _, i, _, _ in first_block)  # one float32 Hessian per linear
+    block_float = facts.block_parameters * 4
+    whole = _needs_whole_model(configs)
+    search = 0
+    cushion = next((c for c in configs if type(c).__name__ == "CushionConfig"), None)
+    if cushion is not None:  # one search batch's inputs of every layer's hidden-wide linears (q/k/v, o, gate/up)
+        tokens = cushion.batch_size * cushion.search_samples * cushion.sample_tokens
+        search = 3 * tokens * facts.layers * facts.hidden * 4
+    quantizing = Estimate(
+        {
+            "process": baseline,
+            # out of core: one float block, and the tables both as read (memory-mapped) and copied
+            "float weights": facts.total_parameters * 4 if whole else block_float + 2 * facts.table_parameters * 4,
+            "quantized block": stored.parts["linears"] // facts.layers,
+            "calibration": hidden_states + (per_window + CALIBRATION_TEXT if windows else 0),
+            "statistics": statistics,
+            "cushion search": search,
+        }
+    )
+    return RowPlan(name, description, stored, running, quantizing, "in memory" if whole else "out of core")
+
+
+def plan_model(source: str, settings: PlanSettings) -> dict:
+    from leanlm.showcase import ROWS
+
+    facts = model_facts(source)
+    baseline = current_rss()
+    memory = parse_bytes(settings.memory) if settings.memory is not None else available_memory()
+    rows = [
+        plan_row(facts, "fp32", "float32 weights and activations", (), settings, baseline),
+        plan_row(facts, "bf16", "bfloat16 weights and activations", (), settings, baseline),
+    ]
+    for row in ROWS:
+        if row.steps:
+            rows.append(plan_row(facts, row.name, row.description, row.steps, settings, baseline))
+    streaming = rows[0]
+    sink = Estimate(dict(streaming.running.parts))
+    sink.parts["kv_cache"] = kv_cache_bytes(facts, 256)
+    sink.parts["prefill"] = prefill_workspace(facts, 256)
+    rows.append(
+        RowPlan(
+            "streaming", "float32 through a sink cache of 256 tokens, any length", streaming.stored, sink, None, None
+        )
+    )
+    return {
+        "model": source,
+        "parameters": facts.total_parameters,
+        "layers": facts.layers,
+        "context": settings.context,
+        "memory_bytes": memory,
+        "memory_from": "--memory" if settings.memory is not None else "available",
+        "rows": [row.as_dict(memory) for row in rows],
+    }
+
+
+def plan_table(payload: dict) -> str:
+    from leanlm.report import format_table
+
+    def gib(value):
+        return "-" if value is None else f"{value / 2**30:.2f}"
+
+    rows = [
+        [
+            r["row"],
+            gib(r["stored_bytes"]),
+            gib(r["running_bytes"]),
+            gib(r["quantizing_bytes"]),
+            r["quantizing_path"] or "-",
+            "yes" if r["fits"] else "no",
+        ]
+        for r in payload["rows"]
+    ]
+    return format_table(
+        ["method", "stored GiB", f"running GiB (context {payload['context']})", "quantizing GiB", "quantized", "fits"],
+        rows,
+    )
+
+
+def quantizing_warning(source: str, configs: tuple) -> str | None:
+    """A line for `leanlm quantize` when its predicted peak exceeds this machine's available memory, else None."""
+    facts = model_facts(source)
+    row = plan_row(facts, "quantize", "", tuple(configs), PlanSettings(), current_rss())
+    peak, available = row.quantizing.total, available_memory()
+    if peak <= available:
+        return None
+    return (
+        f"warning: quantizing {source} this way ({row.quantizing_path}) is predicted to peak at "
+        f"{peak / 2**30:.1f} GiB resident, more than the {available / 2**30:.1f} GiB available now "
+        f"(`leanlm plan {source}` compares every method)"
+    )

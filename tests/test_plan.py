@@ -1,0 +1,103 @@
+"""`leanlm plan`: the stored bytes it predicts from the config alone are the bytes the methods' modules hold once
+quantized; the command prints a row per method and its JSON; a size it cannot read or a model it cannot read is one
+line; `leanlm quantize` warns before a job predicted to exceed the available memory."""
+
+import json
+
+import pytest
+
+import leanlm.methods as m
+import leanlm.plan as plan
+from leanlm.bench import weight_bytes
+from leanlm.cli.main import main
+from leanlm.errors import ConfigError
+from leanlm.methods import load_any
+from leanlm.models.architectures import iter_quantizable_linears
+
+METHODS = {
+    "nf4-dq": (m.KbitConfig(double_quant=True),),
+    "int8 blocks": (m.KbitConfig("int", 8),),
+    "rtn": (m.RTNConfig(),),
+    "gptq": (m.GPTQConfig(calibration_samples=4),),
+    "w8a8-O2": (m.W8A8Config("O2"),),
+    "llm-int8": (m.LLMInt8Config(),),
+}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_stored_bytes_are_the_bytes_the_quantized_layers_hold(tiny_llama_dir, method):
+    facts = plan.model_facts(str(tiny_llama_dir))
+    predicted, _ = plan.stored_estimate(facts, METHODS[method])
+    loaded = load_any(tiny_llama_dir)
+    calibration = m.Calibration(samples=4, seq_len=32, tokenizer=loaded.tokenizer)
+    m.quantize_(loaded.model, METHODS[method], calibration=calibration)
+    linears = sum(weight_bytes(module) for _, module in iter_quantizable_linears(loaded.model))
+    assert predicted.parts["linears"] == linears
+    assert predicted.total == pytest.approx(weight_bytes(loaded.model), rel=0.01)  # the attention's few scalars
+
+
+def test_facts_come_from_the_config_alone(tiny_llama_dir):
+    facts = plan.model_facts(str(tiny_llama_dir))
+    model = load_any(tiny_llama_dir).model
+    assert facts.total_parameters == sum(p.numel() for p in model.parameters())
+    assert len(facts.linears) == len(list(iter_quantizable_linears(model)))
+    assert facts.layers == model.config.num_hidden_layers
+
+
+def test_plan_prints_every_row_and_writes_json(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(tiny_llama_dir), "--memory", "8GiB", "--context", "512", "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    rows = {row["row"]: row for row in payload["rows"]}
+    assert {"fp32", "bf16", "nf4-dq", "gptq-4bit", "smoothquant-O3", "llm-int8", "spqr", "streaming"} <= set(rows)
+    assert payload["memory_bytes"] == 8 * 2**30 and all(row["fits"] for row in rows.values())
+    assert rows["nf4-dq"]["stored_bytes"] < rows["fp32"]["stored_bytes"]
+    assert rows["bf16"]["running_bytes"] < rows["fp32"]["running_bytes"]
+    assert rows["fp32"]["quantizing_bytes"] is None and rows["gptq-4bit"]["quantizing_path"] == "out of core"
+    assert rows["cushion+smoothquant-O3"]["quantizing_path"] == "in memory"
+    assert "nf4-dq" in capsys.readouterr().out
+    assert main(["plan", str(tiny_llama_dir), "--memory", "1MiB", "--json", str(out)]) == 0
+    assert not any(row["fits"] for row in json.loads(out.read_text())["rows"])
+
+
+def test_the_kv_cache_grows_with_the_context(tiny_llama_dir):
+    facts = plan.model_facts(str(tiny_llama_dir))
+    small, large = (plan.plan_row(facts, "fp32", "", (), plan.PlanSettings(context=c), 0) for c in (512, 4096))
+    assert large.running.parts["kv_cache"] == 8 * small.running.parts["kv_cache"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--memory", "lots"], "memory 'lots': expected a size"),
+        (["--context", "0"], "--context"),
+    ],
+)
+def test_bad_sizes_are_one_line(tiny_llama_dir, argv, message, capsys):
+    assert main(["plan", str(tiny_llama_dir), *argv]) != 0
+    error = capsys.readouterr().err.strip()
+    assert message in error and len(error.splitlines()) == 1
+
+
+def test_a_model_it_cannot_read_is_one_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["plan", str(tmp_path)]) != 0
+    error = capsys.readouterr().err.strip()
+    assert "config.json cannot be read" in error and len(error.splitlines()) == 1
+    assert main(["plan", str(tmp_path / "missing")]) != 0
+    assert "neither a registered model" in capsys.readouterr().err
+
+
+def test_quantize_warns_before_a_job_that_would_not_fit(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(plan, "available_memory", lambda: 1 << 20)
+    argv = ["quantize", str(tiny_llama_dir), "--method", "kbit", "--out", str(tmp_path / "q")]
+    assert main(argv) == 0
+    assert "warning: quantizing" in capsys.readouterr().out
+
+
+def test_parse_bytes():
+    assert plan.parse_bytes("8GiB") == 8 * 2**30
+    assert plan.parse_bytes("1.5 GB") == 1_500_000_000
+    assert plan.parse_bytes("4096") == 4096
+    with pytest.raises(ConfigError):
+        plan.parse_bytes("-1GiB")
