@@ -7,7 +7,7 @@ checkpoint holds. Around them three estimates, each the sum of named parts (`Est
 
 - stored: the quantized layers plus the tables (token embedding, norms, an untied output head) in float32;
 - running: this process' own resident memory once torch and transformers are imported (what any leanlm process
-  starts from), the weights and the kernels' working memory (`KERNELS_RUNTIME`), the KV cache at the
+  starts from), the weights and the kernels' working memory (`RUNTIME_COPIES`, `KERNELS_RUNTIME`), the KV cache at the
   context asked (or the sink cache's fixed size), and the working memory of one prefill chunk;
 - quantizing: `leanlm quantize`'s peak, out of core (one float block, the calibration windows' hidden states, the
   method's per-block statistics) or in memory for methods that need the whole model.
@@ -31,9 +31,11 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 PREFILL_CHUNK = 512  # tokens per prefill forward (`leanlm serve`, `leanlm chat`)
 SPQR_OUTLIER_SHARE = 0.01  # SpQR's outliers depend on the weights; its paper keeps about 1 % of them
-# What a quantized model holds beyond its stored bytes once its first forward has run: the int8 and k-bit kernels'
-# libraries and buffers (a constant, measured by benchmarks/plan_accuracy.py), and the float32 de-quantized weight
-# of the largest layer, twice (a prefill GEMM's operand and the next one's while the first is freed).
+# What a quantized model holds beyond its stored bytes once its first forward has run. W8A8 packs its int8 weights
+# for fbgemm at the first forward, holding both copies while it does; the k-bit and SpQR kernels keep their
+# libraries and buffers (a constant, measured by benchmarks/plan_accuracy.py) and de-quantize the largest layer to
+# float32 for a prefill GEMM, twice (one operand and the next while the first is freed).
+RUNTIME_COPIES = {"W8A8Linear": 1.0}
 KERNELS_RUNTIME = 96 * 2**20
 # What tokenizing the calibration text takes beside the windows it makes (a constant, measured by the same script).
 CALIBRATION_TEXT = 96 * 2**20
@@ -128,6 +130,7 @@ class ModelFacts:
     block_parameters: int  # numel of one decoder block (the largest)
     table_parameters: int  # numel outside the blocks (embedding, norms, untied head), tied weights once
     total_parameters: int
+    tied_embeddings: bool  # the output head is the token embedding
 
 
 def model_facts(source: str) -> ModelFacts:
@@ -161,6 +164,7 @@ def model_facts(source: str) -> ModelFacts:
         block_parameters=max(block_sizes),
         table_parameters=total - sum(block_sizes),
         total_parameters=total,
+        tied_embeddings=bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))),
     )
 
 
@@ -341,23 +345,33 @@ def plan_row(
 
     configs = settings.applied(configs)
     compute_bytes = 2 if name == "bf16" else 4
-    stored, _ = stored_estimate(facts, configs)
+    stored, by_type = stored_estimate(facts, configs)
+    kv = kv_cache_bytes(facts, settings.context, compute_bytes)
+    prefill = prefill_workspace(facts, settings.context, compute_bytes)
+    extra = {"kv_cache": kv, "prefill": prefill}  # what running adds to the weights
     if not configs:
         weights = facts.total_parameters * compute_bytes
+        if compute_bytes == 4 and not facts.tied_embeddings:
+            # float32 is used in place from the memory-mapped file, and only the embedding rows of the tokens read
+            # are ever paged in (a head tied to it is read whole)
+            weights -= facts.vocab * facts.hidden * 4
         # Loading converts the stored float32 tensors, read through a memory map, into the compute dtype: both are
         # resident until the load ends (float32 itself is used in place).
         loading = stored.total if compute_bytes != 4 else 0
     else:
         weights = stored.total
-        loading = 0
-    kv = kv_cache_bytes(facts, settings.context, compute_bytes)
-    prefill = prefill_workspace(facts, settings.context, compute_bytes)
-    running = Estimate({"process": baseline, "weights": weights, "kv_cache": kv, "prefill": prefill})
-    if configs:
-        largest = max(i * o for _, i, o, _ in facts.linears)
-        running.parts["kernels"] = KERNELS_RUNTIME + 2 * largest * 4
-    if loading > kv + prefill:  # the load's peak is the higher one
-        running.parts["loading, beyond the cache and prefill"] = loading - kv - prefill
+        loading = stored.parts["tables"]  # the tables' file pages while they are copied into memory
+        for kind, size in by_type.items():
+            if kind in RUNTIME_COPIES:
+                extra[f"{kind} runtime copy"] = int(size * RUNTIME_COPIES[kind])
+            else:
+                largest = max(i * o for _, i, o, _ in facts.linears)
+                extra["kernels"] = KERNELS_RUNTIME + 2 * largest * 4
+    running = Estimate({"process": baseline, "weights": weights})
+    if loading > sum(extra.values()):  # the load's peak is the higher one
+        running.parts["loading"] = loading
+    else:
+        running.parts.update(extra)
     if not configs:
         return RowPlan(name, description, stored, running, None, None)
     windows, seq_len = _calibration(configs)
@@ -378,8 +392,10 @@ def plan_row(
     quantizing = Estimate(
         {
             "process": baseline,
-            # out of core: one float block, and the tables both as read (memory-mapped) and copied
-            "float weights": facts.total_parameters * 4 if whole else block_float + 2 * facts.table_parameters * 4,
+            # out of core: one float block and the tables (a tied head is read once as the embedding, once as the head)
+            "float weights": facts.total_parameters * 4
+            if whole
+            else block_float + (2 if facts.tied_embeddings else 1) * facts.table_parameters * 4,
             "quantized block": stored.parts["linears"] // facts.layers,
             "calibration": hidden_states + (per_window + CALIBRATION_TEXT if windows else 0),
             "statistics": statistics,
