@@ -360,7 +360,7 @@ def plan_row(
         loading = stored.total if compute_bytes != 4 else 0
     else:
         weights = stored.total
-        loading = stored.parts["tables"]  # the tables' file pages while they are copied into memory
+        loading = 0  # the tables are copied in from their file a MiB at a time
         for kind, size in by_type.items():
             if kind in RUNTIME_COPIES:
                 extra[f"{kind} runtime copy"] = int(size * RUNTIME_COPIES[kind])
