@@ -24,6 +24,7 @@ from leanlm.kernels.kbit_gemm import avx2_available
 from leanlm.methods.streaming import StreamingConfig
 from leanlm.serve import ServeSettings, build_app
 from leanlm.serve.conversations import cache_bytes
+from leanlm.serve.server import uvicorn_config
 
 MODEL = "tiny-llama"
 WINDOW = 48  # the tiny model's context is 256: a 50-turn conversation runs far past both
@@ -58,7 +59,7 @@ def server(smollm2_tokenizer, request):
 def running(app):
     """`app` served by uvicorn on a free loopback port for the block; yields its base URL."""
     port = free_port()
-    instance = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    instance = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "error"))
     thread = threading.Thread(target=instance.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -512,6 +513,22 @@ def test_tiny_but_valid_temperature_and_top_p_answer(client, sampling):
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
     )
     assert answer.choices[0].message.content == greedy.choices[0].message.content
+
+
+def test_a_request_http_cannot_parse_gets_the_apis_json_error(server):
+    import socket
+    from urllib.parse import urlparse
+
+    address = urlparse(server[0])
+    with socket.create_connection((address.hostname, address.port), timeout=30) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: lots\r\n\r\n{}")
+        reply = b""
+        while chunk := connection.recv(65536):
+            reply += chunk
+    head, body = reply.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    assert json.loads(body)["error"]["message"].startswith("malformed HTTP request")
+    assert get(server[0] + "/health")["status"] == "ok"
 
 
 def test_a_chunked_body_is_bounded_like_one_with_a_length(server):

@@ -47,10 +47,17 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
 
+def error_body(
+    message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
+) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def error_response(
     status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
 ) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+    return JSONResponse(error_body(message, param, code, kind), status)
 
 
 class TextPart(BaseModel):

@@ -160,7 +160,7 @@ def serve(
         decoder += f" ({fused_decoder_problem(loaded.model, settings.streaming)})"
     # The engine runs here, in the thread that loaded the model (see Engine), and the HTTP server beside it; so
     # uvicorn installs no signal handlers: Ctrl-C reaches this thread as KeyboardInterrupt, and SIGTERM is made one.
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, settings.host, settings.port, "warning"))
     http = threading.Thread(target=server.run, name="leanlm-http", daemon=True)
     signal.signal(signal.SIGTERM, _interrupt)
     http.start()
@@ -183,3 +183,29 @@ def serve(
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def uvicorn_config(app, host: str, port: int, log_level: str):
+    """uvicorn serving `app` over HTTP/1.1 (h11), with a request it cannot even parse (a Content-Length that is
+    not a number, a malformed request line) answered by the API's JSON error rather than uvicorn's plain text."""
+    import json
+
+    import h11
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from leanlm.serve.api import error_body
+
+    class JsonErrors(H11Protocol):
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps(error_body(f"malformed HTTP request: {msg}")).encode()
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ]
+            for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=JsonErrors)
