@@ -60,6 +60,7 @@ EXTRAS = {
     "compressed_tensors": "export",
     "matplotlib": "plots",
     "llama_cpp": "llama",
+    "lm_eval": "lm-eval",
 }
 
 
