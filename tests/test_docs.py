@@ -18,7 +18,7 @@ DOCS = ROOT / "docs"
 NO_RESULTS = {"getting-started.md", "references.md", "design.md", "models.md"}
 # Each script in benchmarks/ and the result files the documentation quotes its tables from.
 REPORTED = {
-    "baseline": ["baseline_smollm2-135m"],
+    "baseline": ["baseline_smollm2-135m", "baseline_qwen2.5-coder-1.5b"],
     "cushion": ["cushion_smollm2-135m"],
     "cushion_ablation": ["cushion_ablation_smollm2-135m"],
     "compute_dtype": ["compute_dtype_smollm2-135m"],
@@ -45,7 +45,7 @@ REPORTED = {
     "kbit_sweep": ["kbit_sweep_smollm2-135m", "kbit_sweep_gemma3-270m"],
     "llm_int8": ["llm_int8"],
     "out_of_core": ["out_of_core_llama3-8b-shape"],
-    "plan_accuracy": ["plan_accuracy_smollm2-135m"],
+    "plan_accuracy": ["plan_accuracy_smollm2-135m", "plan_accuracy_qwen2.5-coder-1.5b"],
     "qlora": ["qlora_smollm2-135m", "qlora_gemma3-270m"],
     "resident_memory": ["resident_memory_smollm2-135m"],
     "serve": ["serve_smollm2-135m_xeon-amx"],
