@@ -38,10 +38,10 @@ def test_training_survives_losing_all_but_one_peer_of_a_stage_and_a_late_peer_ca
         target_batch=8,
         rebalance_seconds=0,
     )
-    # Peers 0 and 3 serve stage 0: peer 0 is killed after 10 s of training, a new stage-0 peer joins at 18 s; the
-    # run ends after 60 s of training (the clock starts at the first micro-batch: start-up time varies with load,
+    # Peers 0 and 3 serve stage 0: peer 0 is killed after 8 s of training, a new stage-0 peer joins at 14 s; the
+    # run ends after 45 s of training (the clock starts at the first micro-batch: start-up time varies with load,
     # and so does the joining peer's: 5 s alone, 20 s while another job kept both cores busy).
-    kill_at, join_at = 10.0, 18.0
+    kill_at, join_at, train_seconds = 8.0, 14.0, 45.0
     record = run_local_swarm(
         SwarmRun(
             settings,
@@ -49,7 +49,7 @@ def test_training_survives_losing_all_but_one_peer_of_a_stage_and_a_late_peer_ca
             trainers=1,
             max_steps=10_000,
             max_seconds=180,
-            train_seconds=60.0,
+            train_seconds=train_seconds,
             kill=((kill_at, 0),),
             join=((join_at, 0),),
         ),
@@ -59,7 +59,7 @@ def test_training_survives_losing_all_but_one_peer_of_a_stage_and_a_late_peer_ca
         record
     )  # the documented JSON keys
     status = [line for line in record["status"] if line["training_seconds"] is not None]
-    assert status and status[-1]["training_seconds"] >= 55, record["status"][-1]  # trained for the whole schedule
+    assert status and status[-1]["training_seconds"] >= train_seconds - 5, record["status"][-1]  # the whole schedule
     before_kill = max((line["steps_per_stage"][0] for line in status if line["training_seconds"] < kill_at), default=0)
     assert record["peers_failed"] == 1
     assert record["steps"] > before_kill, status  # training went on with one stage-0 peer
