@@ -242,7 +242,7 @@ def test_smollm2_w8a8_decodes_fused_within_the_eager_paths_own_rounding_noise(de
     from leanlm.models import load_model
 
     loaded = load_model(default_checkpoint_dir)
-    ids = encode(loaded.tokenizer, datasets.wikitext2_test_text()[:5000])[:128]
+    ids = encode(loaded.tokenizer, datasets.wikitext2_test_text()[:5000])[:160]
     prompt, tokens = ids[:32], ids[32:]
     model = loaded.model
     quantize_(model, config)
