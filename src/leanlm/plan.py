@@ -17,6 +17,7 @@ benchmarks/plan_accuracy.py measures each estimate against the process it predic
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -73,11 +74,10 @@ def _cgroup_room() -> int | None:
 
 
 def current_rss() -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """This process' resident memory now."""
+    from leanlm.bench.harness import process_memory_bytes
+
+    return process_memory_bytes(os.getpid(), "VmRSS")
 
 
 @dataclass(frozen=True)
@@ -241,6 +241,8 @@ def empty_linear(config, in_features: int, out_features: int, bias: bool) -> nn.
 
 
 def module_bytes(module: nn.Module) -> int:
+    """The bytes of a module's tensors, on the meta device too (`weight_bytes` tells storages apart by their address,
+    which meta tensors do not have)."""
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
@@ -341,6 +343,7 @@ def _needs_whole_model(configs: tuple) -> bool:
 def plan_row(
     facts: ModelFacts, name: str, description: str, configs: tuple, settings: PlanSettings, baseline: int
 ) -> RowPlan:
+    from leanlm.methods.cushion import CushionConfig
     from leanlm.methods.gptq import GPTQConfig, SpQRConfig
 
     configs = settings.applied(configs)
@@ -385,7 +388,7 @@ def plan_row(
     block_float = facts.block_parameters * 4
     whole = _needs_whole_model(configs)
     search = 0
-    cushion = next((c for c in configs if type(c).__name__ == "CushionConfig"), None)
+    cushion = next((c for c in configs if isinstance(c, CushionConfig)), None)
     if cushion is not None:  # one search batch's inputs of every layer's hidden-wide linears (q/k/v, o, gate/up)
         tokens = cushion.batch_size * cushion.search_samples * cushion.sample_tokens
         search = 3 * tokens * facts.layers * facts.hidden * 4
