@@ -200,22 +200,27 @@ def test_a_float_directory_missing_tensors_is_refused(tiny_llama_dir):
         load_model(tiny_llama_dir)
 
 
+# One process imports leanlm once, then forks a child per kill point (torch has started no threads before the
+# fork): the child runs `leanlm quantize` and SIGKILLs itself before its Nth write into the output. After each
+# killed child the parent records what it left (output directory, staging directories) and keeps a copy of the
+# staging directory for the test to load; it stops at the first run that finishes.
 _KILLING_QUANTIZE = """
-import os, signal, sys
+import json, os, shutil, signal, sys
 from contextlib import contextmanager
 import pathlib, transformers
 import leanlm.methods.checkpoint as checkpoint
 import leanlm.methods.out_of_core as out_of_core
 from leanlm.cli.main import main
 
-pipeline, kill_at, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-armed, calls = [pipeline == "out of core"], [0]  # in memory: the writes into the staging directory
+pipeline, snapshots, argv = sys.argv[1], pathlib.Path(sys.argv[2]), sys.argv[3:]
+out = pathlib.Path(argv[argv.index("--out") + 1])
+armed, calls, kill_at = [pipeline == "out of core"], [0], [0]  # in memory: the writes into the staging directory
 
 def killing(write):
     def wrapper(*args, **kwargs):
         if armed[0]:
             calls[0] += 1
-            if calls[0] == kill_at:
+            if calls[0] == kill_at[0]:
                 os.kill(os.getpid(), signal.SIGKILL)
         return write(*args, **kwargs)
     return wrapper
@@ -234,7 +239,27 @@ transformers.PretrainedConfig.save_pretrained = killing(transformers.PretrainedC
 transformers.PreTrainedTokenizerBase.save_pretrained = killing(transformers.PreTrainedTokenizerBase.save_pretrained)
 pathlib.Path.write_text = killing(pathlib.Path.write_text)
 pathlib.Path.replace = killing(pathlib.Path.replace)  # the rename that publishes the directory
-sys.exit(main(argv))
+
+runs = []
+for point in range(1, 20):
+    child = os.fork()
+    if child == 0:
+        kill_at[0] = point
+        code = 1
+        try:
+            code = main(argv)
+        finally:
+            os._exit(code)
+    status = os.waitpid(child, 0)[1]
+    signal_number = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    staging = sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.partial-"))
+    runs.append({"kill_at": point, "signal": signal_number, "exit": os.waitstatus_to_exitcode(status),
+                 "out_exists": out.exists(), "staging": staging})
+    if signal_number is None:
+        break
+    for name in staging:
+        shutil.copytree(out.parent / name, snapshots / str(point) / name)
+print(json.dumps(runs))
 """
 
 
@@ -252,29 +277,31 @@ def test_a_quantize_killed_at_any_write_never_leaves_a_loadable_half_checkpoint(
 
     from leanlm.cli.main import main
 
-    out = tmp_path / "q"
+    out, snapshots = tmp_path / "q", tmp_path / "snapshots"
     argv = ["quantize", str(tiny_llama_dir), "--method", "kbit", "--bits", "4", *flags, "--out", str(out)]
     eval_argv = ["--tasks", "wikitext2", "--max-tokens", "128", "--seq-len", "64", "--json"]
+    run = subprocess.run(
+        [sys.executable, "-c", _KILLING_QUANTIZE, pipeline, str(snapshots), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    runs = json.loads(run.stdout.strip().splitlines()[-1])
+    *killed, finished = runs
+    assert finished["exit"] == 0 and finished["out_exists"], run.stderr[-2000:]
     outcomes = []
-    for kill_at in range(1, 20):
-        run = subprocess.run(
-            [sys.executable, "-c", _KILLING_QUANTIZE, pipeline, str(kill_at), *argv],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if run.returncode == 0:
-            break
-        assert run.returncode == -9, run.stderr[-2000:]
-        assert not out.exists()
-        staging = [p for p in tmp_path.iterdir() if p.name.startswith(".q.partial-")]
-        assert len(staging) == 1
-        code = main(["eval", str(staging[0]), *eval_argv, str(tmp_path / f"{kill_at}.json")])
+    for each in killed:
+        assert each["signal"] == 9 and not each["out_exists"], each
+        assert len(each["staging"]) == 1, each
+        staging = snapshots / str(each["kill_at"]) / each["staging"][0]
+        code = main(["eval", str(staging), *eval_argv, str(tmp_path / f"{each['kill_at']}.json")])
         error = capsys.readouterr().err
         assert "Traceback" not in error
         outcomes.append(code)
         if code != 0:
             assert code == 2 and error.startswith("leanlm: error: ") and error.count("\n") == 1
+    kill_at = finished["kill_at"]
     assert kill_at >= 5, "fewer write steps than config, tokenizer, weights, record and publish"
     # The last killed run had written everything but the rename: its staging directory is whole and loads; every
     # earlier one is refused with a reason.
