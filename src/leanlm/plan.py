@@ -7,7 +7,7 @@ checkpoint holds. Around them three estimates, each the sum of named parts (`Est
 
 - stored: the quantized layers plus the tables (token embedding, norms, an untied output head) in float32;
 - running: this process' own resident memory once torch and transformers are imported (what any leanlm process
-  starts from), the weights and the kernels' working memory (`RUNTIME_COPIES`, `KERNELS_RUNTIME`), the KV cache at the
+  starts from), the weights and the kernels' working memory (`KERNELS_RUNTIME`), the KV cache at the
   context asked (or the sink cache's fixed size), and the working memory of one prefill chunk;
 - quantizing: `leanlm quantize`'s peak, out of core (one float block, the calibration windows' hidden states, the
   method's per-block statistics) or in memory for methods that need the whole model.
@@ -33,10 +33,11 @@ UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 PREFILL_CHUNK = 512  # tokens per prefill forward (`leanlm serve`, `leanlm chat`)
 SPQR_OUTLIER_SHARE = 0.01  # SpQR's outliers depend on the weights; its paper keeps about 1 % of them
 # What a quantized model holds beyond its stored bytes once its first forward has run. W8A8 packs its int8 weights
-# for fbgemm at the first forward, holding both copies while it does; the k-bit and SpQR kernels keep their
-# libraries and buffers (a constant, measured by benchmarks/plan_accuracy.py) and de-quantize the largest layer to
-# float32 for a prefill GEMM, twice (one operand and the next while the first is freed).
-RUNTIME_COPIES = {"W8A8Linear": 1.0}
+# for fbgemm one layer (or shared-input group) at a time as it loads, each group's plain and stacked copies beside
+# its packed one, what each frees given back before the next (`KERNELS_RUNTIME` covers fbgemm's own buffers); the
+# k-bit and SpQR kernels keep their libraries and buffers (a constant, measured by benchmarks/plan_accuracy.py) and
+# de-quantize the largest layer to float32 for a prefill GEMM, twice (one operand and the next while the first is
+# freed).
 KERNELS_RUNTIME = 96 * 2**20
 # What tokenizing the calibration text takes beside the windows it makes (a constant, measured by the same script).
 CALIBRATION_TEXT = 96 * 2**20
@@ -364,12 +365,11 @@ def plan_row(
     else:
         weights = stored.total
         loading = 0  # the tables are copied in from their file a MiB at a time
-        for kind, size in by_type.items():
-            if kind in RUNTIME_COPIES:
-                extra[f"{kind} runtime copy"] = int(size * RUNTIME_COPIES[kind])
-            else:
-                largest = max(i * o for _, i, o, _ in facts.linears)
-                extra["kernels"] = KERNELS_RUNTIME + 2 * largest * 4
+        largest = max(i * o for _, i, o, _ in facts.linears)
+        if by_type.keys() - {"W8A8Linear"}:
+            extra["kernels"] = KERNELS_RUNTIME + 2 * largest * 4
+        else:  # a shared-input group of two of the largest linears: its plain, stacked and packed int8 copies
+            extra["kernels"] = KERNELS_RUNTIME + 3 * 2 * largest
     running = Estimate({"process": baseline, "weights": weights})
     if loading > sum(extra.values()):  # the load's peak is the higher one
         running.parts["loading"] = loading
@@ -395,10 +395,11 @@ def plan_row(
     quantizing = Estimate(
         {
             "process": baseline,
-            # out of core: one float block and the tables (a tied head is read once as the embedding, once as the head)
+            # out of core: the tables (read before the blocks and written after them; a tied head is read once as
+            # the embedding, once as the head) or one float block in between, whichever is larger
             "float weights": facts.total_parameters * 4
             if whole
-            else block_float + (2 if facts.tied_embeddings else 1) * facts.table_parameters * 4,
+            else max(block_float, (2 if facts.tied_embeddings else 1) * facts.table_parameters * 4),
             "quantized block": stored.parts["linears"] // facts.layers,
             "calibration": hidden_states + (per_window + CALIBRATION_TEXT if windows else 0),
             "statistics": statistics,

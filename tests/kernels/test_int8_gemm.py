@@ -97,15 +97,16 @@ def test_the_compiled_rounding_pass_equals_the_pytorch_ops(k, granularity):
 @pytest.mark.parametrize("zero_point", [0, 3])
 def test_the_packed_copy_gives_the_weight_back_exactly(zero_point):
     torch.manual_seed(2)
-    weight = torch.randint(-127, 128, (24, 40), dtype=torch.int8)
+    weight = torch.randint(-127, 128, (24, 200), dtype=torch.int8)
     weight_scale = torch.rand(24) * 0.01 + 1e-3
     if zero_point:  # per tensor: one scale
         weight_scale = weight_scale[:1].expand(24).clone()
     packed = pack_weight(weight, weight_scale, zero_point)
     assert torch.equal(packed.unpacked(), weight)
-    columns = torch.tensor([0, 7, 39])
-    expected = ((weight[:, columns].float() - zero_point) * weight_scale[:, None]).T
-    assert torch.equal(packed.dequantized_columns(columns, 40), expected)  # bit for bit: LLM.int8()'s float part
+    # a few columns, and more than one one-hot GEMM's worth (`ONE_HOT_ROWS`)
+    for columns in (torch.tensor([0, 7, 199]), torch.randperm(200)[:150]):
+        expected = ((weight[:, columns].float() - zero_point) * weight_scale[:, None]).T
+        assert torch.equal(packed.dequantized_columns(columns, 200), expected)  # bit for bit: LLM.int8()'s float part
 
 
 def test_unknown_backend_is_named():

@@ -55,11 +55,20 @@ class PackedInt8Weight:
         """(len(columns), N): the de-quantized weight columns (W_int8[:, c] - z_W) * delta_W, transposed, read
         through the GEMM itself: one-hot input rows of value 1 with scale 1 make the integer products the weight's
         entries, and fbgemm scales them by delta_W alone, so the values equal the reference's bit for bit."""
-        one_hot = torch.zeros(len(columns), in_features)
-        one_hot[torch.arange(len(columns)), columns] = 1.0
-        return _GEMM(one_hot, 1.0, 128, self.params)
+        pieces = []
+        one_hot = torch.zeros(ONE_HOT_ROWS, in_features)
+        for first in range(0, len(columns), ONE_HOT_ROWS):
+            part = columns[first : first + ONE_HOT_ROWS]
+            rows = torch.arange(len(part))
+            one_hot[rows, part] = 1.0
+            pieces.append(_GEMM(one_hot, 1.0, 128, self.params)[: len(part)])
+            one_hot[rows, part] = 0.0
+        return torch.cat(pieces)
 
 
+# Columns de-quantized per GEMM: the one-hot input is always this size, whatever the number of outlier columns, so
+# the allocations of LLM.int8()'s decomposition repeat the same sizes and the C library's heap reuses them.
+ONE_HOT_ROWS = 64
 _GEMM = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from leanlm.errors import ConfigError, CorruptModelError
 from leanlm.formats.int8 import QMAX, WeightGranularity
 from leanlm.kernels.int8_gemm import Backend
+from leanlm.memory import trim_freed_memory
 from leanlm.methods.blocks import observe_inputs, walk_blocks
 from leanlm.methods.calibration import record_channel_absmax
 from leanlm.methods.quantize import BlockPlan, QuantRun, register_after_load, register_method
@@ -254,10 +255,13 @@ def _restore_int8_runtime(model: nn.Module, record: dict, directory) -> None:
 def pack_int8_weights_(model: nn.Module) -> None:
     """Pack every fbgemm W8A8 weight now, one layer (or shared group) at a time, each releasing its plain int8
     tensor as it goes, so a loaded model holds one copy of each int8 weight from the start (the loader's tensors
-    are copies, not views of the mapped files, so a packed weight's pages go with it)."""
+    are copies, not views of the mapped files, so a packed weight's pages go with it). What each packing frees
+    goes back to the system before the next: glibc keeps freed blocks of up to 32 MiB in its heap, and the
+    plain int8 weights would otherwise stay resident beside their packed copies until the load ends."""
     for module in model.modules():
         if isinstance(module, W8A8Linear) and module.backend == "fbgemm":
             module.pack_()
+            trim_freed_memory()
 
 
 def share_input_gemms_(model: nn.Module, share: bool = True) -> int:
