@@ -60,6 +60,23 @@ def test_plan_prints_every_row_and_writes_json(tiny_llama_dir, tmp_path, capsys)
     assert not any(row["fits"] for row in json.loads(out.read_text())["rows"])
 
 
+def test_a_model_stored_in_bfloat16_runs_in_place_in_bfloat16_and_converts_for_float32(tiny_llama_dir, tmp_path):
+    import torch
+
+    loaded = load_any(tiny_llama_dir)
+    loaded.model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    loaded.tokenizer.save_pretrained(tmp_path / "bf16")
+    settings, parameters = plan.PlanSettings(context=64), sum(p.numel() for p in loaded.model.parameters())
+    rows = {}
+    for source in (tiny_llama_dir, tmp_path / "bf16"):
+        facts = plan.model_facts(str(source))
+        rows[facts.stored_dtype] = {n: plan.plan_row(facts, n, "", (), settings, 0).running for n in ("fp32", "bf16")}
+    float32, bfloat16 = rows[torch.float32], rows[torch.bfloat16]
+    assert "loading" not in float32["fp32"].parts and "loading" not in bfloat16["bf16"].parts  # used in place
+    assert float32["bf16"].parts["loading"] == 4 * parameters and bfloat16["fp32"].parts["loading"] == 2 * parameters
+    assert bfloat16["bf16"].total < float32["bf16"].total
+
+
 def test_the_kv_cache_grows_with_the_context(tiny_llama_dir):
     facts = plan.model_facts(str(tiny_llama_dir))
     small, large = (plan.plan_row(facts, "fp32", "", (), plan.PlanSettings(context=c), 0) for c in (512, 4096))

@@ -17,6 +17,7 @@ benchmarks/plan_accuracy.py measures each estimate against the process it predic
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -132,6 +133,7 @@ class ModelFacts:
     table_parameters: int  # numel outside the blocks (embedding, norms, untied head), tied weights once
     total_parameters: int
     tied_embeddings: bool  # the output head is the token embedding
+    stored_dtype: torch.dtype = torch.float32  # of a float model's weights as loading reads them
 
 
 def model_facts(source: str) -> ModelFacts:
@@ -166,7 +168,26 @@ def model_facts(source: str) -> ModelFacts:
         table_parameters=total - sum(block_sizes),
         total_parameters=total,
         tied_embeddings=bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))),
+        stored_dtype=stored_float_dtype(source),
     )
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+def stored_float_dtype(source: str) -> torch.dtype:
+    """The dtype holding most of a model directory's weights, from its safetensors headers (no tensor is read);
+    float32 for a GGUF or registry model, which leanlm converts to float32 shards."""
+    from safetensors import safe_open
+
+    path = Path(source).expanduser()
+    numels: dict[str, int] = {}
+    for file in sorted(path.glob("*.safetensors")) if path.is_dir() else ():
+        with safe_open(str(file), "pt") as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                numels[piece.get_dtype()] = numels.get(piece.get_dtype(), 0) + math.prod(piece.get_shape())
+    return _SAFETENSORS_DTYPES.get(max(numels, key=numels.get), torch.float32) if numels else torch.float32
 
 
 def read_config(source: str):
@@ -355,13 +376,15 @@ def plan_row(
     extra = {"kv_cache": kv, "prefill": prefill}  # what running adds to the weights
     if not configs:
         weights = facts.total_parameters * compute_bytes
-        if compute_bytes == 4 and not facts.tied_embeddings:
-            # float32 is used in place from the memory-mapped file, and only the embedding rows of the tokens read
-            # are ever paged in (a head tied to it is read whole)
-            weights -= facts.vocab * facts.hidden * 4
-        # Loading converts the stored float32 tensors, read through a memory map, into the compute dtype: both are
-        # resident until the load ends (float32 itself is used in place).
-        loading = stored.total if compute_bytes != 4 else 0
+        in_place = facts.stored_dtype == (torch.bfloat16 if name == "bf16" else torch.float32)
+        if in_place and not facts.tied_embeddings:
+            # weights in the compute dtype are used in place from the memory-mapped file, and only the embedding
+            # rows of the tokens read are ever paged in (a head tied to it is read whole)
+            weights -= facts.vocab * facts.hidden * compute_bytes
+        # Otherwise loading converts the stored tensors, read through a memory map, into the compute dtype: both
+        # are resident until the load ends.
+        stored_bytes = torch.empty((), dtype=facts.stored_dtype).element_size()
+        loading = 0 if in_place else facts.total_parameters * stored_bytes
     else:
         weights = stored.total
         loading = 0  # the tables are copied in from their file a MiB at a time
