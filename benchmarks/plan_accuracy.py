@@ -6,7 +6,11 @@ the bytes of its safetensors files) and the model running: loaded with `load_any
 512 into its cache (the sink cache's 256 tokens for the streaming row), then 8 tokens decoded greedily (the
 process' peak resident memory). Writes benchmarks/results/plan_accuracy_<model>.json + .png.
 
+A row the plan says does not fit this machine's available memory is not run (the table says so). The
+Llama-3-8B-shaped model of benchmarks/out_of_core.py (random bfloat16 weights, 14.8 GB) is written once under DIR:
+
     python benchmarks/plan_accuracy.py [--model smollm2-135m] [--context 2048]
+    python benchmarks/plan_accuracy.py --llama3-8b-shape DIR --context 512 --only bf16 nf4 w8a8 llm-int8
     python benchmarks/plan_accuracy.py --report
 """
 
@@ -27,6 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
 from leanlm.bench.harness import process_peak_rss_bytes  # noqa: E402
+from leanlm.plan import available_memory  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 DECODE_TOKENS = 8
@@ -132,7 +137,8 @@ def report(payload: dict) -> str:
     for name, value in payload.get("rows", {}).items():
         cells = [name]
         for _, key in ESTIMATES:
-            cells += [mib(value["predicted"].get(key)), mib(value["measured"].get(key)), error(value, key)]
+            measured = "not run" if "not_run" in value and value["predicted"].get(key) is not None else None
+            cells += [mib(value["predicted"].get(key)), measured or mib(value["measured"].get(key)), error(value, key)]
         rows.append(cells)
     headers = ["row"]
     for label, _ in ESTIMATES:
@@ -181,11 +187,21 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--calib-samples", type=int, default=16, help="calibration windows of the calibrated rows")
     parser.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "leanlm-plan")
+    parser.add_argument(
+        "--llama3-8b-shape", type=Path, metavar="DIR", help="measure the Llama-3-8B-shaped model, written under DIR"
+    )
     args = parser.parse_args()
+    if args.llama3_8b_shape is not None:
+        args.model = str(args.llama3_8b_shape / "llama3-8b-shape")
     name = results_name("plan_accuracy", args.model)
     if args.report:
         return print_report(name, report)
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.llama3_8b_shape is not None and not (Path(args.model) / "config.json").is_file():
+        sys.path.insert(0, str(Path(__file__).parent))
+        from out_of_core import write_worker
+
+        write_worker(Path(args.model))
     plan_file = args.workdir / "plan.json"
     subprocess.run(
         [
@@ -215,7 +231,13 @@ def main() -> None:
         if name in rows:
             saved.update(_predicted(rows[name]))
     study.save()
+    available = available_memory()
     for row in study.todo("rows", rows):
+        needs = max(rows[row][key] or 0 for _, key in ESTIMATES if key != "stored_bytes")
+        if needs > available:  # the planner's own answer: it does not fit, so it is not run
+            value = {**_predicted(rows[row]), "measured": {}, "not_run": f"needs {needs / 2**30:.1f} GiB"}
+            study.record("rows", row, value, summary=lambda value: f"not run: {value['not_run']}")
+            continue
         study.record("rows", row, measure(rows[row], args, args.workdir), summary=summary)
     print(report(study.payload))
     print(f"wrote {study.path}")

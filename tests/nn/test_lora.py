@@ -1,6 +1,8 @@
+import pytest
 import torch
 from torch import nn
 
+from leanlm.errors import ConfigError
 from leanlm.nn import KbitLinear, LoRALinear
 
 
@@ -41,3 +43,25 @@ def test_merged_weight_gives_the_same_output():
     nn.init.normal_(layer.lora_B.weight)
     x = torch.randn(20, 64)  # past SMALL_M: float activations (at decode sizes the kernel quantizes x)
     torch.testing.assert_close(x @ layer.merged_weight().T + base.bias, layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_each_row_goes_through_the_adapter_named_for_it():
+    from leanlm.nn.lora import adapter_rows
+
+    torch.manual_seed(0)
+    layer = LoRALinear(nn.Linear(12, 8), rank=4, alpha=8.0)
+    nn.init.normal_(layer.lora_B.weight)
+    a, b = torch.randn(2, 12), torch.randn(8, 2)
+    assert layer.add_adapter(a, b, scaling=3.0) == 1
+    x = torch.randn(3, 5, 12)
+    with torch.no_grad():
+        own = layer.base(x) + layer.lora_B(layer.lora_A(x)) * 2.0
+        other = layer.base(x) + (x @ a.T @ b.T) * 3.0
+        torch.testing.assert_close(layer(x), own)  # outside adapter_rows: the layer's own
+        with adapter_rows([1, -1, 0]):
+            rows = layer(x)
+    torch.testing.assert_close(rows[0], other[0])
+    torch.testing.assert_close(rows[1], layer.base(x[1]))
+    torch.testing.assert_close(rows[2], own[2])
+    with pytest.raises(ConfigError, match="does not fit"):
+        layer.add_adapter(torch.randn(2, 11), b, 1.0)

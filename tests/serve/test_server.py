@@ -3,6 +3,7 @@ Llama with SmolLM2's tokenizer and chat template)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import socket
@@ -776,3 +777,88 @@ def test_n_choices_each_their_own_draw(client):
     for extra in ({"n": 9}, {"n": 2, "stream": True}):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(**{**asked, **extra})
+
+
+def _adapter(model_dir, out, seed: int, rank: int):
+    """A LoRA adapter over `model_dir`'s NF4 base with seeded, non-zero updates, saved as `leanlm finetune` does."""
+    from leanlm.methods import LoRAConfig, add_lora_, load_any, save_adapters
+
+    loaded, config = load_any(model_dir), LoRAConfig(base="nf4-dq", rank=rank, dropout=0.0)
+    add_lora_(loaded.model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for module in loaded.model.modules():
+            if hasattr(module, "lora_B"):
+                module.lora_B.weight.normal_(0, 0.5)
+    return save_adapters(loaded.model, config, out, str(model_dir))
+
+
+def test_several_adapters_answer_each_under_its_name(tiny_llama_dir, tmp_path, capsys):
+    """`--adapter` twice: each request runs the adapter its `model` names (the model's own name the first), alone
+    or batched beside the other, with the answer the adapter gives when served alone; conversations are kept per
+    adapter; an unknown name is 404; adapters over different bases are one line before the model loads."""
+    from leanlm.errors import ConfigError
+    from leanlm.methods import LoRAConfig, add_lora_, load_any, save_adapters
+    from leanlm.nn.lora import adapter_rows
+
+    first, second = _adapter(tiny_llama_dir, tmp_path / "first", 1, 4), _adapter(tiny_llama_dir, tmp_path / "two", 2, 2)
+    both = load_any(tiny_llama_dir, adapter=[f"one={first}", str(second)])
+    assert both.adapters == ("one", "two")
+    ids = torch.tensor([[5, 17, 99, 250, 42, 7]] * 2)
+    with torch.no_grad():
+        alone = [load_any(tiny_llama_dir, adapter=directory).model(ids[:1]).logits for directory in (first, second)]
+        with adapter_rows([1, 0]):
+            mixed = both.model(ids).logits
+    torch.testing.assert_close(mixed[1:], alone[0])
+    torch.testing.assert_close(mixed[:1], alone[1])
+    assert not torch.allclose(alone[0], alone[1], atol=1e-3)
+
+    settings = ServeSettings(streaming=StreamingConfig(sinks=4, window=WINDOW), max_batch=8, max_tokens=8)
+    tokenizer = both.tokenizer
+
+    def answers(app, names, together: bool):
+        with running(app) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+            listed = [model.id for model in client.models.list().data]
+
+            def ask(name):
+                return client.completions.create(model=name, prompt="Once upon a time", max_tokens=8, temperature=0)
+
+            if together:
+                with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+                    replies = list(pool.map(ask, names))
+            else:
+                replies = [ask(name) for name in names]
+            with pytest.raises(openai.NotFoundError, match="does not exist"):
+                ask("three")
+        assert [reply.model for reply in replies] == list(names)
+        return listed, [reply.choices[0].text for reply in replies]
+
+    expected = []
+    for directory in (first, second):
+        single = load_any(tiny_llama_dir, adapter=directory)
+        expected += answers(build_app(single.model, tokenizer, MODEL, settings), [MODEL], False)[1]
+    assert expected[0] != expected[1]
+    app = build_app(both.model, tokenizer, MODEL, settings, adapters=both.adapters)
+    assert app.state.engine.fused is None  # LoRA layers decode through transformers' forward
+    listed, texts = answers(app, [MODEL, "one", "two", "two", "one"], False)  # the cache of one is never two's
+    assert listed == [MODEL, "one", "two"] and texts == [
+        expected[0],
+        expected[0],
+        expected[1],
+        expected[1],
+        expected[0],
+    ]
+    assert answers(app, ["two", "one", "two", MODEL], True)[1] == [expected[1], expected[0], expected[1], expected[0]]
+
+    loaded = load_any(tiny_llama_dir)
+    add_lora_(loaded.model, LoRAConfig(base="float", rank=2))
+    save_adapters(loaded.model, LoRAConfig(base="float", rank=2), tmp_path / "float", str(tiny_llama_dir))
+    with pytest.raises(ConfigError, match="trained over a float base.*share their base"):
+        load_any(tiny_llama_dir, adapter=[str(first), str(tmp_path / "float")])
+    with pytest.raises(ConfigError, match="share a name"):
+        load_any(tiny_llama_dir, adapter=[str(first), f"first={second}"])
+    from leanlm.cli.main import main
+
+    assert main(["eval", str(tiny_llama_dir), "--adapter", str(first), "--adapter", str(second)]) == 2
+    assert "eval takes one --adapter (2 given); serve takes several" in capsys.readouterr().err

@@ -65,7 +65,7 @@ def command_eval(args) -> None:
     settings = settings_from_args(EvalSettings, args)
     loading = settings_from_args(LoadSettings, args)
     _check_json_path(args.json)
-    loaded = load_any(args.model, loading.dtype, loading.head, loading.adapter)
+    loaded = load_any(args.model, loading.dtype, loading.head, loading.one_adapter(args.command))
     payload = {
         "model": args.model,
         "weights_note": loaded.weights_note,
@@ -219,7 +219,7 @@ def command_stream(args) -> None:
 
     settings = settings_from_args(StreamSettings, args)
     loading = settings_from_args(LoadSettings, args)
-    loaded = load_any(args.model, loading.dtype, loading.head, loading.adapter)
+    loaded = load_any(args.model, loading.dtype, loading.head, loading.one_adapter(args.command))
     results = stream_evaluate(loaded.model, loaded.tokenizer, settings)
     payload = {"model": args.model, "weights_note": loaded.weights_note, **results}
     title = (
@@ -265,7 +265,7 @@ def command_chat(args) -> None:
     streaming = settings_from_args(StreamingConfig, args, asdict(ChatSettings().streaming))
     settings = settings_from_args(ChatSettings, args, {"streaming": streaming})
     loading = settings_from_args(LoadSettings, args, asdict(INTERACTIVE_LOADING))
-    loaded = load_any(args.model, loading.dtype, loading.head, loading.adapter)
+    loaded = load_any(args.model, loading.dtype, loading.head, loading.one_adapter(args.command))
     chat = StreamingChat(loaded.model, loaded.tokenizer, settings)
     interactive = sys.stdin.isatty()
     if interactive:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -462,20 +463,35 @@ def _compute_dtype(model: nn.Module) -> torch.dtype:
 
 
 def load_any(
-    source: str | os.PathLike, dtype: str = "float32", head: str = "float", adapter: str | os.PathLike | None = None
+    source: str | os.PathLike,
+    dtype: str = "float32",
+    head: str = "float",
+    adapter: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
 ) -> LoadedModel:
     """A float model (registry name, HF directory, .gguf) computing in `dtype` (see `compute_dtype`), or a leanlm
     quantized checkpoint, whose quantized layers compute as their kernels do (float32 activations); there
     `dtype` is that of its embedding and output head (`embeddings_to_`) and of its k-bit layers' GEMMs above
     decode sizes (`KbitLinear.gemm_dtype`). `head="int8"`: the output head in 8-bit
     int blocks (`quantize_head_`). `adapter`: a LoRA adapter directory (`leanlm finetune`'s output) applied over
-    the model as it was trained (its base quantized as then, the adapters beside it, in float32)."""
-    LoadSettings(dtype, head, None if adapter is None else str(adapter))  # checked before the slow load
-    lora = None
-    if adapter is not None:
-        from leanlm.methods.qlora import read_adapter_config
+    the model as it was trained (its base quantized as then, the adapters beside it, in float32), or several over
+    one base, each `NAME=DIR` or a directory named by its last component (`LoadedModel.adapters`; the first is
+    the model's own, the others are chosen per batch row with `leanlm.nn.lora.adapter_rows`)."""
+    if adapter is not None and not isinstance(adapter, (str, os.PathLike)):
+        adapter = tuple(str(each) for each in adapter)
+    settings = LoadSettings(dtype, head, adapter)  # checked before the slow load
+    lora, adapters = None, []
+    if settings.adapter:
+        from leanlm.methods.qlora import named_adapters, read_adapter_config
 
-        lora = read_adapter_config(adapter)  # a damaged adapter is named before the slow load
+        adapters = named_adapters(settings.adapter)
+        configs = [read_adapter_config(directory) for _, directory in adapters]  # damaged ones before the load
+        lora = configs[0]
+        for (_, directory), config in zip(adapters[1:], configs[1:], strict=True):
+            if config.base != lora.base:
+                raise ConfigError(
+                    f"{directory} was trained over a {config.base} base, {adapters[0][1]} over {lora.base}: "
+                    "adapters served together share their base"
+                )
         dtype = "float32"
     if is_quantized_checkpoint(source):
         storage = compute_dtype(dtype)
@@ -499,12 +515,16 @@ def load_any(
     if head == "int8":
         loaded.dtype += ", output head in 8-bit int blocks"
     if lora is not None:
-        from leanlm.methods.qlora import add_lora_, load_adapters_
+        from leanlm.methods.qlora import add_lora_, load_adapters_, load_another_adapter_
 
         add_lora_(loaded.model, lora)
-        load_adapters_(loaded.model, adapter)
+        load_adapters_(loaded.model, adapters[0][1])
+        for _, directory in adapters[1:]:
+            load_another_adapter_(loaded.model, directory, lora.base)
         loaded.model.eval()
-        loaded.dtype += f", LoRA adapters from {adapter} over a {lora.base} base"
+        loaded.adapters = tuple(name for name, _ in adapters)
+        sources = ", ".join(str(directory) for _, directory in adapters)
+        loaded.dtype += f", LoRA adapters from {sources} over a {lora.base} base"
     trim_freed_memory()  # what loading freed (a table converted, fbgemm's packing) leaves resident otherwise
     return loaded
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -161,6 +162,20 @@ def save_adapters(model: nn.Module, config: LoRAConfig, out_dir: str | os.PathLi
     return out
 
 
+def named_adapters(specs: Sequence[str]) -> list[tuple[str, Path]]:
+    """(name, directory) of each `NAME=DIR` or `DIR` (named by its last path component); names must differ."""
+    named = []
+    for spec in specs:
+        name, separator, directory = spec.partition("=")
+        if not separator or "/" in name or not name:
+            name, directory = Path(spec).name, spec
+        named.append((name, Path(directory)))
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"two adapters share a name in {', '.join(names)}: name them with NAME=DIR")
+    return named
+
+
 def read_adapter_config(directory: str | os.PathLike) -> LoRAConfig:
     path = Path(directory) / ADAPTER_CONFIG
     base_path = Path(directory) / BASE_RECORD
@@ -184,6 +199,36 @@ def load_adapters_(model: nn.Module, directory: str | os.PathLike) -> None:
     except Exception as error:  # missing or damaged file: safetensors raises its own types
         raise CorruptModelError(f"{path} cannot be loaded: {error}") from error
     load_adapter_tensors_(model, tensors, str(path))
+
+
+def load_another_adapter_(model: nn.Module, directory: str | os.PathLike, base: str) -> int:
+    """Add the adapter in `directory` beside those `model`'s LoRA layers hold (over the same `base` quantization,
+    on the same modules); its index for `adapter_rows`."""
+    config = read_adapter_config(directory)
+    if config.base != base:
+        raise ConfigError(
+            f"{directory} was trained over a {config.base} base, the adapters before it over {base}: "
+            "adapters served together share their base"
+        )
+    path = Path(directory) / ADAPTER_WEIGHTS
+    try:
+        tensors = load_file(str(path))
+    except Exception as error:  # missing or damaged file: safetensors raises its own types
+        raise CorruptModelError(f"{path} cannot be loaded: {error}") from error
+    layers = lora_layers(model)
+    expected = {f"{_PEFT_PREFIX}{name}.{part}.weight" for name in layers for part in ("lora_A", "lora_B")}
+    if set(tensors) != expected:
+        other = sorted(set(tensors) ^ expected)
+        raise CorruptModelError(f"{path} adapts other modules than the adapters before it: {other[:3]}")
+    indexes = {
+        layer.add_adapter(
+            tensors[f"{_PEFT_PREFIX}{name}.lora_A.weight"],
+            tensors[f"{_PEFT_PREFIX}{name}.lora_B.weight"],
+            config.alpha / config.rank,
+        )
+        for name, layer in layers.items()
+    }
+    return indexes.pop()
 
 
 def merge_lora_(model: nn.Module, requantize: KbitConfig | None = None) -> dict:

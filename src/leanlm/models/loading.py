@@ -47,6 +47,7 @@ class LoadedModel:
     table: ArchitectureTable
     weights_note: str | None = None  # what the "full-precision" weights really are, where that matters
     dtype: str = "float32"  # what it computes in, as the user is told it
+    adapters: tuple[str, ...] = ()  # the names of the LoRA adapters it holds, in `adapter_rows`' order
 
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -87,14 +88,24 @@ class LoadSettings:
         "faster decode for a small loss; a tied embedding keeps its float copy",
         choices=HEAD_FORMATS,
     )
-    adapter: str | None = option(
-        None,
+    adapter: tuple[str, ...] = option(
+        (),
         "a LoRA adapter directory (leanlm finetune's --out) applied over the model as it was trained: its base "
-        "quantized as then, in float32",
-        none_word="none",
+        "quantized as then, in float32. serve takes several (repeat the flag), over one base, each answering "
+        "under its name (NAME=DIR, or the directory's name), the first also under the model's",
     )
 
     def __post_init__(self):
+        if isinstance(self.adapter, (str, os.PathLike)):  # one directory, as Python callers pass it
+            object.__setattr__(self, "adapter", (str(self.adapter),))
+        elif self.adapter is None:
+            object.__setattr__(self, "adapter", ())
+
+    def one_adapter(self, command: str) -> str | None:
+        """The one adapter a command other than serve runs with (None: none)."""
+        if len(self.adapter) > 1:
+            raise ConfigError(f"{command} takes one --adapter ({len(self.adapter)} given); serve takes several")
+        return self.adapter[0] if self.adapter else None
         compute_dtype(self.dtype)
         if self.head not in HEAD_FORMATS:
             raise ConfigError(f"unknown head format {self.head!r}; choose one of {', '.join(HEAD_FORMATS)}")

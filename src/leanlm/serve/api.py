@@ -356,8 +356,10 @@ def create_app(
     max_body_bytes: int = 1 << 20,
     stall_seconds: float = 30.0,
     api_key: str | None = None,
+    adapters: tuple[str, ...] = (),
 ) -> FastAPI:
-    """The FastAPI application serving `engine` as the model `model_name`. A request may ask for at most
+    """The FastAPI application serving `engine` as the model `model_name`, and as each of `adapters`, the names of
+    the model's LoRA adapters in their order (the first is also the model's own name). A request may ask for at most
     `max_tokens_limit` tokens; its body is at most `max_body_bytes` however it is sent; a streaming client that
     reads nothing for `stall_seconds` loses its request; with `api_key`, every route but /health needs it as a
     bearer token."""
@@ -369,6 +371,10 @@ def create_app(
     created = int(time.time())
     tokenizer = engine.tokenizer
     vocabulary = engine.model.config.vocab_size
+    served = {model_name: 0}
+    for index, name in enumerate(adapters):
+        if served.setdefault(name, index) != index:
+            raise ConfigError(f"the adapter name {name!r} is the model's own: name it with NAME=DIR")
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
@@ -405,21 +411,23 @@ def create_app(
     async def models():
         return {
             "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "leanlm"}],
+            "data": [{"id": name, "object": "model", "created": created, "owned_by": "leanlm"} for name in served],
         }
 
-    def check_model(body: Sampled | EmbeddingRequest) -> None:
-        if body.model != model_name:
+    def check_model(body: Sampled | EmbeddingRequest) -> int:
+        """The adapter the request's model name selects."""
+        if body.model not in served:
             raise ApiError(
                 404,
-                f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+                f"the model {body.model!r} does not exist; this server serves {', '.join(map(repr, served))}",
                 "model",
                 "model_not_found",
             )
+        return served[body.model]
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
-        check_model(body)
+        adapter = check_model(body)
         if getattr(tokenizer, "chat_template", None) is None:
             raise ApiError(400, f"{model_name} has no chat template; use /v1/completions", "messages")
         messages = [message.for_template() for message in body.messages]
@@ -436,11 +444,11 @@ def create_app(
             raise ApiError(400, f"the model's chat template refuses these messages: {error}", "messages") from None
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        return await _complete(body, [prompt], http, chat=True, tools=bool(tools))
+        return await _complete(body, [prompt], http, chat=True, tools=bool(tools), adapter=adapter)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
-        check_model(body)
+        adapter = check_model(body)
         body.refuse_unsupported()
         hidden = engine.model.config.hidden_size
         if body.dimensions not in (None, hidden):
@@ -457,7 +465,7 @@ def create_app(
                 lambda: done.done() or (done.set_exception(error) if error else done.set_result(result))
             )
 
-        engine.call(lambda: engine.embed(prompts), reply)
+        engine.call(lambda: engine.embed(prompts, adapter), reply)
         try:
             vectors = await done
         except Exception as error:
@@ -476,16 +484,18 @@ def create_app(
         return {
             "object": "list",
             "data": data,
-            "model": model_name,
+            "model": body.model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
-        check_model(body)
-        return await _complete(body, body.prompt_ids(tokenizer, vocabulary), http, chat=False)
+        adapter = check_model(body)
+        return await _complete(body, body.prompt_ids(tokenizer, vocabulary), http, chat=False, adapter=adapter)
 
-    async def _complete(body: Sampled, prompts: list[list[int]], http: Request, *, chat: bool, tools: bool = False):
+    async def _complete(
+        body: Sampled, prompts: list[list[int]], http: Request, *, chat: bool, tools: bool = False, adapter: int = 0
+    ):
         sampling = body.sampling(default_max_tokens, max_tokens_limit, vocabulary, tokenizer)
         arrived = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -495,7 +505,7 @@ def create_app(
         seeds = [None if sampling.seed is None else sampling.seed + index % body.n for index in range(len(prompts))]
         queues = [asyncio.Queue() for _ in prompts]
         requests = [
-            EngineRequest(prompt, replace(sampling, seed=seed), asyncio_emitter(loop, events))
+            EngineRequest(prompt, replace(sampling, seed=seed), asyncio_emitter(loop, events), adapter)
             for prompt, seed, events in zip(prompts, seeds, queues, strict=True)
         ]
         for request in requests:
@@ -505,7 +515,7 @@ def create_app(
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
-                _stream(requests[0], queues[0], ident, kind, chat, include_usage, arrived, tools),
+                _stream(requests[0], queues[0], ident, kind, chat, include_usage, arrived, body.model, tools),
                 media_type="text/event-stream",
             )
         watchers = [asyncio.create_task(_cancel_when(request, http.is_disconnected)) for request in requests]
@@ -543,7 +553,7 @@ def create_app(
             "id": ident,
             "object": kind,
             "created": int(time.time()),
-            "model": model_name,
+            "model": body.model,
             "choices": choices,
             "usage": usage.as_dict(),
         }
@@ -609,6 +619,7 @@ def create_app(
         chat: bool,
         include_usage: bool,
         arrived: float,
+        name: str,
         tools: bool = False,
     ):
         created_at = int(time.time())
@@ -633,7 +644,7 @@ def create_app(
                 "id": ident,
                 "object": f"{kind}.chunk" if chat else kind,
                 "created": created_at,
-                "model": model_name,
+                "model": name,
                 "choices": choices,
             }
             if usage is not None:

@@ -28,6 +28,7 @@ class Conversation:
     ids: list[int]  # every token the cache has read, in order (evicted ones included: they identify it)
     cache: SinkCache
     exact: int = 0  # leading ids read as whole prompt chunks: what a fresh read of them computes, bit for bit
+    adapter: int = 0  # the LoRA adapter its cache was computed through
 
 
 def cache_bytes(cache: SinkCache) -> int:
@@ -59,15 +60,17 @@ class ConversationStore:
         self._next_key = 0
         self._lock = threading.Lock()
 
-    def take(self, prompt: list[int]) -> Conversation | None:
-        """The idle conversation sharing the longest start with `prompt`, cut back to that shared start (so at
-        least one token of `prompt` is left to read, which gives the logits to continue from); None if none shares
-        a token. A conversation that `prompt` continues exactly leaves the store; one that must be cut is copied,
+    def take(self, prompt: list[int], adapter: int = 0) -> Conversation | None:
+        """The idle conversation of `adapter` sharing the longest start with `prompt`, cut back to that shared start
+        (so at least one token of `prompt` is left to read, which gives the logits to continue from); None if none
+        shares a token. A conversation that `prompt` continues exactly leaves the store; one that must be cut is copied,
         so that it stays whole for its own next turn (front ends resend a model's answer as text, whose tokens
         need not be the ones generated, and several chats share a system prompt)."""
         with self._lock:
             best_key, best_shared = None, 0
             for key, (conversation, _) in self._idle.items():
+                if conversation.adapter != adapter:
+                    continue
                 shared = min(_shared_length(conversation.ids, prompt), len(prompt) - 1)
                 if self.exact:
                     capacity = conversation.cache.get_max_length()
@@ -82,7 +85,7 @@ class ConversationStore:
             stored = self._idle[best_key][0]
             if best_shared == len(stored.ids):
                 return self._idle.pop(best_key)[0]
-            cut = Conversation(stored.ids[:best_shared], copy.deepcopy(stored.cache), best_shared)
+            cut = Conversation(stored.ids[:best_shared], copy.deepcopy(stored.cache), best_shared, adapter)
         cut.cache.drop_last(len(stored.ids) - best_shared)
         return cut
 

@@ -34,6 +34,7 @@ from leanlm.cache.sink_cache import SinkCache
 from leanlm.chat import sample_token, stop_token_ids
 from leanlm.decoding import FusedCache, FusedDecoder
 from leanlm.methods.streaming import StreamingConfig, sink_cache
+from leanlm.nn.lora import adapter_rows
 from leanlm.serve.conversations import Conversation, ConversationStore
 
 # Tokens a prompt is read in at most (a quarter of the window at most, so that a conversation inside the window
@@ -123,6 +124,7 @@ class Request:
     prompt: list[int]
     sampling: Sampling
     emit: Emit
+    adapter: int = 0  # which of the model's LoRA adapters answers (`leanlm.nn.lora.adapter_rows`)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Filled in by the engine:
     conversation: Conversation | None = None
@@ -236,12 +238,12 @@ class Engine:
                     except Exception as single_error:
                         self._end(request, self._fail(request, single_error))
 
-    def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+    def embed(self, prompts: list[list[int]], adapter: int = 0) -> list[list[float]]:
         """Each prompt's embedding: the mean over its tokens of the model's last hidden state (after the final
-        norm), read through a fresh conversation cache (a CushionCache prefix included), so that the model sees
-        what it sees when it generates."""
+        norm), read through a fresh conversation cache (a CushionCache prefix included) and the LoRA adapter asked
+        for, so that the model sees what it sees when it generates."""
         vectors = []
-        with torch.inference_mode():
+        with torch.inference_mode(), adapter_rows((adapter,)):
             for ids in prompts:
                 out = self.model(
                     input_ids=torch.tensor([ids]),
@@ -274,9 +276,9 @@ class Engine:
 
     def _start(self, request: Request) -> None:
         # An echoed prompt is read whole: a stored conversation's cache has no logits for what it already read.
-        conversation = None if request.sampling.echo else self.conversations.take(request.prompt)
+        conversation = None if request.sampling.echo else self.conversations.take(request.prompt, request.adapter)
         if conversation is None:
-            conversation = Conversation([], sink_cache(self.model, self.streaming))
+            conversation = Conversation([], sink_cache(self.model, self.streaming), adapter=request.adapter)
         request.conversation = conversation
         request.fed = len(conversation.ids)
         request.usage = Usage(prompt_tokens=len(request.prompt), cached_tokens=len(conversation.ids))
@@ -290,7 +292,7 @@ class Engine:
     def _feed(self, request: Request, ids: list[int]) -> None:
         """Read `ids` into the request's cache; with echo, each token's log-probability given what precedes it."""
         echo = request.sampling.echo
-        with torch.inference_mode():
+        with torch.inference_mode(), adapter_rows((request.adapter,)):
             out = self.model(
                 input_ids=torch.tensor([ids]),
                 past_key_values=request.conversation.cache,
@@ -340,9 +342,10 @@ class Engine:
         if len(decoding) == 1:  # no padding needed: the request's own sink cache
             request, token = decoding[0]
             return self._feed(request, [token])
-        logits = forward_batch(
-            self.model, [request.conversation.cache for request, _ in decoding], [token for _, token in decoding]
-        )
+        with adapter_rows([request.adapter for request, _ in decoding]):
+            logits = forward_batch(
+                self.model, [request.conversation.cache for request, _ in decoding], [token for _, token in decoding]
+            )
         for row, (request, token) in enumerate(decoding):
             request.conversation.ids.append(token)
             request.logits = logits[row]

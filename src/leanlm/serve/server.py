@@ -92,10 +92,17 @@ class ServeSettings:
 
 
 def build_app(
-    model, tokenizer, model_name: str, settings: ServeSettings = ServeSettings(), *, engine_thread: bool = True
+    model,
+    tokenizer,
+    model_name: str,
+    settings: ServeSettings = ServeSettings(),
+    *,
+    engine_thread: bool = True,
+    adapters: tuple[str, ...] = (),
 ):
-    """The app serving `model` (any model leanlm loads), with its engine (`app.state.engine`), which runs in a
-    thread of its own, or, with `engine_thread=False`, in the thread that calls its `run`."""
+    """The app serving `model` (any model leanlm loads; `adapters`: the names of its LoRA adapters, each served
+    under its name), with its engine (`app.state.engine`), which runs in a thread of its own, or, with
+    `engine_thread=False`, in the thread that calls its `run`."""
     from leanlm.serve.api import create_app
     from leanlm.serve.engine import Engine
 
@@ -117,6 +124,7 @@ def build_app(
         max_body_bytes=settings.max_body_kb << 10,
         stall_seconds=settings.stall_seconds,
         api_key=settings.api_key if settings.api_key is not None else os.environ.get("LEANLM_API_KEY") or None,
+        adapters=adapters,
     )
     app.state.engine = engine
     return app
@@ -152,7 +160,7 @@ def serve(
     loaded = load_any(model_name, loading.dtype, loading.head, loading.adapter)
     if settings.log_requests:
         logging.getLogger("leanlm.serve.api").setLevel(logging.INFO)
-    app = build_app(loaded.model, loaded.tokenizer, model_name, settings, engine_thread=False)
+    app = build_app(loaded.model, loaded.tokenizer, model_name, settings, engine_thread=False, adapters=loaded.adapters)
     decoder = "transformers' forward"
     if app.state.engine.fused is not None:
         decoder = "leanlm's fused decode step"
@@ -164,8 +172,9 @@ def serve(
     http = threading.Thread(target=server.run, name="leanlm-http", daemon=True)
     signal.signal(signal.SIGTERM, _interrupt)
     http.start()
+    names = ", ".join(dict.fromkeys((model_name, *loaded.adapters)))  # the model's name also runs the first adapter
     print(
-        f"serving {model_name} ({loaded.dtype}, tokens through {decoder}) on http://{settings.host}:"
+        f"serving {names} ({loaded.dtype}, tokens through {decoder}) on http://{settings.host}:"
         f"{settings.port}/v1 (OpenAI API; cache per conversation: {settings.streaming.sinks} sinks + "
         f"{settings.streaming.window} recent tokens); Ctrl-C stops",
         flush=True,
