@@ -77,6 +77,15 @@ def test_a_model_stored_in_bfloat16_runs_in_place_in_bfloat16_and_converts_for_f
     assert bfloat16["bf16"].total < float32["bf16"].total
 
 
+@pytest.mark.parametrize(
+    "configs", [(m.KbitConfig(proxy_fraction=0.02),), (m.SmoothQuantConfig(alpha="auto"), m.W8A8Config("O3"))]
+)
+def test_settings_that_need_the_whole_model_are_planned_in_memory(tiny_llama_dir, configs):
+    facts = plan.model_facts(str(tiny_llama_dir))
+    row = plan.plan_row(facts, "x", "", configs, plan.PlanSettings(), 0)
+    assert row.quantizing_path == "in memory" and row.quantizing.parts["float weights"] == 4 * facts.total_parameters
+
+
 def test_the_kv_cache_grows_with_the_context(tiny_llama_dir):
     facts = plan.model_facts(str(tiny_llama_dir))
     small, large = (plan.plan_row(facts, "fp32", "", (), plan.PlanSettings(context=c), 0) for c in (512, 4096))

@@ -359,7 +359,7 @@ def _calibration(configs: tuple) -> tuple[int, int]:
 def _needs_whole_model(configs: tuple) -> bool:
     from leanlm.methods.quantize import method_spec
 
-    return any(not method_spec(config).blockwise for config in configs)
+    return any(method_spec(config).whole_model_reason(config) for config in configs)
 
 
 def plan_row(

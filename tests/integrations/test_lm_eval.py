@@ -164,6 +164,16 @@ def test_import_leanlm_registers_the_model_whichever_comes_first():
     assert shown.split() == ["LeanLM", "True"]
 
 
+def test_the_command_without_lm_eval_is_one_line_naming_the_extra():
+    code = (
+        "import sys, runpy; sys.modules['lm_eval'] = None; "
+        "runpy.run_module('leanlm.integrations.lm_eval', run_name='__main__')"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1
+    assert 'needs lm_eval, which is not installed: pip install "leanlm[lm-eval]"' in run.stderr
+
+
 def test_unknown_model_args_and_devices_are_one_line():
     with pytest.raises(ConfigError, match="unknown temperature"):
         LeanLM(pretrained="x", temperature=1)

@@ -13,10 +13,21 @@ command with leanlm registered.
 
 from __future__ import annotations
 
-from lm_eval.api.model import LM
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from leanlm.errors import ConfigError, MissingExtraError, missing_extra
 
-from leanlm.errors import ConfigError
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ModuleNotFoundError as error:
+    if __name__ != "__main__" or missing_extra(error) != "lm-eval":
+        raise
+    import sys
+
+    print(
+        f"leanlm: error: {MissingExtraError('python -m leanlm.integrations.lm_eval', 'lm_eval', 'lm-eval')}",
+        file=sys.stderr,
+    )
+    raise SystemExit(2) from None
 from leanlm.integrations import register_with_lm_eval
 
 

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from leanlm.errors import ConfigError, NeedsWholeModelError
+from leanlm.errors import ConfigError
 from leanlm.formats.blockwise import bits_per_parameter
 from leanlm.formats.codebooks import DTYPES
 from leanlm.methods.quantize import BlockPlan, QuantRun, register_method
@@ -59,16 +59,25 @@ class KbitConfig:
         return bits_per_parameter(self.bits, self.block_size, self.double_quant, self.proxy_fraction)
 
 
-@register_method(KbitConfig, "kbit", "quantizer", needs_calibration=lambda config: False, blockwise=True)
+@register_method(
+    KbitConfig,
+    "kbit",
+    "quantizer",
+    needs_calibration=lambda config: False,
+    blockwise=True,
+    needs_whole_model=lambda config: (
+        (
+            "proxy quantization chooses each linear's columns from the previous block's weights; "
+            "it needs the model in memory, not read block by block"
+        )
+        if config.proxy_fraction
+        else None
+    ),
+)
 def _kbit_plan(model: nn.Module, config: KbitConfig, run: QuantRun) -> BlockPlan:
     """Every block linear becomes a KbitLinear; the record has the measured average bits per weight of the
     quantized linears ("avg_bits")."""
     table = architecture_for(model)
-    if config.proxy_fraction and run.streamed:
-        raise NeedsWholeModelError(
-            "proxy quantization chooses each linear's columns from the previous block's weights; "
-            "it needs the model in memory, not read block by block"
-        )
     # Chosen from the float weights before any layer is replaced.
     proxy = (
         {

@@ -189,6 +189,14 @@ class MethodSpec:
     blockwise: bool = False
     # (model) -> why the method cannot run on the model's family (a fact it needs is missing), or None
     architecture_problem: Callable[[nn.Module], str | None] = lambda model: None
+    # (config) -> why these settings of a blockwise method need the whole model in memory, or None
+    needs_whole_model: Callable[[Any], str | None] = lambda config: None
+
+    def whole_model_reason(self, config) -> str | None:
+        """Why `config` cannot quantize a model read block by block from disk (None: it can)."""
+        if not self.blockwise:
+            return f"{self.name} needs the whole model in memory and cannot run block by block from disk"
+        return self.needs_whole_model(config)
 
 
 _METHODS: dict[type, MethodSpec] = {}
@@ -205,14 +213,16 @@ def register_method(
     followed_by: tuple[type, ...] = (),
     blockwise: bool = False,
     architecture_problem: Callable[[nn.Module], str | None] = lambda model: None,
+    needs_whole_model: Callable[[Any], str | None] = lambda config: None,
 ):
     """Decorator: how `config_type` quantizes (or transforms) a model: `plan(model, config, run) -> BlockPlan`
     when `blockwise`, else `apply(model, config, run) -> record`. `architecture_problem(model)` says why a model's
-    family lacks what the method needs; `quantize_` asks it before any work."""
+    family lacks what the method needs; `quantize_` asks it before any work. `needs_whole_model(config)` says
+    why settings of a blockwise method cannot run on a model read block by block from disk."""
 
     def decorator(apply):
         _METHODS[config_type] = MethodSpec(
-            name, role, apply, needs_calibration, followed_by, blockwise, architecture_problem
+            name, role, apply, needs_calibration, followed_by, blockwise, architecture_problem, needs_whole_model
         )
         return apply
 
@@ -294,9 +304,10 @@ def quantize_(
             raise UnsupportedArchitectureError(problem)
     if calibration is None and needing_text:
         raise _needs_text(needing_text[0])
-    if source is not None and not all(spec.blockwise for spec in specs):
-        whole = ", ".join(spec.name for spec in specs if not spec.blockwise)
-        raise NeedsWholeModelError(f"{whole} needs the whole model in memory and cannot run block by block from disk")
+    for config_, spec in zip(configs, specs) if source is not None else ():
+        reason = spec.whole_model_reason(config_)
+        if reason:
+            raise NeedsWholeModelError(reason)
     started = time.perf_counter()
     run = QuantRun(calibration, streamed=source is not None)
     record = QuantRecord()

@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from leanlm.cache.prefix import follow_value_smoothing_
-from leanlm.errors import ConfigError, NeedsWholeModelError
+from leanlm.errors import ConfigError
 from leanlm.methods.quantize import BlockPlan, QuantRun, quantize_, register_method
 from leanlm.methods.w8a8 import CalibrationStats, int8_observation, int8_statistics
 from leanlm.models.architectures import ArchitectureTable, architecture_for, decoder_blocks, linear_weight_out_in
@@ -194,17 +194,26 @@ def smoothing_problem(model: nn.Module) -> str | None:
     return None
 
 
-@register_method(SmoothQuantConfig, "smoothquant", "transform", blockwise=True, architecture_problem=smoothing_problem)
+@register_method(
+    SmoothQuantConfig,
+    "smoothquant",
+    "transform",
+    blockwise=True,
+    architecture_problem=smoothing_problem,
+    needs_whole_model=lambda config: (
+        (
+            "alpha 'auto' scores whole-model copies, which a model read block by block from disk cannot give: "
+            "set alpha (the paper's default is 0.5)"
+        )
+        if config.alpha == AUTO
+        else None
+    ),
+)
 def _smoothquant_plan(model: nn.Module, config: SmoothQuantConfig, run: QuantRun) -> BlockPlan:
     """Each block smoothed from its statistics on the float model (observed block by block, or known), which
     are then replaced by the smoothed ones for the quantizer that follows (exact: no second calibration pass)."""
     record = {}
     if config.alpha == AUTO:
-        if run.streamed:
-            raise NeedsWholeModelError(
-                "alpha 'auto' scores whole-model copies, which a model read block by block from disk "
-                "cannot give: set alpha (the paper's default is 0.5)"
-            )
         alpha, searched = _search_alpha(model, config, int8_statistics(model, config, run), run)
         record["alpha_search"] = {str(value): ppl for value, ppl in searched.items()}
         config = replace(config, alpha=alpha)
