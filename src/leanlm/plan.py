@@ -408,7 +408,7 @@ def plan_row(
     if isinstance(quantizer, (GPTQConfig, SpQRConfig)):
         first_block = facts.linears[: len(facts.linears) // facts.layers]
         statistics = sum(i * i * 4 for _, i, _, _ in first_block)  # one float32 Hessian per linear
-    block_float = facts.block_parameters * 4
+    stored_bytes = torch.empty((), dtype=facts.stored_dtype).element_size()
     whole = _needs_whole_model(configs)
     search = 0
     cushion = next((c for c in configs if isinstance(c, CushionConfig)), None)
@@ -418,11 +418,11 @@ def plan_row(
     quantizing = Estimate(
         {
             "process": baseline,
-            # out of core: the tables (read before the blocks and written after them; a tied head is read once as
-            # the embedding, once as the head) or one float block in between, whichever is larger
+            # out of core: one table at a time (read before the blocks and written after them) or one block in
+            # between, whichever is larger, each read as its stored tensor's mapped pages beside its float32 copy
             "float weights": facts.total_parameters * 4
             if whole
-            else max(block_float, (2 if facts.tied_embeddings else 1) * facts.table_parameters * 4),
+            else max(facts.block_parameters, facts.vocab * facts.hidden) * (4 + stored_bytes),
             "quantized block": stored.parts["linears"] // facts.layers,
             "calibration": hidden_states + (per_window + CALIBRATION_TEXT if windows else 0),
             "statistics": statistics,
