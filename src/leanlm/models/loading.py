@@ -96,6 +96,9 @@ class LoadSettings:
     )
 
     def __post_init__(self):
+        compute_dtype(self.dtype)
+        if self.head not in HEAD_FORMATS:
+            raise ConfigError(f"unknown head format {self.head!r}; choose one of {', '.join(HEAD_FORMATS)}")
         if isinstance(self.adapter, (str, os.PathLike)):  # one directory, as Python callers pass it
             object.__setattr__(self, "adapter", (str(self.adapter),))
         elif self.adapter is None:
@@ -106,9 +109,6 @@ class LoadSettings:
         if len(self.adapter) > 1:
             raise ConfigError(f"{command} takes one --adapter ({len(self.adapter)} given); serve takes several")
         return self.adapter[0] if self.adapter else None
-        compute_dtype(self.dtype)
-        if self.head not in HEAD_FORMATS:
-            raise ConfigError(f"unknown head format {self.head!r}; choose one of {', '.join(HEAD_FORMATS)}")
 
 
 # `leanlm chat` and `leanlm serve` take the fastest float path this CPU has; eval and stream keep the reference.
