@@ -45,7 +45,11 @@ REPORTED = {
     "kbit_sweep": ["kbit_sweep_smollm2-135m", "kbit_sweep_gemma3-270m"],
     "llm_int8": ["llm_int8"],
     "out_of_core": ["out_of_core_llama3-8b-shape"],
-    "plan_accuracy": ["plan_accuracy_smollm2-135m", "plan_accuracy_qwen2.5-coder-1.5b"],
+    "plan_accuracy": [
+        "plan_accuracy_smollm2-135m",
+        "plan_accuracy_qwen2.5-coder-1.5b",
+        "plan_accuracy_llama3-8b-shape",
+    ],
     "qlora": ["qlora_smollm2-135m", "qlora_gemma3-270m"],
     "resident_memory": ["resident_memory_smollm2-135m"],
     "serve": ["serve_smollm2-135m_xeon-amx"],
