@@ -71,6 +71,7 @@ def running(app):
         yield f"http://127.0.0.1:{port}"
     finally:
         instance.should_exit = True
+        instance.force_exit = True  # no wait for the clients' idle keep-alive connections to close
         thread.join(timeout=10)
 
 
