@@ -31,7 +31,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
 from leanlm.bench.harness import process_peak_rss_bytes  # noqa: E402
-from leanlm.plan import available_memory  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 DECODE_TOKENS = 8
@@ -214,8 +213,6 @@ def main() -> None:
             str(args.context),
             "--calib-samples",
             str(args.calib_samples),
-            "--memory",
-            "1TiB",
             "--json",
             str(plan_file),
         ],
@@ -231,10 +228,9 @@ def main() -> None:
         if name in rows:
             saved.update(_predicted(rows[name]))
     study.save()
-    available = available_memory()
     for row in study.todo("rows", rows):
-        needs = max(rows[row][key] or 0 for _, key in ESTIMATES if key != "stored_bytes")
-        if needs > available:  # the planner's own answer: it does not fit, so it is not run
+        if not rows[row]["fits"]:  # the planner's own answer for this machine's available memory: not run
+            needs = max(rows[row][key] or 0 for _, key in ESTIMATES if key != "stored_bytes")
             value = {**_predicted(rows[row]), "measured": {}, "not_run": f"needs {needs / 2**30:.1f} GiB"}
             study.record("rows", row, value, summary=lambda value: f"not run: {value['not_run']}")
             continue

@@ -172,22 +172,22 @@ def model_facts(source: str) -> ModelFacts:
     )
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
-
-
 def stored_float_dtype(source: str) -> torch.dtype:
-    """The dtype holding most of a model directory's weights, from its safetensors headers (no tensor is read);
-    float32 for a GGUF or registry model, which leanlm converts to float32 shards."""
-    from safetensors import safe_open
+    """The float dtype holding most of a model directory's weights, from its safetensors headers (no tensor is
+    read); float32 for a GGUF or registry model, which leanlm converts to float32 shards."""
+    from leanlm.methods.checkpoint import SAFETENSORS_DTYPES
+    from leanlm.models.untrusted import FLOAT_DTYPES, INDEX_FILE, WEIGHTS_FILE, stored_tensors, weight_files
 
     path = Path(source).expanduser()
+    if not (path / WEIGHTS_FILE).is_file() and not (path / INDEX_FILE).is_file():
+        return torch.float32
     numels: dict[str, int] = {}
-    for file in sorted(path.glob("*.safetensors")) if path.is_dir() else ():
-        with safe_open(str(file), "pt") as handle:
-            for name in handle.keys():
-                piece = handle.get_slice(name)
-                numels[piece.get_dtype()] = numels.get(piece.get_dtype(), 0) + math.prod(piece.get_shape())
-    return _SAFETENSORS_DTYPES.get(max(numels, key=numels.get), torch.float32) if numels else torch.float32
+    for file in set(weight_files(path).values()):
+        for dtype, shape in stored_tensors(file).values():
+            if dtype in FLOAT_DTYPES:
+                numels[dtype] = numels.get(dtype, 0) + math.prod(shape)
+    dtypes = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+    return dtypes.get(max(numels, key=numels.get), torch.float32) if numels else torch.float32
 
 
 def read_config(source: str):
@@ -370,6 +370,7 @@ def plan_row(
 
     configs = settings.applied(configs)
     compute_bytes = 2 if name == "bf16" else 4
+    stored_bytes = facts.stored_dtype.itemsize
     stored, by_type = stored_estimate(facts, configs)
     kv = kv_cache_bytes(facts, settings.context, compute_bytes)
     prefill = prefill_workspace(facts, settings.context, compute_bytes)
@@ -383,7 +384,6 @@ def plan_row(
             weights -= facts.vocab * facts.hidden * compute_bytes
         # Otherwise loading converts the stored tensors, read through a memory map, into the compute dtype: both
         # are resident until the load ends.
-        stored_bytes = torch.empty((), dtype=facts.stored_dtype).element_size()
         loading = 0 if in_place else facts.total_parameters * stored_bytes
     else:
         weights = stored.total
@@ -408,7 +408,6 @@ def plan_row(
     if isinstance(quantizer, (GPTQConfig, SpQRConfig)):
         first_block = facts.linears[: len(facts.linears) // facts.layers]
         statistics = sum(i * i * 4 for _, i, _, _ in first_block)  # one float32 Hessian per linear
-    stored_bytes = torch.empty((), dtype=facts.stored_dtype).element_size()
     whole = _needs_whole_model(configs)
     search = 0
     cushion = next((c for c in configs if isinstance(c, CushionConfig)), None)

@@ -51,7 +51,7 @@ from leanlm.storage import (
 # What a checkpoint may store its token embedding and float output head in: bfloat16 halves what are then its
 # largest float tensors (a Llama-3-8B's two are 4.2 GB in float32) for their rounding to 8 significant bits.
 TABLE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     torch.float32: "F32",
     torch.float16: "F16",
     torch.bfloat16: "BF16",
@@ -275,7 +275,7 @@ def check_weights_files(paths: list[Path], model: nn.Module, table_dtype: str | 
                         dtypes = (TABLE_DTYPES[table_dtype],)
                     else:
                         dtypes = (expected[name].dtype,)
-                    want = (list(expected[name].shape), [_SAFETENSORS_DTYPES.get(dtype) for dtype in dtypes])
+                    want = (list(expected[name].shape), [SAFETENSORS_DTYPES.get(dtype) for dtype in dtypes])
                     have = (stored.get_shape(), stored.get_dtype())
                     if have[0] != want[0] or have[1] not in want[1]:
                         problems.append(f"{name}: {have[1]} {have[0]}, expected {'/'.join(want[1])} {want[0]}")
@@ -476,22 +476,14 @@ def load_any(
     the model as it was trained (its base quantized as then, the adapters beside it, in float32), or several over
     one base, each `NAME=DIR` or a directory named by its last component (`LoadedModel.adapters`; the first is
     the model's own, the others are chosen per batch row with `leanlm.nn.lora.adapter_rows`)."""
-    if adapter is not None and not isinstance(adapter, (str, os.PathLike)):
-        adapter = tuple(str(each) for each in adapter)
     settings = LoadSettings(dtype, head, adapter)  # checked before the slow load
-    lora, adapters = None, []
+    lora, adapters, configs = None, [], []
     if settings.adapter:
-        from leanlm.methods.qlora import named_adapters, read_adapter_config
+        from leanlm.methods.qlora import adapter_configs, named_adapters
 
         adapters = named_adapters(settings.adapter)
-        configs = [read_adapter_config(directory) for _, directory in adapters]  # damaged ones before the load
+        configs = adapter_configs([directory for _, directory in adapters])  # damaged ones before the load
         lora = configs[0]
-        for (_, directory), config in zip(adapters[1:], configs[1:], strict=True):
-            if config.base != lora.base:
-                raise ConfigError(
-                    f"{directory} was trained over a {config.base} base, {adapters[0][1]} over {lora.base}: "
-                    "adapters served together share their base"
-                )
         dtype = "float32"
     if is_quantized_checkpoint(source):
         storage = compute_dtype(dtype)
@@ -519,8 +511,8 @@ def load_any(
 
         add_lora_(loaded.model, lora)
         load_adapters_(loaded.model, adapters[0][1])
-        for _, directory in adapters[1:]:
-            load_another_adapter_(loaded.model, directory, lora.base)
+        for (_, directory), config in zip(adapters[1:], configs[1:], strict=True):
+            load_another_adapter_(loaded.model, directory, config)
         loaded.model.eval()
         loaded.adapters = tuple(name for name, _ in adapters)
         sources = ", ".join(str(directory) for _, directory in adapters)

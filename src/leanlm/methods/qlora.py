@@ -176,6 +176,18 @@ def named_adapters(specs: Sequence[str]) -> list[tuple[str, Path]]:
     return named
 
 
+def adapter_configs(directories: Sequence[str | os.PathLike]) -> list[LoRAConfig]:
+    """The configs of adapters to run together, which must share their base quantization."""
+    configs = [read_adapter_config(directory) for directory in directories]
+    for directory, config in zip(directories[1:], configs[1:], strict=True):
+        if config.base != configs[0].base:
+            raise ConfigError(
+                f"{directory} was trained over a {config.base} base, {directories[0]} over {configs[0].base}: "
+                "adapters served together share their base"
+            )
+    return configs
+
+
 def read_adapter_config(directory: str | os.PathLike) -> LoRAConfig:
     path = Path(directory) / ADAPTER_CONFIG
     base_path = Path(directory) / BASE_RECORD
@@ -201,15 +213,9 @@ def load_adapters_(model: nn.Module, directory: str | os.PathLike) -> None:
     load_adapter_tensors_(model, tensors, str(path))
 
 
-def load_another_adapter_(model: nn.Module, directory: str | os.PathLike, base: str) -> int:
-    """Add the adapter in `directory` beside those `model`'s LoRA layers hold (over the same `base` quantization,
-    on the same modules); its index for `adapter_rows`."""
-    config = read_adapter_config(directory)
-    if config.base != base:
-        raise ConfigError(
-            f"{directory} was trained over a {config.base} base, the adapters before it over {base}: "
-            "adapters served together share their base"
-        )
+def load_another_adapter_(model: nn.Module, directory: str | os.PathLike, config: LoRAConfig) -> int:
+    """Add the adapter in `directory` (its `config`, over the base of those before it: `adapter_configs`) beside
+    those `model`'s LoRA layers hold, on the same modules; its index for `adapter_rows`."""
     path = Path(directory) / ADAPTER_WEIGHTS
     try:
         tensors = load_file(str(path))

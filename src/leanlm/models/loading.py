@@ -99,10 +99,9 @@ class LoadSettings:
         compute_dtype(self.dtype)
         if self.head not in HEAD_FORMATS:
             raise ConfigError(f"unknown head format {self.head!r}; choose one of {', '.join(HEAD_FORMATS)}")
-        if isinstance(self.adapter, (str, os.PathLike)):  # one directory, as Python callers pass it
-            object.__setattr__(self, "adapter", (str(self.adapter),))
-        elif self.adapter is None:
-            object.__setattr__(self, "adapter", ())
+        adapter = self.adapter  # Python callers pass one directory, several, or None
+        adapters = () if adapter is None else (adapter,) if isinstance(adapter, (str, os.PathLike)) else adapter
+        object.__setattr__(self, "adapter", tuple(str(each) for each in adapters))
 
     def one_adapter(self, command: str) -> str | None:
         """The one adapter a command other than serve runs with (None: none)."""
