@@ -24,13 +24,11 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from leanlm.models.loading import cache_root
+
 VERSION = "11434.0.0"
 TARGETS = ("llama-server", "llama-quantize")
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LEANLM_CACHE", Path.home() / ".cache" / "leanlm"))
 
 
 def sdist(version: str, into: Path) -> Path:

@@ -607,6 +607,21 @@ def test_a_stream_nobody_reads_loses_its_slot(smollm2_tokenizer):
     assert len(requests[0].generated) < 100_000
 
 
+def test_a_slow_first_token_is_not_a_stall(smollm2_tokenizer):
+    """The stall timeout counts only time a chunk waits for its client: a stream whose first token takes longer
+    (a long prompt's prefill, a request waiting for a slot) is answered in full."""
+    model = tiny_model("llama", vocab_size=len(smollm2_tokenizer), seed=1)
+    settings = ServeSettings(streaming=StreamingConfig(sinks=4, window=WINDOW), max_tokens=4, stall_seconds=1)
+    app = build_app(model, smollm2_tokenizer, MODEL, settings)
+    submit = app.state.engine.submit
+    app.state.engine.submit = lambda request: threading.Timer(2.5, submit, (request,)).start()
+    with running(app) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=30)
+        chunks = list(client.completions.create(model=MODEL, prompt="once upon", max_tokens=4, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert "".join(c.choices[0].text for c in chunks)
+
+
 def test_an_api_key_is_required_where_one_is_set(smollm2_tokenizer):
     model = tiny_model("llama", vocab_size=len(smollm2_tokenizer), seed=1)
     settings = ServeSettings(streaming=StreamingConfig(sinks=4, window=WINDOW), max_tokens=4, api_key="sesame")

@@ -518,7 +518,7 @@ def create_app(
                 _stream(requests[0], queues[0], ident, kind, chat, include_usage, arrived, body.model, tools),
                 media_type="text/event-stream",
             )
-        watchers = [asyncio.create_task(_cancel_when(request, http.is_disconnected)) for request in requests]
+        watchers = [asyncio.create_task(_call_when(http.is_disconnected, request.cancel)) for request in requests]
         try:
             answers = await asyncio.gather(*(_answer(events, arrived) for events in queues))
         finally:
@@ -651,15 +651,8 @@ def create_app(
                 payload["usage"] = usage.as_dict()
             return f"data: {json.dumps(payload)}\n\n"
 
-        sent = [time.monotonic()]  # when the client last took a chunk
-
-        async def stalled() -> bool:
-            await asyncio.sleep(1.0)
-            return time.monotonic() - sent[0] > stall_seconds
-
-        watcher = asyncio.create_task(_cancel_when(request, stalled))
-        first_text, held = None, []
-        try:
+        async def pieces():
+            first_text, held = None, []
             if chat:
                 yield chunk({"role": "assistant", "content": ""}, None)
             while True:
@@ -670,7 +663,6 @@ def create_app(
                         held.append(event[1])
                         continue
                     yield chunk({"content": event[1]} if chat else event[1], None, logprobs=event[2])
-                    sent[0] = time.monotonic()
                 elif event[0] == "prompt":  # echo: the prompt comes back first, with its tokens' logprobs
                     yield chunk(tokenizer.decode(request.prompt), None, logprobs=event[1], tokens=request.prompt)
                 elif event[0] == "error":
@@ -692,6 +684,25 @@ def create_app(
                         yield chunk(None, None, usage)
                     break
             yield "data: [DONE]\n\n"
+
+        # A stall is time spent waiting for the client to take a chunk, never time spent computing the next one
+        # (a long prompt's prefill sends nothing for as long as it takes).
+        waiting = [None]  # since when the chunk being sent has waited for the client
+
+        async def stalled() -> bool:
+            await asyncio.sleep(1.0)
+            return waiting[0] is not None and time.monotonic() - waiting[0] > stall_seconds
+
+        def drop() -> None:
+            request.cancel()
+            events.put_nowait(("error", f"the client read nothing for {stall_seconds:g} s: its request was dropped"))
+
+        watcher = asyncio.create_task(_call_when(stalled, drop))
+        try:
+            async for piece in pieces():
+                waiting[0] = time.monotonic()
+                yield piece
+                waiting[0] = None
         finally:
             watcher.cancel()
             request.cancel()  # the client went away (or the stream ended): the engine drops the request at once
@@ -699,11 +710,11 @@ def create_app(
     return app
 
 
-async def _cancel_when(request: EngineRequest, happened) -> None:
-    """Cancel `request` once `happened()` (awaited over and over: it paces itself) says so."""
+async def _call_when(happened, action) -> None:
+    """Call `action()` once `happened()` (awaited over and over: it paces itself) says so."""
     while not await happened():
         await asyncio.sleep(0.25)
-    request.cancel()
+    action()
 
 
 _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics")
