@@ -467,7 +467,9 @@ def plot(payload: dict, path) -> None:
     counts = [c for c in CLIENTS if str(c) in runs]
     if not counts:
         return
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.2))
+    trace = payload.get("conversation", [])
+    fig, axes = plt.subplots(1, 3 if trace else 2, figsize=(16 if trace else 11, 4.2))
+    left, middle = axes[:2]
     for name in runs[str(counts[-1])]["rows"]:
         cells = [(c, runs[str(c)]["rows"].get(name)) for c in counts]
         cells = [(c, cell) for c, cell in cells if cell]
@@ -480,8 +482,8 @@ def plot(payload: dict, path) -> None:
     left.legend(fontsize=8)
     middle.set_xlabel("concurrent streaming clients")
     middle.set_ylabel("long-prompt TTFT p50, s")
-    trace = payload.get("conversation", [])
     if trace:
+        right = axes[2]
         right.plot([t["prompt_tokens"] for t in trace], [t["server_rss_bytes"] / 2**20 for t in trace], marker=".")
         right.set_xlabel("conversation history, tokens (resent every turn)")
         right.set_ylabel("leanlm server RSS, MiB")

@@ -52,7 +52,7 @@ REPORTED = {
     ],
     "qlora": ["qlora_smollm2-135m", "qlora_gemma3-270m"],
     "resident_memory": ["resident_memory_smollm2-135m"],
-    "serve": ["serve_smollm2-135m"],
+    "serve": ["serve_smollm2-135m", "serve_qwen2.5-coder-1.5b"],
     "sink_pretraining": ["sink_pretraining"],
     "streaming": ["streaming_smollm2-135m"],
     "structured_output": ["structured_output"],
