@@ -86,6 +86,23 @@ def rows(calibration_samples: int) -> dict:
             calibration_samples=calibration_samples,
             **grid,
         ),
+        **{
+            f"llama.cpp {kind.upper()}{' + imatrix' if weighted else ''}": ("llama.cpp", kind, weighted)
+            for kind in ("q3_k_m", "q4_k_m", "q5_k_m", "q6_k")
+            for weighted in (False, True)
+        },
+        **{
+            f"leanlm {method} {kind.upper()}{({True: ', imatrix', 'shrunk': ', shrunk Hessian'}).get(imatrix, '')}": config(
+                gguf_type=kind, **extra
+            )
+            for kind in ("q3_k", "q4_k", "q5_k", "q6_k")
+            for method, config, imatrix, extra in (
+                ("RTN", RTNConfig, False, {}),
+                ("RTN", RTNConfig, True, {"imatrix": True, "calibration_samples": calibration_samples}),
+                ("GPTQ", GPTQConfig, False, {"calibration_samples": calibration_samples}),
+                ("GPTQ", GPTQConfig, "shrunk", {"calibration_samples": calibration_samples, "hessian_shrinkage": 0.5}),
+            )
+        },
     }
 
 

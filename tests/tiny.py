@@ -9,9 +9,12 @@ import transformers as hf
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "opt", "gpt2", "gpt_neox")
 
 
-def tiny_config(model_type: str, vocab_size: int = 128, layers: int = 2):
+def tiny_config(model_type: str, vocab_size: int = 128, layers: int = 2, width: int = 64):
+    """`width`: the hidden size of the Llama-like families (their MLP is twice as wide)."""
     common = dict(vocab_size=vocab_size, num_hidden_layers=layers, max_position_embeddings=256)
-    llama_like = dict(common, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    llama_like = dict(
+        common, hidden_size=width, intermediate_size=2 * width, num_attention_heads=4, num_key_value_heads=2
+    )
     if model_type == "llama":
         return hf.LlamaConfig(**llama_like, tie_word_embeddings=True)
     if model_type == "llama3":
@@ -40,9 +43,10 @@ def tiny_config(model_type: str, vocab_size: int = 128, layers: int = 2):
     raise ValueError(model_type)
 
 
-def tiny_model(model_type: str = "llama", vocab_size: int = 128, layers: int = 2, seed: int = 0):
+def tiny_model(model_type: str = "llama", vocab_size: int = 128, layers: int = 2, seed: int = 0, width: int = 64):
     torch.manual_seed(seed)
-    model = hf.AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size, layers), dtype=torch.float32)
+    config = tiny_config(model_type, vocab_size, layers, width)
+    model = hf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()
 
 

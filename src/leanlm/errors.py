@@ -42,6 +42,11 @@ class MissingExtraError(ConfigError):
         super().__init__(f'{what} needs {module}, which is not installed: pip install "leanlm[{extra}]"')
 
 
+def one_line(error: BaseException) -> str:
+    """A library's error message with its lines joined (for messages whose point is past the first line)."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+
+
 def first_line(error: BaseException) -> str:
     """The first line of a library's error message (some explain themselves over a page), or its type."""
     text = str(error).strip()

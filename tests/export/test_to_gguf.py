@@ -297,3 +297,42 @@ def test_a_killed_export_leaves_nothing_and_the_next_removes_a_dead_runs_staging
     dead.write_bytes(b"half a file")
     export_gguf(byte_model, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+@pytest.mark.parametrize("block_type", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_1", "q5_0", "q5_1"])
+def test_a_gguf_block_type_checkpoint_is_written_as_its_own_blocks(block_type, tmp_path, smollm2_tokenizer, capsys):
+    """Rows of 256 and 512 weights (the attention and MLP inputs of a 256-wide Llama) take the type asked for;
+    every block tensor of the file de-quantizes, through `gguf`, to the weight the checkpoint computes with."""
+    from tiny import tiny_model
+
+    from leanlm.methods import Calibration, GPTQConfig, quantize_, save_quantized
+    from leanlm.models import load_model
+
+    source = tmp_path / "tiny"
+    tiny_model("llama", vocab_size=len(smollm2_tokenizer), width=256).save_pretrained(source)
+    smollm2_tokenizer.save_pretrained(source)
+    loaded = load_model(source)
+    ids = torch.randint(0, 1000, (8, 32), generator=torch.Generator().manual_seed(0))
+    record = quantize_(loaded.model, GPTQConfig(gguf_type=block_type), calibration=Calibration(token_ids=ids))
+    checkpoint = save_quantized(loaded, loaded.model, record, tmp_path / "q")
+    out = tmp_path / "q.gguf"
+    assert main(["export", str(checkpoint), "--format", "gguf", "--out", str(out)]) == 0
+    assert block_type.upper() in capsys.readouterr().out
+    reader = gguf.GGUFReader(out)
+    exported = {tensor.name: tensor for tensor in reader.tensors}
+    file_type = gguf.LlamaFileType(reader.fields["general.file_type"].contents()).name
+    assert file_type in (f"MOSTLY_{block_type.upper()}", f"MOSTLY_{block_type.upper()}_S")
+    config = loaded.model.config
+    for index, block in enumerate(loaded.model.model.layers):
+        for path, name, heads in (
+            ("self_attn.q_proj", "attn_q", config.num_attention_heads),
+            ("self_attn.k_proj", "attn_k", config.num_key_value_heads),
+            ("self_attn.o_proj", "attn_output", None),
+            ("mlp.up_proj", "ffn_up", None),
+            ("mlp.down_proj", "ffn_down", None),
+        ):
+            tensor = exported[f"blk.{index}.{name}.weight"]
+            assert tensor.tensor_type.name == block_type.upper()
+            expected = block.get_submodule(path).dequantized_weight().numpy()
+            expected = _gguf_order(expected, heads) if heads else expected
+            assert np.array_equal(dequantize(tensor.data, tensor.tensor_type), expected)

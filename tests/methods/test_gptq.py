@@ -6,7 +6,7 @@ from leanlm.errors import ConfigError
 from leanlm.formats.minmax import search_symmetric
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, SpQRConfig, load_quantized, quantize_, save_quantized
 from leanlm.models import load_model
-from leanlm.nn import SpQRLinear
+from leanlm.nn import GGUFLinear, SpQRLinear
 
 
 def _calibration(vocab=128, samples=16, seq_len=32):
@@ -105,3 +105,62 @@ def test_spqr_checkpoint_round_trips(tiny_llama_dir, tmp_path):
     with torch.inference_mode():
         assert torch.equal(reloaded.model(ids).logits, loaded.model(ids).logits)
     assert saved["method"] == "spqr" and saved["avg_bits"] == record["avg_bits"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_a_gguf_block_type_stores_every_block_linear_as_its_blocks(family, method):
+    """Rows of 256 or 512 weights take Q4_K; Gemma's 64-wide attention output takes Q4_K's fallback, Q5_0."""
+    model = tiny_model(family, width=256)
+    ids = _calibration()[:2]
+    with torch.inference_mode():
+        reference = model(input_ids=ids).logits
+    config = (RTNConfig if method == "rtn" else GPTQConfig)(gguf_type="q4_k")
+    record = quantize_(model, config, calibration=Calibration(token_ids=_calibration()))
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, GGUFLinear)}
+    assert layers and not any(isinstance(m, SpQRLinear) for m in model.modules())
+    assert {m.block_type for m in layers.values() if m.in_features % 256 == 0} == {"q4_k"}
+    assert {m.block_type for m in layers.values() if m.in_features % 256} <= {"q5_0"}
+    assert record["block_type"] == "q4_k"
+    assert record["avg_bits"] == pytest.approx(
+        sum(m.format.bits_per_weight * m.in_features * m.out_features for m in layers.values())
+        / sum(m.in_features * m.out_features for m in layers.values())
+    )
+    with torch.inference_mode():
+        quantized = model(input_ids=ids).logits
+    assert ((quantized - reference).norm() / reference.norm()).item() < 0.25  # as the min-max grids above
+
+
+def test_gptq_beats_rtn_on_a_gguf_block_type():
+    ids = _calibration(samples=8)
+    errors = {}
+    for name, config in {"rtn": RTNConfig(gguf_type="q3_k"), "gptq": GPTQConfig(gguf_type="q3_k")}.items():
+        model = tiny_model("llama", layers=3, width=256)
+        with torch.inference_mode():
+            reference = model(input_ids=ids).logits
+        quantize_(model, config, calibration=Calibration(token_ids=_calibration(samples=32)))
+        with torch.inference_mode():
+            errors[name] = (model(input_ids=ids).logits - reference).square().mean().item()
+    assert errors["gptq"] < 0.8 * errors["rtn"], errors
+
+
+def test_a_gguf_block_type_sets_the_grid_itself():
+    with pytest.raises(ConfigError, match="fits its own statistics"):
+        GPTQConfig(gguf_type="q4_k", scale_search=True, grid="symmetric")
+    with pytest.raises(ConfigError, match="choose from"):
+        GPTQConfig(gguf_type="q4_k_m")
+    RTNConfig(gguf_type="q4_k", imatrix=True)  # the importance matrix weighs the block type's own fit
+
+
+def test_a_gguf_block_checkpoint_round_trips(tiny_llama_dir, tmp_path):
+    loaded = load_model(tiny_llama_dir)
+    record = quantize_(
+        loaded.model, GPTQConfig(gguf_type="q6_k"), calibration=Calibration(token_ids=_calibration(1000))
+    )
+    out = save_quantized(loaded, loaded.model, record, tmp_path / "q")
+    reloaded, saved = load_quantized(out)
+    ids = torch.randint(0, 1000, (1, 12))
+    with torch.inference_mode():
+        assert torch.equal(reloaded.model(ids).logits, loaded.model(ids).logits)
+    assert saved["block_type"] == "q6_k"
+    assert {m.block_type for m in reloaded.model.modules() if isinstance(m, GGUFLinear)} == {"q8_0"}  # rows of 64

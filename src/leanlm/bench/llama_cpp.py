@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 INSTALL = "pip install llama-cpp-python==0.3.36 (or the `llama` extra; it compiles llama.cpp, 15-35 min on 2 cores)"
-QUANTIZE_TYPES = ("q4_0", "q4_1", "q8_0")
+QUANTIZE_TYPES = ("q4_0", "q4_1", "q8_0", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k", "iq4_xs")
 
 
 def llama_cpp_module():

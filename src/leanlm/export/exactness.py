@@ -9,14 +9,10 @@ from collections.abc import Callable, Iterable
 from torch import nn
 
 from leanlm.errors import ConfigError
+from leanlm.nn import QUANTIZED_MODULES
 
 # What each kind of quantized module is, in the words of the methods that make it.
-MODULE_KINDS = {
-    "W8A8Linear": "int8 weights and activations (W8A8, SmoothQuant, LLM.int8())",
-    "KbitLinear": "k-bit codebooks (NF4, FP4, dynamic, and int with a float32 absmax)",
-    "BmmQuantizer": "int8 attention matmuls",
-    "SpQRLinear": "RTN / GPTQ / SpQR groups",
-}
+MODULE_KINDS = {name: cls.kind for name, cls in QUANTIZED_MODULES.items()}
 
 
 def require_exact(target: str, modules: Iterable[nn.Module], problems_of: Callable[[nn.Module], list[str]]) -> None:

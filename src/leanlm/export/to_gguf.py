@@ -1,11 +1,12 @@
 """A leanlm model as a GGUF file that llama.cpp runs alone: `export_gguf(source, out, file_type)`.
 
 Float models are written as F32, F16, BF16 or llama.cpp's own Q8_0 rounding. A leanlm checkpoint whose
-weights lie exactly on a GGUF block grid is written as those blocks, value for value: RTN / GPTQ on the
-symmetric grid (`--grid symmetric`) with groups of 32 consecutive columns (`--no-act-order`, or act-order with
-`--static-groups`) become Q4_0 (4 bits) or Q8_0 (8 bits); the other tensors (embeddings, norms) take the float
-type asked for. Every other stored form is
-refused with the reason (`gguf_blocks`): nothing is re-rounded silently.
+weights lie exactly on a GGUF block grid is written as those blocks, value for value: RTN / GPTQ with
+`--gguf-type` (any of Q4_0 .. Q8_0, Q2_K .. Q6_K) stores them already, and RTN / GPTQ on the symmetric grid
+(`--grid symmetric`) with groups of 32 consecutive columns (`--no-act-order`, or act-order with
+`--static-groups`) are Q4_0 (4 bits) or Q8_0 (8 bits); the other tensors (embeddings, norms) take the float type
+asked for. Every other stored form is refused with the reason (each module's `gguf_problems`): nothing is
+re-rounded silently.
 
 What a family's GGUF layout needs is in its architecture table (`gguf_architecture`, `gguf_interleaved_qk`,
 `norm_weight_offset`): Llama / SmolLM (q and k rows put back in the interleaved order llama.cpp's rotary
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import gguf
@@ -30,10 +32,9 @@ import torch
 from torch import nn
 
 from leanlm.errors import ConfigError, CorruptModelError, first_line
-from leanlm.export.exactness import MODULE_KINDS, require_exact
+from leanlm.export.exactness import require_exact
 from leanlm.formats.gguf_header import read_gguf_header
-from leanlm.formats.packing import unpack
-from leanlm.nn import QUANTIZED_MODULES, SpQRLinear
+from leanlm.nn import QUANTIZED_MODULES
 from leanlm.storage import QUANT_FILE, check_output_file, staged_file
 
 FILE_TYPES = {
@@ -44,10 +45,6 @@ FILE_TYPES = {
 }
 # Keys the writer sets itself or that describe the source file's own encoding, not the model.
 _NOT_CARRIED = {"general.file_type", "general.quantization_version", "general.architecture"}
-
-
-BLOCK = 32  # weights per Q4_0 / Q8_0 block
-_BLOCK_TYPES = {4: gguf.GGMLQuantizationType.Q4_0, 8: gguf.GGMLQuantizationType.Q8_0}  # code bits -> block type
 
 
 def source_gguf(source: str | os.PathLike, *, follow: bool = True) -> Path | None:
@@ -206,50 +203,14 @@ def _gguf_order(weights: np.ndarray, heads: int) -> np.ndarray:
 
 def gguf_problems(module: nn.Module) -> list[str]:
     """The `leanlm quantize` settings `module` would need to be a GGUF block type exactly (empty: none)."""
-    if not isinstance(module, SpQRLinear):
-        return [
-            "--method rtn or gptq (GGUF's Q4_0 / Q8_0 blocks are symmetric integer groups of 32 with a float16 "
-            f"scale; {', '.join(sorted(MODULE_KINDS[k] for k in MODULE_KINDS if k != 'SpQRLinear'))} are not)"
-        ]
-    problems = []
-    if module.statistic_bits is not None or module.outlier_count:
-        problems.append("--method rtn or gptq (SpQR's quantized statistics and outliers have no GGUF form)")
-    if module.bits not in _BLOCK_TYPES:
-        problems.append(f"--bits 4 or 8 (Q4_0 holds 4-bit codes, Q8_0 8-bit; not {module.bits})")
-    if module.per_row or module.group_size != BLOCK:
-        problems.append(
-            f"--group-size {BLOCK} (a block is {BLOCK} columns, not "
-            f"{module.in_features if module.per_row else module.group_size})"
-        )
-    if module.permutation is not None:
-        problems.append("--static-groups or --no-act-order (a block is 32 consecutive columns)")
-    quantized_statistics = module.statistic_bits is not None  # its zeros are codes themselves, not on a grid
-    if not quantized_statistics and not bool((module.zero == 2 ** (module.bits - 1)).all()):
-        problems.append(f"--grid symmetric (Q4_0 / Q8_0 put zero at code {2 ** (module.bits - 1)})")
-    return problems
-
-
-def gguf_block_type(module: nn.Module) -> gguf.GGMLQuantizationType:
-    """The GGUF block type that holds a quantized module's weight exactly, or a ConfigError naming every setting
-    it would need."""
-    require_exact("GGUF", [module], gguf_problems)
-    return _BLOCK_TYPES[module.bits]
+    return module.gguf_problems()
 
 
 def gguf_blocks(module: nn.Module) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
-    """A quantized module's weight as GGUF blocks (rows, bytes per row) holding exactly its values, or a
-    ConfigError naming why no block type does."""
-    block_type = gguf_block_type(module)
-    half = 2 ** (module.bits - 1)
-    rows, columns = module.out_features, module.in_features
-    codes = unpack(module.codes, module.bits, rows * columns, module.code_layout).reshape(rows, columns // BLOCK, BLOCK)
-    scales = module.scale.numpy().astype(np.float16).view(np.uint8).reshape(rows, columns // BLOCK, 2)
-    if module.bits == 4:  # 16 bytes: weight j in the low nibble of byte j, weight j + 16 in its high nibble
-        values = (codes[..., : BLOCK // 2] | (codes[..., BLOCK // 2 :] << 4)).numpy()
-    else:  # 32 signed bytes: code - 128
-        values = (codes.to(torch.int16) - half).to(torch.int8).numpy().view(np.uint8)
-    blocks = np.concatenate([scales, values], axis=-1).reshape(rows, -1)
-    return np.ascontiguousarray(blocks), block_type
+    """A quantized module's weight as GGUF blocks (rows, bytes per row) holding exactly its values, and their
+    type, or a ConfigError naming why no block type does."""
+    require_exact("GGUF", [module], gguf_problems)
+    return module.gguf_blocks()
 
 
 def export_gguf(
@@ -292,10 +253,13 @@ def export_gguf(
     modules = dict(loaded.model.named_modules())
     quantized = {name: module for name, module in modules.items() if type(module).__name__ in QUANTIZED_MODULES}
     require_exact("GGUF", quantized.values(), gguf_problems)  # every refusal before anything is written
-    quantized = {name: _BLOCK_TYPES[module.bits] for name, module in quantized.items()}
+    quantized = {name: module.gguf_blocks()[1] for name, module in quantized.items()}
     block_types = sorted({kind.name for kind in quantized.values()})
-    if len(block_types) == 1:  # the file type llama.cpp reports: the blocks' own where they are all one kind
-        llama_file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{block_types[0]}")
+    if quantized:  # the file type llama.cpp reports: that of the blocks most matrices are (K-quants: its "_S" mix)
+        most = Counter(kind.name for kind in quantized.values()).most_common(1)[0][0]
+        llama_file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{most}", None) or getattr(
+            gguf.LlamaFileType, f"MOSTLY_{most}_S"
+        )
 
     # The plan, every tensor's GGUF name, type and shape, also before anything is written.
     plan = []
@@ -348,7 +312,7 @@ def export_gguf(
             for name, _, target, kind, _ in plan:  # one tensor in memory at a time
                 base = name.rpartition(".")[0]
                 if base in quantized and name.endswith(".weight"):
-                    data, _ = gguf_blocks(modules[base])
+                    data, _ = modules[base].gguf_blocks()
                 else:
                     data = state[name].detach().to(torch.float32).numpy()
                     if kind != gguf.GGMLQuantizationType.F32:
@@ -375,11 +339,11 @@ def export_gguf(
 def _tensors(model: nn.Module, quantized: dict):
     """(name, tensor) for every float tensor of `model` and (name.weight, None) for every quantized module's
     weight (its bias, if any, as a float tensor), in the model's own order."""
+    written = set()
     for name, tensor in model.state_dict().items():
         module, _, suffix = name.rpartition(".")
-        if module not in quantized:
+        if module not in quantized or suffix == "bias":
             yield name, tensor
-        elif suffix == "codes":  # once per module
+        elif module not in written:  # once per module, where its first stored tensor is
+            written.add(module)
             yield f"{module}.weight", None
-        elif suffix == "bias":
-            yield name, tensor

@@ -56,7 +56,9 @@ class _Cursor:
         self.path, self.buffer, self.at = path, buffer, 0
 
     def fail(self, what: str) -> CorruptModelError:
-        return CorruptModelError(f"{self.path} is not a readable GGUF file: {what}")
+        """The error, on one line: a name read from the file is shown with its control characters escaped."""
+        printable = "".join(c if c.isprintable() else repr(c)[1:-1] for c in what)
+        return CorruptModelError(f"{self.path} is not a readable GGUF file: {printable}")
 
     def take(self, size: int, what: str) -> int:
         if size < 0 or self.at + size > len(self.buffer):

@@ -19,11 +19,12 @@ multiplied by mean_j(var(W[:, j]) / U_jj^2). Outliers keep their (updated) float
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from leanlm.errors import ConfigError
+from leanlm.formats import gguf_blocks
 from leanlm.formats.minmax import (
     GRIDS,
     dequantize_minmax,
@@ -60,6 +61,11 @@ class SolverSettings:
     # Between the two, the feedback trusts the calibration text's input correlations less (they need not be the
     # evaluated text's: on SmolLM2, calibrated on fiction and scored on WikiText, 0.5 beats both ends).
     hessian_shrinkage: float = 0.0
+    # A GGUF block type (a key of leanlm.formats.gguf_blocks.BLOCK_TYPES): the weight is stored as that type's
+    # blocks, its statistics fitted before solving as the format stores them (static groups of its sub-blocks),
+    # and `bits`, `group_size` and `grid` are the type's own; a row that is no whole number of its blocks takes
+    # llama.cpp's fallback type.
+    block_type: str | None = None
 
     def __post_init__(self):
         if not 2 <= self.bits <= 8:
@@ -82,6 +88,12 @@ class SolverSettings:
             raise ConfigError("scale search chooses the symmetric grid's scale (grid='symmetric')")
         if self.static_groups and self.outlier_threshold is not None:
             raise ConfigError("static groups are fitted once, before solving; SpQR's outlier search refits them")
+        if self.block_type is not None:
+            gguf_blocks.block_type(self.block_type)
+            if self.statistic_bits is not None or self.outlier_threshold is not None or self.scale_search:
+                raise ConfigError(
+                    "a GGUF block type fits its own statistics (no SpQR statistics, outliers or symmetric scale search)"
+                )
         if self.grid != "minmax" and (self.statistic_bits is not None or self.outlier_threshold is not None):
             raise ConfigError(
                 f"the {self.grid} grid keeps float16 statistics and no outliers (SpQR's quantized "
@@ -109,6 +121,8 @@ class SolvedWeight:
     outlier_mask: torch.Tensor  # (rows, columns) bool
     outlier_residuals: torch.Tensor  # (rows, columns) float32: kept value minus the dense de-quantized one
     weight: torch.Tensor  # (rows, columns) float32, original column order: the weight the stored form encodes
+    # GGUF block types: the type the rows take and the statistics their blocks store beside the codes
+    blocks: tuple[gguf_blocks.BlockType, gguf_blocks.BlockStatistics] | None = None
 
 
 def _to_float16(values: torch.Tensor) -> torch.Tensor:
@@ -219,6 +233,16 @@ def solve(
             raise ConfigError(
                 f"importance of shape {tuple(importance.shape)} does not fit a weight with {columns} input columns"
             )
+    kind = None
+    if settings.block_type is not None:
+        kind = gguf_blocks.type_for_row(settings.block_type, columns)
+        settings = replace(settings, bits=kind.bits, group_size=kind.sub, static_groups=True)
+    if kind is not None and not settings.error_feedback:  # RTN on the block type's grid
+        statistics = gguf_blocks.fit_statistics(kind, W, importance)
+        codes = gguf_blocks.codes_for(kind, W, statistics)
+        nothing = torch.zeros(rows, columns, dtype=torch.bool)
+        restored = gguf_blocks.decode(kind, codes, statistics)
+        return SolvedWeight(codes, [], [], None, nothing, torch.zeros(rows, columns), restored, (kind, statistics))
     if not settings.error_feedback and settings.outlier_threshold is None:  # RTN: no Hessian, no factor
         return _round_to_nearest(W, settings.group_size or columns, settings, importance)
     if not settings.error_feedback:
@@ -236,7 +260,12 @@ def solve(
     W[:, dead] = 0.0
     group = settings.group_size or columns
     static = None
-    if settings.static_groups and settings.error_feedback:
+    fitted = None
+    if kind is not None:  # every sub-block's statistics, fitted as the block type stores them
+        fitted = gguf_blocks.fit_statistics(kind, W, H.diagonal())
+        scale, zero = gguf_blocks.zero_points(kind, fitted)
+        static = [(QuantizedStatistic(scale[:, g]), QuantizedStatistic(zero[:, g])) for g in range(scale.shape[1])]
+    elif settings.static_groups and settings.error_feedback:
         unmasked = torch.zeros(rows, group, dtype=torch.bool)
         static = [
             _group_statistics(
@@ -312,6 +341,10 @@ def solve(
         if permutation is not None:
             codes, outliers, residuals = (_original_order(t, permutation) for t in (codes, outliers, residuals))
             permutation = None
+    if kind is not None:
+        return SolvedWeight(
+            codes, [], [], None, outliers, residuals, gguf_blocks.decode(kind, codes, fitted), (kind, fitted)
+        )
     return SolvedWeight(codes, scales, zeros, permutation, outliers, residuals, W)
 
 

@@ -43,7 +43,8 @@ def search_symmetric(
     llama.cpp's importance-matrix quantizer chooses a block's: for 2 * steps + 1 candidate rounding scales
     (the rule's -2^(b-1) / extreme, moved by tenths of a code), round, take the least-squares scale of those codes
     (sum w x q / sum w q^2) and keep the candidate whose error sum w (x - scale q)^2 is smallest. `importance`:
-    one weight per position of the last dimension (a Hessian's diagonal); None weighs all alike."""
+    weights broadcast against x (one per position of the last dimension: a Hessian's diagonal); None weighs all
+    alike."""
     half = 2 ** (bits - 1)
     weights = torch.ones(x.shape[-1]) if importance is None else importance.float()
     extreme = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))  # (..., 1)

@@ -15,11 +15,13 @@ import torch
 from torch import nn
 
 from leanlm.errors import ConfigError
+from leanlm.formats.gguf_blocks import BLOCK_TYPES
 from leanlm.formats.gptq import SolverSettings, solve
 from leanlm.formats.minmax import GRIDS
 from leanlm.methods.blocks import observe_inputs
 from leanlm.methods.quantize import BlockPlan, QuantRun, register_method
 from leanlm.models.architectures import architecture_for, linear_weight_out_in
+from leanlm.nn.gguf_linear import GGUFLinear
 from leanlm.nn.spqr_linear import SpQRLinear
 from leanlm.settings import option
 
@@ -39,6 +41,17 @@ def _scale_search_option():
         False,
         "symmetric grid: choose each group's scale among 19 candidates by its squared error "
         "(GPTQ: weighted by the Hessian's diagonal), as llama.cpp's importance-matrix quantizer does",
+    )
+
+
+def _gguf_type_option():
+    """RTN's and GPTQ's `gguf_type` field (one text for both)."""
+    return option(
+        None,
+        "store the weights as this GGUF block type (its own bits, sub-blocks and statistics, fitted as the format "
+        "stores them; rows that are no whole number of K-quant super-blocks take llama.cpp's fallback type)",
+        none_word="none",
+        choices=tuple(BLOCK_TYPES),
     )
 
 
@@ -69,11 +82,14 @@ class RTNConfig(_SolverChecks):
     calibration_samples: int = option(
         128, "calibration windows the importance matrix is read from (--imatrix)", flag="--calib-samples"
     )
+    gguf_type: str | None = _gguf_type_option()
 
     def __post_init__(self):
         super().__post_init__()
-        if self.imatrix and not self.scale_search:
-            raise ConfigError("imatrix weighs the search of each group's scale, which needs --scale-search")
+        if self.imatrix and not (self.scale_search or self.gguf_type):
+            raise ConfigError(
+                "imatrix weighs the search of each group's scale, which needs --scale-search or --gguf-type"
+            )
 
     def solver(self) -> SolverSettings:
         return SolverSettings(
@@ -83,6 +99,7 @@ class RTNConfig(_SolverChecks):
             error_feedback=False,
             grid=self.grid,
             scale_search=self.scale_search,
+            block_type=self.gguf_type,
         )
 
 
@@ -109,6 +126,7 @@ class GPTQConfig(_SolverChecks):
     hessian_shrinkage: float = option(
         0.0, "pull the Hessian's off-diagonal terms toward zero by this fraction (0: GPTQ, 1: importance-weighted RTN)"
     )
+    gguf_type: str | None = _gguf_type_option()
 
     def solver(self) -> SolverSettings:
         return SolverSettings(
@@ -120,6 +138,7 @@ class GPTQConfig(_SolverChecks):
             static_groups=self.static_groups,
             scale_search=self.scale_search,
             hessian_shrinkage=self.hessian_shrinkage,
+            block_type=self.gguf_type,
         )
 
 
@@ -163,7 +182,7 @@ SolverConfig = RTNConfig | GPTQConfig | SpQRConfig
 @register_method(GPTQConfig, "gptq", "quantizer", blockwise=True)
 @register_method(SpQRConfig, "spqr", "quantizer", blockwise=True)
 def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> BlockPlan:
-    """Replace the block linears by SpQRLinear, block by block (each block's Hessians come from the outputs of
+    """Replace the block linears by SpQRLinear (GGUFLinear for a GGUF block type), block by block (each block's Hessians come from the outputs of
     the blocks before it, already quantized); the record has the measured average bits per weight
     ("avg_bits"), the outlier rate and the wall time."""
     settings = config.solver()
@@ -182,11 +201,16 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
                 solved = solve(weight, None, settings, importance=hessians.take(path))
             else:
                 solved = solve(weight, hessians.take(path), settings, overwrite_hessian=True)
-            quantized = SpQRLinear.from_solved(solved, settings, getattr(linear, "bias", None))
+            bias = getattr(linear, "bias", None)
+            if solved.blocks is not None:
+                kind, statistics = solved.blocks
+                quantized = GGUFLinear.from_codes(kind, solved.codes, statistics, bias)
+            else:
+                quantized = SpQRLinear.from_solved(solved, settings, bias)
             block.set_submodule(path, quantized)
             counts["weights"] += weight.numel()
             counts["stored_bits"] += quantized.bits_per_weight() * weight.numel()
-            counts["outliers"] += quantized.outlier_count
+            counts["outliers"] += int(solved.outlier_mask.sum())
         hessians.clear()
         return counts
 

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from leanlm.errors import CorruptModelError, UnsupportedArchitectureError
+from leanlm.errors import CorruptModelError, UnsupportedArchitectureError, one_line
 from leanlm.formats.gguf_header import read_gguf_header
 from leanlm.models.architectures import architecture_for
 from leanlm.models.untrusted import INDEX_FILE, from_pretrained, model_from_config
@@ -47,13 +47,13 @@ def _parsed_config(gguf: Path):
         parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
     except Exception as error:  # the GGUF reader raises anything from ValueError to struct errors
         if "not supported" in str(error).lower():
-            raise UnsupportedArchitectureError(f"{gguf}: {error}") from None
-        raise CorruptModelError(f"{gguf} cannot be read as a GGUF model: {error}") from None
+            raise UnsupportedArchitectureError(f"{gguf}: {one_line(error)}") from None
+        raise CorruptModelError(f"{gguf} cannot be read as a GGUF model: {one_line(error)}") from None
     try:
         config = AutoConfig.for_model(**parsed["config"])  # what AutoConfig makes of the file, without reading it again
     except Exception as error:
         raise CorruptModelError(
-            f"{gguf}: its metadata does not describe a model transformers builds: {error}"
+            f"{gguf}: its metadata does not describe a model transformers builds: {one_line(error)}"
         ) from None
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # what leanlm makes of the file is float weights
@@ -68,7 +68,7 @@ def _read_metadata(gguf: Path):
     try:
         reader = GGUFReader(gguf)  # after the parse above, so that the two readers' fields are never held together
     except Exception as error:
-        raise CorruptModelError(f"{gguf} cannot be read as a GGUF model: {error}") from None
+        raise CorruptModelError(f"{gguf} cannot be read as a GGUF model: {one_line(error)}") from None
     # The tensors are all that is read from here on: the metadata's parsed fields (a vocabulary and its merges,
     # a few hundred MB of small arrays for a large vocabulary) are dropped, and so is the tokenizer's raw copy.
     reader.fields.clear()

@@ -2,14 +2,16 @@
 calibration or of which model they sit in."""
 
 from leanlm.nn.attention import ATTENTION_NAME, BmmQuantizer, use_int8_bmm_attention
+from leanlm.nn.base import REGISTRY, QuantizedModule
 from leanlm.nn.float_linear import GemvLinear, use_gemv_
+from leanlm.nn.gguf_linear import GGUFLinear
 from leanlm.nn.kbit_linear import KbitLinear
 from leanlm.nn.lora import LoRALinear
 from leanlm.nn.spqr_linear import SpQRLinear
 from leanlm.nn.w8a8_linear import SharedInputGemm, W8A8Linear
 
 # Class name -> class: how a saved checkpoint's module records are turned back into modules.
-QUANTIZED_MODULES = {cls.__name__: cls for cls in (W8A8Linear, BmmQuantizer, KbitLinear, SpQRLinear)}
+QUANTIZED_MODULES = REGISTRY
 
 __all__ = [
     "GemvLinear",
@@ -22,5 +24,7 @@ __all__ = [
     "KbitLinear",
     "LoRALinear",
     "SpQRLinear",
+    "GGUFLinear",
+    "QuantizedModule",
     "QUANTIZED_MODULES",
 ]

@@ -21,11 +21,14 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 from leanlm.formats.int8 import QMAX, ActivationGranularity, absmax_scale, activation_scale, fake_quantize
+from leanlm.nn.base import QuantizedModule
 
 ATTENTION_NAME = "leanlm_int8_bmm"
 
 
-class BmmQuantizer(nn.Module):
+class BmmQuantizer(QuantizedModule):
+    kind = "int8 attention matmuls"
+
     def __init__(
         self,
         activation: ActivationGranularity = "per_tensor",

@@ -32,9 +32,12 @@ from leanlm.kernels.kbit_gemm import (
     supports_fast_path,
     supports_int8_activations,
 )
+from leanlm.nn.base import QuantizedModule
 
 
-class KbitLinear(nn.Module):
+class KbitLinear(QuantizedModule):
+    kind = "k-bit codebooks (NF4, FP4, dynamic, and int with a float32 absmax)"
+
     def __init__(
         self,
         in_features: int,
@@ -120,15 +123,12 @@ class KbitLinear(nn.Module):
         module.absmax = quantized.absmax
         if double_quant:
             module.absmax_scale, module.absmax_offset = quantized.absmax_scale, quantized.absmax_offset
-        if bias is not None:
-            module.bias = bias.detach().float().clone()
+        module.keep_bias(bias)
         return module
 
     def constructor_args(self) -> dict:
         return {
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "bias": self.bias is not None,
+            **self.linear_args(),
             "dtype": self.dtype,
             "bits": self.bits,
             "block_size": None if self.per_row else self.block_size,

@@ -31,6 +31,8 @@ import torch
 from torch import nn
 
 from leanlm.errors import ConfigError
+from leanlm.formats.gguf_blocks import BLOCK_TYPES, BlockStatistics
+from leanlm.formats.gguf_blocks import pack as pack_blocks
 from leanlm.formats.gptq import SolvedWeight, SolverSettings
 from leanlm.formats.packing import CodeLayout, pack, packed_bytes, preferred_layout, unpack
 from leanlm.kernels.kbit_gemm import (
@@ -41,12 +43,16 @@ from leanlm.kernels.kbit_gemm import (
     supports_fast_path,
     supports_int8_activations,
 )
+from leanlm.nn.base import QuantizedModule
 
 SpQRBackend = Literal["reference", "dense_sparse", "kernel"]
 IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 3- and 4-bit codes are the integers themselves
+GGUF_TYPES = {4: "q4_0", 8: "q8_0"}  # code bits -> the GGUF block type of symmetric groups of 32
 
 
-class SpQRLinear(nn.Module):
+class SpQRLinear(QuantizedModule):
+    kind = "RTN / GPTQ / SpQR groups"
+
     def __init__(
         self,
         in_features: int,
@@ -124,15 +130,12 @@ class SpQRLinear(nn.Module):
         ).to(torch.int32)
         module.outlier_columns = column_index.to(torch.int16)
         module.outlier_values = solved.outlier_residuals[row_index, column_index].half()
-        if bias is not None:
-            module.bias = bias.detach().float().clone()
+        module.keep_bias(bias)
         return module
 
     def constructor_args(self) -> dict:
         return {
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "bias": self.bias is not None,
+            **self.linear_args(),
             "bits": self.bits,
             "group_size": None if self.per_row else self.group_size,
             "statistic_bits": self.statistic_bits,
@@ -172,14 +175,36 @@ class SpQRLinear(nn.Module):
         restored[:, self.permutation.long()] = weight
         return restored
 
+    def gguf_problems(self) -> list[str]:
+        problems = []
+        if self.statistic_bits is not None or self.outlier_count:
+            problems.append("--method rtn or gptq (SpQR's quantized statistics and outliers have no GGUF form)")
+        if self.bits not in GGUF_TYPES:
+            problems.append(f"--bits 4 or 8 (Q4_0 holds 4-bit codes, Q8_0 8-bit; not {self.bits})")
+        block = BLOCK_TYPES["q4_0"].block
+        if self.per_row or self.group_size != block:
+            problems.append(
+                f"--group-size {block} (a block is {block} columns, not "
+                f"{self.in_features if self.per_row else self.group_size})"
+            )
+        if self.permutation is not None:
+            problems.append("--static-groups or --no-act-order (a block is 32 consecutive columns)")
+        quantized_statistics = self.statistic_bits is not None  # its zeros are codes themselves, not on a grid
+        if not quantized_statistics and not bool((self.zero == 2 ** (self.bits - 1)).all()):
+            problems.append(f"--grid symmetric (Q4_0 / Q8_0 put zero at code {2 ** (self.bits - 1)})")
+        return problems
+
+    def gguf_blocks(self):
+        """Symmetric groups of 32 are Q4_0 (4 bits) / Q8_0 (8 bits) blocks: the codes, and the group's float16
+        scale as the block's d."""
+        kind = BLOCK_TYPES[GGUF_TYPES[self.bits]]
+        codes = unpack(self.codes, self.bits, self.out_features * self.in_features, self.code_layout)
+        blocks = pack_blocks(kind, codes.reshape(self.out_features, self.in_features), BlockStatistics(self.scale))
+        return blocks.numpy(), kind.ggml
+
     @property
     def outlier_count(self) -> int:
         return self.outlier_values.numel()
-
-    def bits_per_weight(self) -> float:
-        """Measured: bits of every stored tensor (bias excluded) per weight."""
-        stored = [t for name, t in self.named_buffers() if name != "bias" and t is not None]
-        return sum(t.numel() * t.element_size() * 8 for t in stored) / (self.in_features * self.out_features)
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._kernel_inputs = self._sparse = None

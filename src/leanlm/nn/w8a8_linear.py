@@ -18,7 +18,6 @@ With `asymmetric` both operands use per-tensor zero points (LLM.int8()'s "zeropo
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from leanlm.errors import ConfigError
 from leanlm.formats.int8 import (
@@ -30,6 +29,7 @@ from leanlm.formats.int8 import (
     zeropoint_params,
 )
 from leanlm.kernels.int8_gemm import Backend, PackedInt8Weight, default_backend, int8_linear, pack_weight
+from leanlm.nn.base import QuantizedModule
 
 
 def shaped_like_input(out_rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -37,7 +37,9 @@ def shaped_like_input(out_rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out_rows.reshape(*x.shape[:-1], out_rows.shape[-1]).to(x.dtype)
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(QuantizedModule):
+    kind = "int8 weights and activations (W8A8, SmoothQuant, LLM.int8())"
+
     def __init__(
         self,
         in_features: int,
@@ -105,8 +107,7 @@ class W8A8Linear(nn.Module):
             module.weight, module.weight_scale = quantize_weight(
                 weight.detach().float(), weight_granularity, group_size
             )
-        if bias is not None:
-            module.bias = bias.detach().float().clone()
+        module.keep_bias(bias)
         if input_scale is not None:
             module.input_scale = input_scale.detach().float().reshape(()).clone()
         return module
@@ -114,9 +115,7 @@ class W8A8Linear(nn.Module):
     def constructor_args(self) -> dict:
         """The arguments that rebuild this module (empty) before a checkpoint's state dict is loaded into it."""
         return {
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "bias": self.bias is not None,
+            **self.linear_args(),
             "activation": self.activation,
             "static": self.static,
             "outlier_threshold": self.outlier_threshold,

@@ -1,0 +1,113 @@
+"""GGUF block types as leanlm writes them: any bytes de-quantize here exactly as the `gguf` package de-quantizes
+them and unpack / pack back to themselves; fitted statistics and codes are what the format can store, and round
+to nearest; rows that are no whole number of super-blocks take llama.cpp's fallback type."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from leanlm.errors import ConfigError
+from leanlm.formats.gguf_blocks import (
+    BLOCK_TYPES,
+    codes_for,
+    decode,
+    dequantize,
+    fit_statistics,
+    pack,
+    type_for_row,
+    unpack,
+    zero_points,
+)
+
+
+def _random_blocks(kind, rows=3, blocks=4, seed=0) -> np.ndarray:
+    """Random bytes, with each float16 field's exponent kept below infinity (every other bit pattern allowed)."""
+    raw = np.random.default_rng(seed).integers(0, 256, size=(rows, blocks * kind.bytes), dtype=np.uint8)
+    for _, at in kind.half_fields:
+        raw.reshape(rows * blocks, kind.bytes)[:, at + 1] &= 0x7B
+    return raw
+
+
+@pytest.mark.parametrize("name", list(BLOCK_TYPES))
+def test_any_block_bytes_decode_as_the_gguf_package_decodes_them_and_pack_back_to_themselves(name):
+    kind = BLOCK_TYPES[name]
+    raw = _random_blocks(kind)
+    columns = 4 * kind.block
+    expected = gguf.quants.dequantize(raw, kind.ggml).reshape(3, columns)
+    ours = dequantize(kind, torch.from_numpy(raw.copy()), columns).numpy()
+    assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32))  # bit for bit, signed zeros included
+    codes, statistics = unpack(kind, torch.from_numpy(raw.copy()), columns)
+    assert int(codes.max()) < 2**kind.bits
+    assert np.array_equal(pack(kind, codes, statistics).numpy(), raw)
+    assert kind.bytes == gguf.GGML_QUANT_SIZES[kind.ggml][1] and kind.block == gguf.GGML_QUANT_SIZES[kind.ggml][0]
+
+
+def _weight(rows=64, columns=512, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, columns, generator=generator) * torch.exp(torch.randn(1, columns, generator=generator))
+    weight[:, :3] *= 10  # outlier columns
+    return weight
+
+
+@pytest.mark.parametrize("name", list(BLOCK_TYPES))
+def test_fitted_blocks_hold_the_weight_to_the_precision_their_bits_allow(name):
+    kind = BLOCK_TYPES[name]
+    weight = _weight()
+    statistics = fit_statistics(kind, weight)
+    codes = codes_for(kind, weight, statistics)
+    restored = dequantize(kind, pack(kind, codes, statistics), weight.shape[1])
+    assert torch.equal(restored, decode(kind, codes, statistics))
+    sqnr = 10 * torch.log10(weight.square().sum() / (restored - weight).square().sum()).item()
+    assert sqnr > 6.0 * kind.bits - 8, sqnr  # about 6 dB per bit, less a few for the grid's coarseness
+    if kind.k_quant:  # the integer scales fill their range
+        assert int(statistics.scales.abs().max()) == 2 ** (kind.scale_bits - kind.signed_scales) - (
+            not kind.signed_scales
+        )
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q3_k", "q4_k", "q6_k"])
+def test_codes_are_the_nearest_on_the_fitted_grid(name):
+    kind = BLOCK_TYPES[name]
+    weight = _weight(rows=8)
+    statistics = fit_statistics(kind, weight)
+    codes = codes_for(kind, weight, statistics)
+    error = (decode(kind, codes, statistics) - weight).abs()
+    for step in (-1, 1):  # no code one step away is closer
+        moved = (codes.long() + step).clamp(0, 2**kind.bits - 1).to(torch.uint8)
+        assert bool(((decode(kind, moved, statistics) - weight).abs() >= error - 1e-6).all())
+    scale, zero = zero_points(kind, statistics)
+    column_group = torch.arange(weight.shape[1]) // kind.sub
+    grid = scale[:, column_group] * (codes.float() - zero[:, column_group])
+    torch.testing.assert_close(grid, decode(kind, codes, statistics), rtol=1e-5, atol=1e-6)
+
+
+def test_an_importance_vector_moves_the_error_to_the_columns_that_matter_less():
+    kind = BLOCK_TYPES["q4_k"]
+    weight = _weight(columns=256)
+    importance = torch.ones(256)
+    importance[::2] = 100.0
+    plain, weighted = (
+        decode(kind, codes_for(kind, weight, s), s)
+        for s in (fit_statistics(kind, weight), fit_statistics(kind, weight, importance))
+    )
+
+    def weighted_error(restored):
+        return ((restored - weight).square() * importance).sum().item()
+
+    assert weighted_error(weighted) < weighted_error(plain)
+
+
+def test_rows_that_are_no_whole_number_of_super_blocks_take_llama_cpps_fallback():
+    assert [type_for_row(name, 576).name for name in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")] == [
+        "q4_0",
+        "q4_0",
+        "q5_0",
+        "q5_1",
+        "q8_0",
+    ]
+    assert type_for_row("q4_k", 1536).name == "q4_k"
+    with pytest.raises(ConfigError, match="a row of 100 weights is not a whole number of Q4_K blocks"):
+        type_for_row("q4_k", 100)
+    with pytest.raises(ConfigError, match="choose from"):
+        type_for_row("q4_k_m", 256)
