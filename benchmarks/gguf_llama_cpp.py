@@ -92,17 +92,19 @@ def rows(calibration_samples: int) -> dict:
             for weighted in (False, True)
         },
         **{
-            f"leanlm {method} {kind.upper()}{({True: ', imatrix', 'shrunk': ', shrunk Hessian'}).get(imatrix, '')}": config(
-                gguf_type=kind, **extra
-            )
+            f"leanlm {name} {kind.upper()}, {variant}": config(gguf_type=kind, **extra)
             for kind in ("q3_k", "q4_k", "q5_k", "q6_k")
-            for method, config, imatrix, extra in (
-                ("RTN", RTNConfig, False, {}),
-                ("RTN", RTNConfig, True, {"imatrix": True, "calibration_samples": calibration_samples}),
-                ("GPTQ", GPTQConfig, False, {"calibration_samples": calibration_samples}),
-                ("GPTQ", GPTQConfig, "shrunk", {"calibration_samples": calibration_samples, "hessian_shrinkage": 0.5}),
+            for name, variant, config, extra in (
+                ("RTN", "imatrix", RTNConfig, {"imatrix": True, "calibration_samples": calibration_samples}),
+                (
+                    "GPTQ",
+                    "shrunk Hessian",
+                    GPTQConfig,
+                    {"calibration_samples": calibration_samples, "hessian_shrinkage": 0.5},
+                ),
             )
         },
+        **{f"leanlm GPTQ mix, size of {kind.upper()}": ("mix", kind) for kind in ("q3_k_m", "q4_k_m", "q5_k_m")},
     }
 
 
@@ -124,11 +126,27 @@ def importance_matrix(model, batches: torch.Tensor) -> dict[str, torch.Tensor]:
     return {f"{names.get_name(name)}.weight": (sums[name] / counts[name]).numpy() for name in sums}
 
 
+def _export(loaded, model, record, checkpoint_dir: Path) -> Path:
+    """The quantized model saved as a checkpoint and exported (a previous run's files are made anew)."""
+    path = checkpoint_dir.with_name(f"{checkpoint_dir.name}.gguf")
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)
+    path.unlink(missing_ok=True)
+    checkpoint = save_quantized(loaded, model, record, checkpoint_dir)
+    return Path(export_gguf(checkpoint, path, FLOAT_TYPE_OF_Q4_0)["path"])
+
+
+def block_linear_bits(path: Path) -> float:
+    """Bits per weight of a GGUF file's block linears (its blk.* matrices)."""
+    matrices = [t for t in gguf.GGUFReader(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    return 8 * sum(int(t.n_bytes) for t in matrices) / sum(int(t.n_elements) for t in matrices)
+
+
 def describe_file(path: Path) -> dict:
     reader = gguf.GGUFReader(path)
     types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
     return {
         "file_bytes": path.stat().st_size,
+        "block_linear_bits": block_linear_bits(path),
         "tensor_types": dict(Counter(types.values())),
         "token_embd_type": types["token_embd.weight"],
     }
@@ -264,6 +282,17 @@ def main() -> None:
             if recipe is None:
                 path = float_file
                 ours = leanlm_perplexity(loaded.model, quantized=False)
+            elif isinstance(recipe, tuple) and recipe[0] == "mix":  # GPTQ spending llama.cpp's file's block bits
+                reference = work / f"llama.cpp_{recipe[1].upper()}.gguf"
+                if not reference.exists():
+                    quantize_gguf(float_file, reference, recipe[1], threads=args.threads)
+                budget = block_linear_bits(reference)
+                recipe = GPTQConfig(target_bits=budget, hessian_shrinkage=0.5, calibration_samples=args.calib_samples)
+                model = copy.deepcopy(loaded.model)
+                record = quantize_(model, recipe, calibration=calibration)
+                ours = leanlm_perplexity(model)
+                path = _export(loaded, model, record, work / row.replace(" ", "_").replace(",", ""))
+                del model
             elif isinstance(recipe, tuple):
                 _, kind, weighted = recipe
                 importance = importance_matrix(loaded.model, calibration.batches()) if weighted else None
@@ -278,12 +307,8 @@ def main() -> None:
                 model = copy.deepcopy(loaded.model)
                 record = quantize_(model, recipe, calibration=calibration)
                 ours = leanlm_perplexity(model)
-                checkpoint_dir, path = work / row.replace(" ", "_"), work / f"{row.replace(' ', '_')}.gguf"
-                shutil.rmtree(checkpoint_dir, ignore_errors=True)  # a previous run's: this row is made anew
-                path.unlink(missing_ok=True)
-                checkpoint = save_quantized(loaded, model, record, checkpoint_dir)
+                path = _export(loaded, model, record, work / row.replace(" ", "_"))
                 del model
-                path = Path(export_gguf(checkpoint, path, FLOAT_TYPE_OF_Q4_0)["path"])
         engine = LlamaCpp(path, context=args.seq_len, threads=args.threads)
         scored = engine.perplexity(windows)
         del engine

@@ -3,6 +3,7 @@ import torch
 from tiny import tiny_model, token_ids
 
 from leanlm.errors import ConfigError
+from leanlm.formats.gptq import solve
 from leanlm.formats.minmax import search_symmetric
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, SpQRConfig, load_quantized, quantize_, save_quantized
 from leanlm.models import load_model
@@ -145,8 +146,8 @@ def test_gptq_beats_rtn_on_a_gguf_block_type():
 
 
 def test_a_gguf_block_type_sets_the_grid_itself():
-    with pytest.raises(ConfigError, match="fits its own statistics"):
-        GPTQConfig(gguf_type="q4_k", scale_search=True, grid="symmetric")
+    recipe = GPTQConfig(gguf_type="q4_k", scale_search=True, grid="symmetric", group_size=32).solver()
+    assert solve(torch.randn(4, 256), torch.eye(256), recipe).blocks[0].name == "q4_k"  # the recipe's grid yields
     with pytest.raises(ConfigError, match="choose from"):
         GPTQConfig(gguf_type="q4_k_m")
     RTNConfig(gguf_type="q4_k", imatrix=True)  # the importance matrix weighs the block type's own fit

@@ -63,8 +63,8 @@ class SolverSettings:
     hessian_shrinkage: float = 0.0
     # A GGUF block type (a key of leanlm.formats.gguf_blocks.BLOCK_TYPES): the weight is stored as that type's
     # blocks, its statistics fitted before solving as the format stores them (static groups of its sub-blocks),
-    # and `bits`, `group_size` and `grid` are the type's own; a row that is no whole number of its blocks takes
-    # llama.cpp's fallback type.
+    # and `bits`, `group_size`, `grid` and the scale search are the type's own; a row that is no whole number of
+    # its blocks takes llama.cpp's fallback type.
     block_type: str | None = None
 
     def __post_init__(self):
@@ -84,16 +84,14 @@ class SolverSettings:
             raise ConfigError(f"Hessian shrinkage must be between 0 and 1, got {self.hessian_shrinkage}")
         if self.grid not in GRIDS:
             raise ConfigError(f"grid must be one of {', '.join(GRIDS)}, got {self.grid!r}")
-        if self.scale_search and self.grid != "symmetric":
+        if self.scale_search and self.grid != "symmetric" and self.block_type is None:
             raise ConfigError("scale search chooses the symmetric grid's scale (grid='symmetric')")
         if self.static_groups and self.outlier_threshold is not None:
             raise ConfigError("static groups are fitted once, before solving; SpQR's outlier search refits them")
         if self.block_type is not None:
             gguf_blocks.block_type(self.block_type)
-            if self.statistic_bits is not None or self.outlier_threshold is not None or self.scale_search:
-                raise ConfigError(
-                    "a GGUF block type fits its own statistics (no SpQR statistics, outliers or symmetric scale search)"
-                )
+            if self.statistic_bits is not None or self.outlier_threshold is not None:
+                raise ConfigError("a GGUF block type fits its own statistics (no SpQR statistics or outliers)")
         if self.grid != "minmax" and (self.statistic_bits is not None or self.outlier_threshold is not None):
             raise ConfigError(
                 f"the {self.grid} grid keeps float16 statistics and no outliers (SpQR's quantized "

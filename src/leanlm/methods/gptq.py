@@ -8,8 +8,9 @@ quantized block produces block i+1's inputs. Within a block every linear sees fl
 
 from __future__ import annotations
 
+import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
@@ -18,9 +19,10 @@ from leanlm.errors import ConfigError
 from leanlm.formats.gguf_blocks import BLOCK_TYPES
 from leanlm.formats.gptq import SolverSettings, solve
 from leanlm.formats.minmax import GRIDS
+from leanlm.methods import bit_allocation
 from leanlm.methods.blocks import observe_inputs
 from leanlm.methods.quantize import BlockPlan, QuantRun, register_method
-from leanlm.models.architectures import architecture_for, linear_weight_out_in
+from leanlm.models.architectures import architecture_for, decoder_blocks, linear_weight_out_in
 from leanlm.nn.gguf_linear import GGUFLinear
 from leanlm.nn.spqr_linear import SpQRLinear
 from leanlm.settings import option
@@ -33,6 +35,12 @@ class _SolverChecks:
         self.solver()
         if getattr(self, "calibration_samples", 1) < 1:
             raise ConfigError(f"calibration_samples must be at least 1, got {self.calibration_samples}")
+        patterns = bit_allocation.parse_tensor_types(getattr(self, "tensor_types", ()))
+        target = getattr(self, "target_bits", None)
+        if patterns and target is None and getattr(self, "gguf_type", None) is None:
+            raise ConfigError("--tensor-type sets some linears' types: give --gguf-type or --target-bits for the rest")
+        if target is not None and not 2 <= target <= 9:
+            raise ConfigError(f"target bits must be between 2 and 9 bits per weight, got {target}")
 
 
 def _scale_search_option():
@@ -83,6 +91,18 @@ class RTNConfig(_SolverChecks):
         128, "calibration windows the importance matrix is read from (--imatrix)", flag="--calib-samples"
     )
     gguf_type: str | None = _gguf_type_option()
+    target_bits: float | None = option(
+        None,
+        "choose a GGUF block type per linear (among Q3_K-Q6_K, Q4_0, Q5_0, Q8_0) to spend at most this many bits "
+        "per weight where the Hessian-weighted error falls most",
+        none_word="none",
+    )
+    tensor_types: tuple[str, ...] = option(
+        (),
+        "PATTERN=TYPE: the GGUF block type of the linears whose BLOCK.PATH (e.g. 3.mlp.down_proj) the regular "
+        "expression finds; repeat it, or give the map a quantize record saved",
+        flag="--tensor-type",
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -127,6 +147,18 @@ class GPTQConfig(_SolverChecks):
         0.0, "pull the Hessian's off-diagonal terms toward zero by this fraction (0: GPTQ, 1: importance-weighted RTN)"
     )
     gguf_type: str | None = _gguf_type_option()
+    target_bits: float | None = option(
+        None,
+        "choose a GGUF block type per linear (among Q3_K-Q6_K, Q4_0, Q5_0, Q8_0) to spend at most this many bits "
+        "per weight where the Hessian-weighted error falls most",
+        none_word="none",
+    )
+    tensor_types: tuple[str, ...] = option(
+        (),
+        "PATTERN=TYPE: the GGUF block type of the linears whose BLOCK.PATH (e.g. 3.mlp.down_proj) the regular "
+        "expression finds; repeat it, or give the map a quantize record saved",
+        flag="--tensor-type",
+    )
 
     def solver(self) -> SolverSettings:
         return SolverSettings(
@@ -178,7 +210,13 @@ class SpQRConfig(_SolverChecks):
 SolverConfig = RTNConfig | GPTQConfig | SpQRConfig
 
 
-@register_method(RTNConfig, "rtn", "quantizer", needs_calibration=lambda config: config.imatrix, blockwise=True)
+@register_method(
+    RTNConfig,
+    "rtn",
+    "quantizer",
+    needs_calibration=lambda config: config.imatrix or config.target_bits is not None,
+    blockwise=True,
+)
 @register_method(GPTQConfig, "gptq", "quantizer", blockwise=True)
 @register_method(SpQRConfig, "spqr", "quantizer", blockwise=True)
 def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> BlockPlan:
@@ -190,21 +228,44 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     table = architecture_for(model)
     started = time.perf_counter()
     importance_only = getattr(config, "imatrix", False)  # RTN's scale search weighted by the Hessian's diagonal
-    hessians = _HessianObserver(table, diagonal_only=importance_only)
+    target = getattr(config, "target_bits", None)
+    fixed = _fixed_types(model, table, config)
+    hessians = _HessianObserver(table, diagonal_only=not settings.error_feedback)
+
+    def block_types(index: int, block: nn.Module) -> dict[str, str | None]:
+        """Each linear's block type: the user's, the budget's (bits moved between the block's linears), or
+        --gguf-type's."""
+        chosen = {path: fixed.get(f"{index}.{path}", settings.block_type) for path in table.quantizable_linears}
+        if target is None:
+            return chosen
+        errors, sizes = {}, {}
+        for path in table.quantizable_linears:
+            weight = linear_weight_out_in(block.get_submodule(path), table)
+            sizes[path] = weight.numel()
+            if f"{index}.{path}" in fixed:
+                errors[path] = {chosen[path]: 0.0}
+            else:
+                names = bit_allocation.candidates_for(weight.shape[1])
+                errors[path] = bit_allocation.type_errors(weight, hessians.diagonal(path, weight.shape[1]), names)
+        return bit_allocation.allocate(errors, sizes, target)
 
     def quantize_block(index: int, block: nn.Module) -> dict:
         counts = {"weights": 0, "stored_bits": 0.0, "outliers": 0}
+        types = block_types(index, block)
         for path in table.quantizable_linears:
             linear = block.get_submodule(path)
             weight = linear_weight_out_in(linear, table)
-            if importance_only:
-                solved = solve(weight, None, settings, importance=hessians.take(path))
+            solver = replace(settings, block_type=types[path])
+            if not settings.error_feedback:
+                importance = hessians.take(path) if importance_only else None
+                solved = solve(weight, None, solver, importance=importance)
             else:
-                solved = solve(weight, hessians.take(path), settings, overwrite_hessian=True)
+                solved = solve(weight, hessians.take(path), solver, overwrite_hessian=True)
             bias = getattr(linear, "bias", None)
             if solved.blocks is not None:
                 kind, statistics = solved.blocks
                 quantized = GGUFLinear.from_codes(kind, solved.codes, statistics, bias)
+                counts[f"^{re.escape(f'{index}.{path}')}$={kind.name}"] = 1  # the map the record keeps
             else:
                 quantized = SpQRLinear.from_solved(solved, settings, bias)
             block.set_submodule(path, quantized)
@@ -215,11 +276,15 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
         return counts
 
     # RTN reads no data, but for its importance matrix
-    windows = run.data(config).batches(samples) if settings.error_feedback or importance_only else None
+    reads_text = settings.error_feedback or importance_only or target is not None
+    windows = run.data(config).batches(samples) if reads_text else None
 
     def finish(model: nn.Module, counts: dict) -> dict:
+        mapped = {key.rpartition("=")[0]: key.rpartition("=")[2] for key in counts if "=" in key}
         return {
             **asdict(settings),
+            "target_bits": target,
+            "tensor_types": mapped or None,
             "imatrix": importance_only,
             "calibration_samples": None if windows is None else len(windows),
             "calibration_seq_len": run.calibration.seq_len if run.calibration is not None else None,
@@ -235,6 +300,32 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
         windows=windows,
         feed_quantized=True,
     )
+
+
+def _fixed_types(model: nn.Module, table, config) -> dict[str, str]:
+    """{BLOCK.PATH: type} the user's patterns give, checked before any slow work: every pattern must find a
+    linear, and a budget must be one the linears' block types can spend."""
+    patterns = bit_allocation.parse_tensor_types(getattr(config, "tensor_types", ()))
+    target = getattr(config, "target_bits", None)
+    if not patterns and target is None:
+        return {}
+    shapes = {
+        f"{index}.{path}": tuple(linear_weight_out_in(block.get_submodule(path), table).shape)
+        for index, block in enumerate(decoder_blocks(model, table))
+        for path in table.quantizable_linears
+    }
+    missing = bit_allocation.unmatched(list(shapes), patterns)
+    if missing:
+        example = next(iter(shapes))
+        raise ConfigError(f"tensor type pattern {missing[0]!r} finds no linear (they are named like {example!r})")
+    fixed = bit_allocation.fixed_types(list(shapes), patterns)
+    if target is not None:
+        low, high = bit_allocation.reachable_bits(shapes, fixed)
+        if not low <= target:
+            raise ConfigError(f"--target-bits {target}: this model's linears take at least {low:.3f} bits per weight")
+        if target > high:
+            raise ConfigError(f"--target-bits {target}: this model's linears take at most {high:.3f} bits per weight")
+    return fixed
 
 
 class _HessianObserver:
@@ -268,6 +359,14 @@ class _HessianObserver:
 
     def clear(self) -> None:
         self.sums, self.tokens, self.readers = {}, {}, {}
+
+    def diagonal(self, path: str, columns: int) -> torch.Tensor:
+        """The diagonal of `path`'s input Hessian, without taking it (ones if it saw no input)."""
+        key = self.source.get(path, path)
+        if key not in self.sums:
+            return torch.ones(columns)
+        total = self.sums[key] if self.diagonal_only else self.sums[key].diagonal()
+        return 2.0 * total / self.tokens[key]
 
     def take(self, path: str) -> torch.Tensor | None:
         """The Hessian of `path`'s input (None if it saw none), forgotten after its last reader."""

@@ -1,0 +1,132 @@
+"""Which GGUF block type each linear takes: a user's map (`PATTERN=TYPE`, llama.cpp's `--tensor-type` form), or
+a budget of bits per weight spent where it lowers the error most.
+
+The measure of a type on a linear is its Hessian-weighted squared error, sum_ij h_j (W_ij - Q(W)_ij)^2 with h the
+diagonal of the linear's input Hessian (the mean squared input of each column: llama.cpp's importance matrix):
+the increase of the layer's output error, to first order, when its weight is rounded to the type's grid (round to
+nearest on the type's fitted statistics, on a sample of rows and scaled to all). For a budget B, every linear takes
+the type that minimises error + lambda * bits, with lambda the smallest at which the stored bits fit B (the
+Lagrangian of the knapsack; a type is a candidate only where a row is a whole number of its blocks). Bits move
+between the linears of one transformer block (attention against MLP, V against Q and K, down against gate and up),
+so that the pipeline keeps quantizing one block at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from leanlm.errors import ConfigError
+from leanlm.formats.gguf_blocks import BLOCK_TYPES, block_type, codes_for, decode, fit_statistics
+
+# What --target-bits chooses among by default: the K-quants and, for rows they cannot tile, the blocks of 32.
+CANDIDATES = ("q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q5_0", "q8_0")
+SAMPLE_ROWS = 256  # rows of a weight the error is measured on (spread evenly), scaled to the whole weight
+
+
+def _entries(spec: str) -> list[str]:
+    """`spec` itself, or the PATTERN=TYPE entries of the JSON file it names: a {pattern: type} object, or a
+    quantize record's `tensor_types` (its map: one anchored pattern per linear)."""
+    path = Path(spec).expanduser()
+    if "=" in spec or not path.is_file():
+        return [spec]
+    try:
+        mapping = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"tensor types {spec}: not a JSON file ({error})") from None
+    if isinstance(mapping, dict) and isinstance(mapping.get("tensor_types"), dict):
+        mapping = mapping["tensor_types"]
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+        raise ConfigError(f"tensor types {spec}: expected a JSON object of pattern: type")
+    return [f"{pattern}={name}" for pattern, name in mapping.items()]
+
+
+def parse_tensor_types(specs: tuple[str, ...]) -> list[tuple[re.Pattern, str]]:
+    """`PATTERN=TYPE` strings (or JSON files of them) as (compiled pattern, block type), or a ConfigError naming
+    the bad one."""
+    parsed = []
+    for spec in (entry for given in specs for entry in _entries(given)):
+        pattern, sep, name = spec.rpartition("=")
+        if not sep or not pattern:
+            raise ConfigError(f"tensor type {spec!r}: write PATTERN=TYPE (for example mlp.down_proj=q6_k)")
+        try:
+            compiled = re.compile(pattern)
+        except re.error as error:
+            raise ConfigError(f"tensor type {spec!r}: {pattern!r} is not a regular expression ({error})") from None
+        parsed.append((compiled, block_type(name.lower()).name))
+    return parsed
+
+
+def fixed_types(names: list[str], patterns: list[tuple[re.Pattern, str]]) -> dict[str, str]:
+    """{name: type} for the names a pattern finds (the last pattern that matches wins, as in llama.cpp)."""
+    chosen = {}
+    for pattern, name in patterns:
+        for tensor in names:
+            if pattern.search(tensor):
+                chosen[tensor] = name
+    return chosen
+
+
+def unmatched(names: list[str], patterns: list[tuple[re.Pattern, str]]) -> list[str]:
+    """The patterns that find none of `names`."""
+    return [pattern.pattern for pattern, _ in patterns if not any(pattern.search(name) for name in names)]
+
+
+def candidates_for(columns: int, names: tuple[str, ...] = CANDIDATES) -> list[str]:
+    return [name for name in names if columns % BLOCK_TYPES[name].block == 0]
+
+
+def reachable_bits(shapes: dict[str, tuple[int, int]], fixed: dict[str, str]) -> tuple[float, float]:
+    """The least and most bits per weight a budget over `shapes` can spend (fixed tensors keep their type)."""
+    low = high = 0.0
+    total = 0
+    for name, (rows, columns) in shapes.items():
+        options = [fixed[name]] if name in fixed else candidates_for(columns)
+        if not options:
+            raise ConfigError(f"{name}: a row of {columns} weights is a whole number of no GGUF block type")
+        bits = [BLOCK_TYPES[option].bits_per_weight for option in options]
+        low, high, total = low + min(bits) * rows * columns, high + max(bits) * rows * columns, total + rows * columns
+    return low / total, high / total
+
+
+def type_errors(weight: torch.Tensor, importance: torch.Tensor, names: list[str]) -> dict[str, float]:
+    """{type: Hessian-weighted squared error of rounding `weight` to it}, measured on SAMPLE_ROWS rows."""
+    rows = weight.shape[0]
+    sample = weight[torch.linspace(0, rows - 1, min(rows, SAMPLE_ROWS)).long()].float()
+    scale = rows / sample.shape[0]
+    errors = {}
+    for name in names:
+        kind = BLOCK_TYPES[name]
+        statistics = fit_statistics(kind, sample, importance)
+        restored = decode(kind, codes_for(kind, sample, statistics), statistics)
+        errors[name] = scale * float(((restored - sample).square() * importance).sum())
+    return errors
+
+
+def allocate(errors: dict[str, dict[str, float]], sizes: dict[str, int], target_bits: float) -> dict[str, str]:
+    """{tensor: type} minimising the summed error with at most `target_bits` per weight over `sizes` (weights per
+    tensor); `errors`: each tensor's candidates and their errors. Bisection on lambda; the result never exceeds
+    the budget (the cheapest choice is taken where nothing fits)."""
+    total = sum(sizes.values())
+
+    def choice(penalty: float) -> dict[str, str]:
+        return {
+            tensor: min(options, key=lambda t: options[t] + penalty * BLOCK_TYPES[t].bits_per_weight * sizes[tensor])
+            for tensor, options in errors.items()
+        }
+
+    def bits(chosen: dict[str, str]) -> float:
+        return sum(BLOCK_TYPES[t].bits_per_weight * sizes[tensor] for tensor, t in chosen.items()) / total
+
+    low, high = 0.0, 1.0
+    while bits(choice(high)) > target_bits and high < 1e30:
+        high *= 10
+    if bits(choice(0.0)) <= target_bits:
+        return choice(0.0)
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if bits(choice(middle)) > target_bits else (low, middle)
+    return choice(high)
