@@ -48,10 +48,8 @@ from leanlm.bench.llama_cpp import LlamaCpp, llama_cpp_version, quantize_gguf, w
 from leanlm.data import datasets  # noqa: E402
 from leanlm.evaluation.perplexity import perplexity_windows, windows_perplexity  # noqa: E402
 from leanlm.export import export_gguf  # noqa: E402
-from leanlm.export.to_gguf import gguf_tensor_names  # noqa: E402
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, quantize_, save_quantized  # noqa: E402
-from leanlm.methods.blocks import observe_inputs  # noqa: E402
-from leanlm.models import architecture_for, iter_quantizable_linears  # noqa: E402
+from leanlm.methods.calibration import collect_importance  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 # What llama.cpp's Q4_0 gives the tensors that are not block linears (token_embd, as the tied output: Q6_K, which
@@ -111,19 +109,8 @@ def rows(calibration_samples: int) -> dict:
 def importance_matrix(model, batches: torch.Tensor) -> dict[str, torch.Tensor]:
     """{GGUF tensor name: mean over calibration tokens of each input column's square} for every block linear of
     the float model, the statistic llama.cpp's imatrix tool collects."""
-    table = architecture_for(model)
-    names = gguf_tensor_names(model)
-    sums, counts = {}, Counter()
-
-    def add(name: str, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).float()
-        sums[name] = sums.get(name, 0) + x.square().sum(dim=0)
-        counts[name] += x.shape[0]
-
-    with observe_inputs(iter_quantizable_linears(model, table), add), torch.inference_mode():
-        for window in batches:
-            model(input_ids=window[None], use_cache=False)
-    return {f"{names.get_name(name)}.weight": (sums[name] / counts[name]).numpy() for name in sums}
+    matrix = collect_importance(model, batches)
+    return {name: matrix.mean_squares(name) for name in matrix.sums}
 
 
 def _export(loaded, model, record, checkpoint_dir: Path) -> Path:
@@ -156,6 +143,7 @@ def report(payload: dict) -> str:
     table = payload.get("rows", {})
     settings = payload["settings"]
     float_ppl = table.get("F32", {}).get("llama_cpp", {}).get("perplexity")
+    float_bytes = table.get("F32", {}).get("file_bytes")
     lines = []
     for name, row in table.items():
         engine = row["llama_cpp"]
@@ -170,6 +158,8 @@ def report(payload: dict) -> str:
                 f"{emulated:.3f}" if emulated else "",
                 f"{100 * (engine['perplexity'] / ours['perplexity'] - 1):+.2f}%" if ours else "",
                 f"{row['file_bytes'] / 2**20:.1f}",
+                f"{32 * row['file_bytes'] / float_bytes:.2f}" if float_bytes else "",
+                f"{row['block_linear_bits']:.2f}" if "block_linear_bits" in row else "",
                 ", ".join(f"{k} {v}" for k, v in sorted(row["tensor_types"].items())),
             ]
         )
@@ -190,6 +180,8 @@ def report(payload: dict) -> str:
                 "leanlm, Q8_0 inputs",
                 "llama.cpp vs leanlm",
                 "MiB",
+                "bits/weight",
+                "block linears",
                 "tensor types",
             ],
             lines,

@@ -725,3 +725,17 @@ def test_a_seed_beyond_64_bits_is_one_line(argv, capsys):
     assert capsys.readouterr().err.strip() == (
         f"leanlm: error: --seed: seed must be a whole number from 0 to 2**63 - 1, got {2**70}"
     )
+
+
+def test_imatrix_writes_llama_cpps_file_and_rtn_reads_it(tiny_llama_dir, tmp_path, capsys):
+    from leanlm.formats.imatrix import read_imatrix
+
+    out = tmp_path / "m.imatrix.gguf"
+    assert main(["imatrix", str(tiny_llama_dir), "--out", str(out), "--samples", "2", "--seq-len", "16"]) == 0
+    assert read_imatrix(out).counts["blk.0.attn_q.weight"] == 32
+    assert main(["imatrix", str(tiny_llama_dir), "--out", str(out), "--samples", "2", "--seq-len", "16"]) == 2
+    assert "--force" in capsys.readouterr().err  # an existing file is kept
+    checkpoint = tmp_path / "q"
+    arguments = ["quantize", str(tiny_llama_dir), "--method", "rtn", "--gguf-type", "q4_0", "--imatrix-file", str(out)]
+    assert main([*arguments, "--out", str(checkpoint)]) == 0
+    assert "Q4_0 x 14" in capsys.readouterr().out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 from leanlm.bench.harness import process_peak_rss_bytes
@@ -12,7 +13,13 @@ from leanlm.cli.options import settings_from_args
 from leanlm.errors import ConfigError
 from leanlm.evaluation import EvalSettings
 from leanlm.report import format_table
-from leanlm.storage import check_output_directory, staged_directory, write_text_atomically
+from leanlm.storage import (
+    check_output_directory,
+    check_output_file,
+    staged_directory,
+    staged_file,
+    write_text_atomically,
+)
 
 
 def _check_json_path(path: Path | None) -> None:
@@ -114,6 +121,9 @@ def _describe(record: dict) -> str:
         parts.append(f"alpha {record['smoothquant']['alpha']}")
     if record.get("avg_bits") is not None:
         parts.append(f"average {record['avg_bits']:.3f} bits per weight")
+    if record.get("tensor_types"):  # GGUF block types: how many linears took each (the map is in the record)
+        counts = Counter(record["tensor_types"].values())
+        parts.append("GGUF " + " / ".join(f"{name.upper()} x {count}" for name, count in sorted(counts.items())))
     if record.get("outlier_rate"):
         parts.append(f"{100 * record['outlier_rate']:.2f}% outliers")
     if record.get("cushion"):
@@ -210,6 +220,21 @@ def command_analyze(args) -> None:
         plot_outliers(report, args.plot, title, view)
         print(f"plot: {args.plot}")
     _write_json(args.json, payload)
+
+
+def command_imatrix(args) -> None:
+    from leanlm.data import calibration_batches
+    from leanlm.formats.imatrix import write_imatrix
+    from leanlm.methods.calibration import collect_importance
+    from leanlm.models import load_model
+
+    out = check_output_file(args.out, force=args.force)
+    loaded = load_model(args.model)
+    batches = calibration_batches(loaded.tokenizer, n_samples=args.samples, seq_len=args.seq_len, source=args.text)
+    matrix = collect_importance(loaded.model, batches, source=args.text)
+    with staged_file(out) as partial:
+        write_imatrix(partial, matrix)
+    print(f"wrote {out} ({len(matrix.sums)} weights, {args.samples} windows of {args.seq_len} tokens of {args.text})")
 
 
 def command_stream(args) -> None:

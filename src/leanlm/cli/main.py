@@ -98,6 +98,15 @@ def _analyze(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, help="write a PNG: channel heat map + before/after SmoothQuant")
 
 
+def _imatrix(parser: argparse.ArgumentParser) -> None:
+    _setup(parser, "command_imatrix", json=None)
+    parser.add_argument("--out", type=Path, required=True, help="the importance-matrix GGUF file to write")
+    parser.add_argument("--samples", type=_positive_int, default=128, help="calibration windows read")
+    parser.add_argument("--seq-len", type=_positive_int, default=512)
+    parser.add_argument("--text", choices=["lambada-dev", "lambada-test", "lee"], default="lambada-dev")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out file")
+
+
 def _stream(parser: argparse.ArgumentParser) -> None:
     from leanlm.evaluation.streaming import StreamSettings
     from leanlm.models import LoadSettings
@@ -247,6 +256,11 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
         _plan,
     ),
     "analyze": ("activation outlier features (as in LLM.int8(), section 2.3)", _analyze),
+    "imatrix": (
+        "llama.cpp's importance matrix of a model on calibration text (the GGUF file llama-quantize --imatrix "
+        "and leanlm quantize --imatrix-file read)",
+        _imatrix,
+    ),
     "stream": (
         "streaming perplexity, latency and memory over a long text (dense, window, re-computation, StreamingLLM)",
         _stream,
@@ -266,9 +280,10 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "bench": ("quick side-by-side measurements (the full studies are the scripts in benchmarks/)", _bench),
     "export": (
         "write a model for another engine: a GGUF file llama.cpp runs alone (a float model as F32 / F16 / "
-        "BF16 / Q8_0; RTN or GPTQ with --grid symmetric --group-size 32 --no-act-order as its exact Q4_0 / "
-        "Q8_0 blocks), or a compressed-tensors directory that transformers and vLLM load (W8A8 / SmoothQuant "
-        "with --no-bmm; RTN or GPTQ with --grid symmetric --no-act-order)",
+        "BF16 / Q8_0; RTN or GPTQ with --gguf-type or --target-bits as their own blocks, or with --grid "
+        "symmetric --group-size 32 --no-act-order as Q4_0 / Q8_0), or a compressed-tensors directory that "
+        "transformers and vLLM load (W8A8 / SmoothQuant with --no-bmm; RTN or GPTQ with --grid symmetric "
+        "--no-act-order)",
         _export,
     ),
     "swarm": (

@@ -34,6 +34,7 @@ from torch import nn
 from leanlm.errors import ConfigError, CorruptModelError, first_line
 from leanlm.export.exactness import require_exact
 from leanlm.formats.gguf_header import read_gguf_header
+from leanlm.models.architectures import gguf_tensor_names
 from leanlm.nn import QUANTIZED_MODULES
 from leanlm.storage import QUANT_FILE, check_output_file, staged_file
 
@@ -184,15 +185,6 @@ def metadata_from_transformers(writer: gguf.GGUFWriter, config, tokenizer, vocab
     if isinstance(tokenizer.chat_template, str):
         writer.add_chat_template(tokenizer.chat_template)
     return pre
-
-
-def gguf_tensor_names(model: nn.Module) -> gguf.TensorNameMap:
-    """The `gguf` package's map from the model's module names to GGUF tensor names."""
-    from leanlm.models.architectures import architecture_for
-
-    architecture = architecture_for(model).gguf_architecture
-    enum = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
-    return gguf.get_tensor_name_map(enum, model.config.num_hidden_layers)
 
 
 def _gguf_order(weights: np.ndarray, heads: int) -> np.ndarray:

@@ -1,13 +1,17 @@
 """Calibration: run sample text through the model block by block and record, for every quantizable linear, the
-running per-input-channel max|x| (SmoothQuant's act_scales; its max is the per-tensor static range)."""
+running per-input-channel max|x| (SmoothQuant's act_scales; its max is the per-tensor static range), or the sum of
+each input column's square (llama.cpp's importance matrix)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 from torch import nn
 
+from leanlm.formats.imatrix import ImportanceMatrix
 from leanlm.methods.blocks import observe_inputs, walk_blocks
-from leanlm.models.architectures import ArchitectureTable, architecture_for
+from leanlm.models.architectures import ArchitectureTable, architecture_for, gguf_tensor_names
 
 
 def record_channel_absmax(known: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> None:
@@ -16,20 +20,51 @@ def record_channel_absmax(known: dict[str, torch.Tensor], name: str, x: torch.Te
     known[name] = torch.maximum(known[name], channel_max) if name in known else channel_max
 
 
-def collect_input_absmax(
-    model: nn.Module, batches: torch.Tensor, table: ArchitectureTable | None = None, desc: str = "calibrating"
-) -> dict[str, torch.Tensor]:
-    """{linear name: (in_features,) max |x| per input channel over all calibration tokens}, observed on the
-    float model through the block pipeline (one window per forward: no padding to pollute the ranges)."""
-    table = table or architecture_for(model)
-    stats: dict[str, torch.Tensor] = {}
+def _observe_block_linears(model: nn.Module, batches: torch.Tensor, table: ArchitectureTable, record, desc: str):
+    """Run the calibration windows through the float model block by block; `record(name, x)` sees every block
+    linear's input (one window per forward: no padding to pollute the statistics)."""
 
     def observe(index: int, block: nn.Module):
         prefix = f"{table.blocks}.{index}."
         return observe_inputs(
-            ((prefix + path, block.get_submodule(path)) for path in table.quantizable_linears),
-            lambda name, x: record_channel_absmax(stats, name, x),
+            ((prefix + path, block.get_submodule(path)) for path in table.quantizable_linears), record
         )
 
     walk_blocks(model, batches, observe=observe, desc=desc)
+
+
+def collect_input_absmax(
+    model: nn.Module, batches: torch.Tensor, table: ArchitectureTable | None = None, desc: str = "calibrating"
+) -> dict[str, torch.Tensor]:
+    """{linear name: (in_features,) max |x| per input channel over all calibration tokens}, observed on the
+    float model through the block pipeline."""
+    stats: dict[str, torch.Tensor] = {}
+    table = table or architecture_for(model)
+    _observe_block_linears(model, batches, table, lambda name, x: record_channel_absmax(stats, name, x), desc)
     return stats
+
+
+def collect_importance(model: nn.Module, batches: torch.Tensor, source: str = "calibration") -> ImportanceMatrix:
+    """llama.cpp's importance matrix of the float model: for every block linear, under its GGUF name, the sum over
+    the calibration tokens of each input column's square and the number of tokens (what `llama-imatrix`
+    accumulates); `source` names the text in the file's metadata."""
+    table = architecture_for(model)
+    names = gguf_tensor_names(model)
+    sums: dict[str, torch.Tensor] = {}
+    counts: Counter = Counter()
+
+    def record(name: str, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        sums[name] = sums[name] + x.square().sum(dim=0) if name in sums else x.square().sum(dim=0)
+        counts[name] += x.shape[0]
+
+    with torch.inference_mode():
+        _observe_block_linears(model, batches, table, record, "importance")
+    gguf_name = {name: f"{names.get_name(name)}.weight" for name in sums}
+    return ImportanceMatrix(
+        {gguf_name[name]: total.numpy() for name, total in sums.items()},
+        {gguf_name[name]: float(count) for name, count in counts.items()},
+        [source],
+        len(batches),
+        batches.shape[-1],
+    )

@@ -35,10 +35,8 @@ class _SolverChecks:
         self.solver()
         if getattr(self, "calibration_samples", 1) < 1:
             raise ConfigError(f"calibration_samples must be at least 1, got {self.calibration_samples}")
-        patterns = bit_allocation.parse_tensor_types(getattr(self, "tensor_types", ()))
+        bit_allocation.parse_tensor_types(getattr(self, "tensor_types", ()))
         target = getattr(self, "target_bits", None)
-        if patterns and target is None and getattr(self, "gguf_type", None) is None:
-            raise ConfigError("--tensor-type sets some linears' types: give --gguf-type or --target-bits for the rest")
         if target is not None and not 2 <= target <= 9:
             raise ConfigError(f"target bits must be between 2 and 9 bits per weight, got {target}")
 
@@ -90,6 +88,12 @@ class RTNConfig(_SolverChecks):
     calibration_samples: int = option(
         128, "calibration windows the importance matrix is read from (--imatrix)", flag="--calib-samples"
     )
+    imatrix_file: str | None = option(
+        None,
+        "an importance matrix file (llama-imatrix's GGUF, or leanlm imatrix's) to weigh the scale search by, "
+        "instead of --imatrix's calibration pass",
+        none_word="none",
+    )
     gguf_type: str | None = _gguf_type_option()
     target_bits: float | None = option(
         None,
@@ -106,7 +110,9 @@ class RTNConfig(_SolverChecks):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.imatrix and not (self.scale_search or self.gguf_type):
+        if self.imatrix and self.imatrix_file:
+            raise ConfigError("give --imatrix (computed while quantizing) or --imatrix-file, not both")
+        if (self.imatrix or self.imatrix_file) and not (self.scale_search or self.gguf_type):
             raise ConfigError(
                 "imatrix weighs the search of each group's scale, which needs --scale-search or --gguf-type"
             )
@@ -230,6 +236,7 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     importance_only = getattr(config, "imatrix", False)  # RTN's scale search weighted by the Hessian's diagonal
     target = getattr(config, "target_bits", None)
     fixed = _fixed_types(model, table, config)
+    given = _importance_from_file(model, table, getattr(config, "imatrix_file", None))
     hessians = _HessianObserver(table, diagonal_only=not settings.error_feedback)
 
     def block_types(index: int, block: nn.Module) -> dict[str, str | None]:
@@ -257,7 +264,7 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
             weight = linear_weight_out_in(linear, table)
             solver = replace(settings, block_type=types[path])
             if not settings.error_feedback:
-                importance = hessians.take(path) if importance_only else None
+                importance = hessians.take(path) if importance_only else given.get(f"{index}.{path}")
                 solved = solve(weight, None, solver, importance=importance)
             else:
                 solved = solve(weight, hessians.take(path), solver, overwrite_hessian=True)
@@ -286,6 +293,7 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
             "target_bits": target,
             "tensor_types": mapped or None,
             "imatrix": importance_only,
+            "imatrix_file": getattr(config, "imatrix_file", None),
             "calibration_samples": None if windows is None else len(windows),
             "calibration_seq_len": run.calibration.seq_len if run.calibration is not None else None,
             "avg_bits": counts["stored_bits"] / counts["weights"],
@@ -300,6 +308,32 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
         windows=windows,
         feed_quantized=True,
     )
+
+
+def _importance_from_file(model: nn.Module, table, path: str | None) -> dict[str, torch.Tensor]:
+    """{BLOCK.PATH: importance per input column} of every block linear, from an importance-matrix file; a
+    ConfigError before any work if the file is not this model's."""
+    if path is None:
+        return {}
+    from leanlm.formats.imatrix import read_imatrix
+    from leanlm.models.architectures import gguf_tensor_names
+
+    matrix = read_imatrix(path)
+    names = gguf_tensor_names(model)
+    found = {}
+    for index, block in enumerate(decoder_blocks(model, table)):
+        for path_in_block in table.quantizable_linears:
+            name = f"{names.get_name(f'{table.blocks}.{index}.{path_in_block}')}.weight"
+            columns = linear_weight_out_in(block.get_submodule(path_in_block), table).shape[1]
+            if name not in matrix.sums:
+                raise ConfigError(f"{path} is not this model's importance matrix: it has no entry for {name}")
+            if matrix.sums[name].shape[0] != columns:
+                raise ConfigError(
+                    f"{path} is not this model's importance matrix: {name} has {matrix.sums[name].shape[0]} "
+                    f"columns there, {columns} here"
+                )
+            found[f"{index}.{path_in_block}"] = torch.from_numpy(matrix.mean_squares(name))
+    return found
 
 
 def _fixed_types(model: nn.Module, table, config) -> dict[str, str]:
@@ -319,6 +353,12 @@ def _fixed_types(model: nn.Module, table, config) -> dict[str, str]:
         example = next(iter(shapes))
         raise ConfigError(f"tensor type pattern {missing[0]!r} finds no linear (they are named like {example!r})")
     fixed = bit_allocation.fixed_types(list(shapes), patterns)
+    untyped = [name for name in shapes if name not in fixed]
+    if untyped and target is None and getattr(config, "gguf_type", None) is None:
+        raise ConfigError(
+            f"--tensor-type gives {untyped[0]} (and {len(untyped) - 1} more) no type: add --gguf-type or "
+            "--target-bits for the rest"
+        )
     if target is not None:
         low, high = bit_allocation.reachable_bits(shapes, fixed)
         if not low <= target:

@@ -397,6 +397,19 @@ def iter_quantizable_linears(
             yield f"{table.blocks}.{index}.{path}", block.get_submodule(path)
 
 
+def gguf_tensor_names(model: nn.Module):
+    """The `gguf` package's map from the model's module names to GGUF tensor names (gguf.TensorNameMap)."""
+    import gguf
+
+    architecture = architecture_for(model).gguf_architecture
+    if architecture is None:
+        raise UnsupportedArchitectureError(
+            f"leanlm does not know the GGUF layout of the {architecture_for(model).family} family"
+        )
+    enum = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
+    return gguf.get_tensor_name_map(enum, model.config.num_hidden_layers)
+
+
 def linear_weight_out_in(module: nn.Module, table: ArchitectureTable) -> torch.Tensor:
     """The weight of a linear as (out_features, in_features), whatever the family stores."""
     return module.weight.t() if table.weight_layout == "in_out" else module.weight

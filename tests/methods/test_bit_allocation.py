@@ -1,0 +1,130 @@
+"""Mixed GGUF block types: a budget of bits per weight goes where the Hessian-weighted error falls most, never
+above the budget; a user's PATTERN=TYPE map (or a record's) fixes types; bad maps and budgets are refused before
+any work."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from tiny import tiny_model, token_ids
+
+from leanlm.errors import ConfigError
+from leanlm.formats.gguf_blocks import BLOCK_TYPES
+from leanlm.methods import Calibration, GPTQConfig, RTNConfig, quantize_
+from leanlm.methods.bit_allocation import allocate, parse_tensor_types, type_errors
+from leanlm.nn import GGUFLinear
+
+
+def test_the_budget_goes_where_the_error_falls_most():
+    sizes = {"sensitive": 1000, "robust": 1000}
+    errors = {
+        "sensitive": {"q3_k": 100.0, "q4_k": 20.0, "q6_k": 1.0},
+        "robust": {"q3_k": 2.0, "q4_k": 1.0, "q6_k": 0.5},
+    }
+    chosen = allocate(errors, sizes, target_bits=5.0)
+    assert chosen == {"sensitive": "q6_k", "robust": "q3_k"}  # 6.5625 + 3.4375 = 10 bits over two tensors
+    assert allocate(errors, sizes, target_bits=4.0) == {"sensitive": "q4_k", "robust": "q3_k"}
+    assert allocate(errors, sizes, target_bits=8.0) == {"sensitive": "q6_k", "robust": "q6_k"}
+
+
+def test_type_errors_fall_with_bits_and_weigh_the_columns_that_matter():
+    weight = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
+    errors = type_errors(weight, torch.ones(512), ["q3_k", "q4_k", "q5_k", "q6_k"])
+    assert errors["q3_k"] > errors["q4_k"] > errors["q5_k"] > errors["q6_k"] > 0
+    doubled = type_errors(weight, 2 * torch.ones(512), ["q4_k"])["q4_k"]
+    assert doubled == pytest.approx(2 * errors["q4_k"], rel=1e-5)
+
+
+def test_tensor_types_are_patterns_or_the_map_a_record_keeps(tmp_path):
+    (pattern, name), *_ = parse_tensor_types(("mlp\\.down_proj=Q6_K",))
+    assert pattern.search("3.mlp.down_proj") and name == "q6_k"
+    record = tmp_path / "leanlm_quant.json"
+    record.write_text(json.dumps({"method": "gptq", "tensor_types": {"^0\\.mlp\\.up_proj$": "q4_k"}}))
+    assert [(p.pattern, t) for p, t in parse_tensor_types((str(record),))] == [("^0\\.mlp\\.up_proj$", "q4_k")]
+    for bad, reason in (
+        ("down_proj", "write PATTERN=TYPE"),
+        ("(=q4_k", "not a regular expression"),
+        ("x=q9_k", "choose"),
+    ):
+        with pytest.raises(ConfigError, match=reason):
+            parse_tensor_types((bad,))
+
+
+def test_a_budget_mixes_types_within_it_and_its_map_reproduces_the_model(tmp_path):
+    calibration = Calibration(token_ids=token_ids(8, 32, seed=1))
+    model = tiny_model("llama", width=256)
+    record = quantize_(model, GPTQConfig(target_bits=5.0), calibration=calibration)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, GGUFLinear)}
+    assert len({m.block_type for m in layers.values()}) > 1
+    assert record["avg_bits"] <= 5.0 and record["avg_bits"] > BLOCK_TYPES["q3_k"].bits_per_weight
+    assert record["target_bits"] == 5.0 and len(record["tensor_types"]) == len(layers)
+    saved = tmp_path / "record.json"
+    saved.write_text(json.dumps(record))
+    again = tiny_model("llama", width=256)
+    quantize_(again, GPTQConfig(tensor_types=(str(saved),)), calibration=calibration)
+    assert {n: m.block_type for n, m in again.named_modules() if isinstance(m, GGUFLinear)} == {
+        n: m.block_type for n, m in layers.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "config, reason",
+    [
+        (RTNConfig(target_bits=3.0), "take at least 3.438 bits per weight"),
+        (RTNConfig(target_bits=9.0), "take at most 8.500 bits per weight"),
+        (RTNConfig(gguf_type="q4_k", tensor_types=("attn_v=q6_k",)), "pattern 'attn_v' finds no linear"),
+    ],
+)
+def test_bad_maps_and_budgets_are_refused_before_any_work(config, reason):
+    with pytest.raises(ConfigError, match=reason):
+        quantize_(tiny_model("llama", width=256), config, calibration=Calibration(token_ids=token_ids(2, 8)))
+
+
+def test_a_map_that_leaves_linears_untyped_needs_a_type_for_them():
+    with pytest.raises(ConfigError, match="no type: add --gguf-type or --target-bits"):
+        quantize_(tiny_model("llama", width=256), RTNConfig(tensor_types=("mlp=q6_k",)))
+
+
+def test_the_importance_matrix_is_each_linears_mean_squared_input_under_its_gguf_name(tmp_path):
+    from leanlm.formats.imatrix import ImportanceMatrix, write_imatrix
+    from leanlm.methods.calibration import collect_importance
+
+    model = tiny_model("llama", width=256)
+    batches = token_ids(4, 16, seed=2)
+    matrix = collect_importance(model, batches)
+    inputs = []
+    handle = model.model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda m, a: inputs.append(a[0]))
+    with torch.inference_mode():
+        for window in batches:
+            model(input_ids=window[None])
+    handle.remove()
+    x = torch.cat([i.reshape(-1, i.shape[-1]) for i in inputs])
+    assert matrix.counts["blk.1.ffn_down.weight"] == 64 and matrix.chunk_count == 4 and matrix.chunk_size == 16
+    torch.testing.assert_close(
+        torch.from_numpy(matrix.sums["blk.1.ffn_down.weight"]), x.square().sum(0), rtol=1e-5, atol=1e-6
+    )
+
+    def rtn(imatrix_file=None):
+        quantized = tiny_model("llama", width=256)
+        quantize_(quantized, RTNConfig(gguf_type="q4_k", imatrix_file=imatrix_file))
+        return quantized.model.layers[1].mlp.down_proj.blocks
+
+    uniform = ImportanceMatrix(
+        {name: np.ones_like(values) for name, values in matrix.sums.items()}, dict(matrix.counts), ["ones"], 1, 1
+    )
+    write_imatrix(tmp_path / "uniform.gguf", uniform)
+    write_imatrix(tmp_path / "measured.gguf", matrix)
+    assert torch.equal(rtn(str(tmp_path / "uniform.gguf")), rtn())  # uniform importance is plain RTN
+    assert not torch.equal(rtn(str(tmp_path / "measured.gguf")), rtn())
+
+
+def test_another_models_importance_matrix_is_refused_before_any_work(tmp_path):
+    from leanlm.formats.imatrix import write_imatrix
+    from leanlm.methods.calibration import collect_importance
+
+    write_imatrix(tmp_path / "m.gguf", collect_importance(tiny_model("llama", width=64), token_ids(1, 8)))
+    with pytest.raises(ConfigError, match="not this model's importance matrix: blk.0.attn_q.weight has 64 columns"):
+        quantize_(tiny_model("llama", width=256), RTNConfig(gguf_type="q4_k", imatrix_file=str(tmp_path / "m.gguf")))
+    with pytest.raises(ConfigError, match="--imatrix .* or --imatrix-file, not both"):
+        RTNConfig(gguf_type="q4_k", imatrix=True, imatrix_file="x")
