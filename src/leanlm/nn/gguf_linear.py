@@ -2,8 +2,14 @@
 byte what a GGUF file holds (`leanlm.formats.gguf_blocks`), so that export writes the blocks as they are and a
 file de-quantizes, through the `gguf` package, to exactly the weight this module computes with.
 
-The forward pass de-quantizes the whole weight (float32) and runs one matmul: the plain-PyTorch reference, at the
-cost of one float32 copy of the weight per call, freed after it."""
+Two forward paths:
+- `reference` de-quantizes the whole weight (float32) and runs one matmul, at the cost of one float32 copy of the
+  weight per call, freed after it: every type, and the test oracle;
+- `kernel` (4-bit types: Q4_0, Q4_1, Q4_K, on AVX2) runs leanlm's k-bit kernel, which computes with the
+  sub-block rule w = A * q + (B - offset * A): the codes 0..15 are the kernel's table, A its block scale and the
+  rest its block offset, as for GPTQ's groups (`SpQRLinear`). It keeps that form beside the blocks (the codes
+  again, and two float32 numbers per sub-block), built at the first forward.
+The default is the kernel wherever it applies."""
 
 from __future__ import annotations
 
@@ -12,7 +18,11 @@ import torch
 from torch import nn
 
 from leanlm.formats import gguf_blocks
+from leanlm.formats.packing import pack
+from leanlm.kernels.kbit_gemm import avx2_available, kbit_linear, supports_fast_path
 from leanlm.nn.base import QuantizedModule
+
+IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 4-bit codes are the integers themselves
 
 
 class GGUFLinear(QuantizedModule):
@@ -27,6 +37,29 @@ class GGUFLinear(QuantizedModule):
             "blocks", torch.zeros(out_features, in_features // kind.block * kind.bytes, dtype=torch.uint8)
         )
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        self.backend: str | None = None  # "reference" or "kernel"; None: the kernel where it applies
+        self._kernel_inputs = None  # (packed codes, scales, offsets), rebuilt after a load
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._kernel_inputs = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _resolve_backend(self) -> str:
+        if self.backend is None:
+            fits = self.format.bits == 4 and supports_fast_path(4, self.format.sub, self.in_features)
+            self.backend = "kernel" if fits and avx2_available() else "reference"
+        return self.backend
+
+    def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernel's form of the weight: codes two per byte, each sub-block's A (flat) and offset
+        B - offset * A (rows, sub-blocks)."""
+        if self._kernel_inputs is None:
+            kind = self.format
+            codes, statistics = gguf_blocks.unpack(kind, self.blocks, self.in_features)
+            multiplier, offset = gguf_blocks.sub_block_grid(kind, statistics)
+            offset = (offset - kind.offset * multiplier).reshape(self.out_features, -1)
+            self._kernel_inputs = (pack(codes, 4), multiplier.reshape(-1).contiguous(), offset.contiguous())
+        return self._kernel_inputs
 
     @property
     def format(self) -> gguf_blocks.BlockType:
@@ -64,8 +97,24 @@ class GGUFLinear(QuantizedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"GGUFLinear expects {self.in_features} input features, got shape {tuple(x.shape)}")
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), bias)
+        if self._resolve_backend() == "reference":
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), bias)
+        codes, scales, offsets = self.kernel_inputs()
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        out = kbit_linear(
+            rows,
+            codes,
+            scales,
+            IDENTITY_TABLE,
+            self.out_features,
+            self.format.sub,
+            self.bias,
+            "avx2",
+            bits=4,
+            block_offsets=offsets,
+        )
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (
