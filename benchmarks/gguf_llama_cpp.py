@@ -20,7 +20,11 @@ exact Q4_0 blocks, and leanlm RTN with llama.cpp's importance-matrix scale searc
 each block's scale chosen by its squared error weighted by the same mean squared inputs, the importance matrix
 leanlm collects while quantizing, from the outputs of the blocks before, already quantized), and GPTQ with
 that search whose Hessian's off-diagonal terms are halved first (`--hessian-shrinkage 0.5`: its error feedback
-trusts the calibration text's input correlations half as much; 1 would be the importance-matrix RTN). Tensors that are
+trusts the calibration text's input correlations half as much; 1 would be the importance-matrix RTN). K-quant rows: llama.cpp's own Q3_K_M, Q4_K_M, Q5_K_M and Q6_K (its fixed per-tensor
+recipes), each with and without the importance matrix; leanlm RTN with the importance matrix and GPTQ with the
+Hessian shrunk by half on each of Q3_K-Q6_K (`--gguf-type`); and leanlm GPTQ with its types chosen to a budget
+(`--target-bits`) equal to the bits per weight of the block linears of llama.cpp's Q3_K_M, Q4_K_M and Q5_K_M files, so
+that leanlm's file is never larger. Tensors that are
 not block linears take the type llama.cpp's Q4_0 gives them (token_embd Q8_0, norms F32), so files of one block
 type have the same size. SmolLM2's weights are de-quantized Q4_1 (asymmetric groups of 32): Q4_0's symmetric
 grid does not contain them, so every Q4_0 row re-rounds.

@@ -299,40 +299,47 @@ def test_a_killed_export_leaves_nothing_and_the_next_removes_a_dead_runs_staging
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
 
 
-@pytest.mark.parametrize("block_type", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_1", "q5_0", "q5_1"])
-def test_a_gguf_block_type_checkpoint_is_written_as_its_own_blocks(block_type, tmp_path, smollm2_tokenizer, capsys):
-    """Rows of 256 and 512 weights (the attention and MLP inputs of a 256-wide Llama) take the type asked for;
-    every block tensor of the file de-quantizes, through `gguf`, to the weight the checkpoint computes with."""
-    from tiny import tiny_model
+# One linear per GGUF type leanlm writes (the others Q4_K): q / k / v / o of the first block, its MLP, the second's.
+_TYPE_MAP = {
+    "0.self_attn.q_proj": "q2_k",
+    "0.self_attn.k_proj": "q3_k",
+    "0.self_attn.v_proj": "q5_k",
+    "0.self_attn.o_proj": "q6_k",
+    "0.mlp.gate_proj": "q4_0",
+    "0.mlp.up_proj": "q4_1",
+    "0.mlp.down_proj": "q5_0",
+    "1.mlp.gate_proj": "q5_1",
+    "1.mlp.up_proj": "q8_0",
+}
 
-    from leanlm.methods import Calibration, GPTQConfig, quantize_, save_quantized
-    from leanlm.models import load_model
+
+def test_a_gguf_block_type_checkpoint_is_written_as_its_own_blocks(tmp_path, capsys):
+    """A 256-wide Llama with every linear given a type (`--tensor-type`): each block tensor of the file has that
+    type and de-quantizes, through `gguf`, to the weight the checkpoint computes with."""
+    from tiny import byte_tokenizer, tiny_model
 
     source = tmp_path / "tiny"
-    tiny_model("llama", vocab_size=len(smollm2_tokenizer), width=256).save_pretrained(source)
-    smollm2_tokenizer.save_pretrained(source)
-    loaded = load_model(source)
-    ids = torch.randint(0, 1000, (8, 32), generator=torch.Generator().manual_seed(0))
-    record = quantize_(loaded.model, GPTQConfig(gguf_type=block_type), calibration=Calibration(token_ids=ids))
-    checkpoint = save_quantized(loaded, loaded.model, record, tmp_path / "q")
-    out = tmp_path / "q.gguf"
+    tiny_model("llama", vocab_size=258, width=256).save_pretrained(source)
+    byte_tokenizer().save_pretrained(source)
+    checkpoint, out = tmp_path / "q", tmp_path / "q.gguf"
+    types = [f"^{path.replace('.', '[.]')}$={name}" for path, name in _TYPE_MAP.items()]
+    arguments = ["quantize", str(source), "--method", "rtn", "--gguf-type", "q4_k"]
+    assert main([*arguments, *(f"--tensor-type={t}" for t in types), "--out", str(checkpoint)]) == 0
     assert main(["export", str(checkpoint), "--format", "gguf", "--out", str(out)]) == 0
-    assert block_type.upper() in capsys.readouterr().out
-    reader = gguf.GGUFReader(out)
-    exported = {tensor.name: tensor for tensor in reader.tensors}
-    file_type = gguf.LlamaFileType(reader.fields["general.file_type"].contents()).name
-    assert file_type in (f"MOSTLY_{block_type.upper()}", f"MOSTLY_{block_type.upper()}_S")
+    assert "Q2_K / Q3_K / Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0" in capsys.readouterr().out
+    exported = {tensor.name: tensor for tensor in gguf.GGUFReader(out).tensors}
+    loaded, _ = load_quantized(checkpoint)
     config = loaded.model.config
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for index, block in enumerate(loaded.model.model.layers):
-        for path, name, heads in (
-            ("self_attn.q_proj", "attn_q", config.num_attention_heads),
-            ("self_attn.k_proj", "attn_k", config.num_key_value_heads),
-            ("self_attn.o_proj", "attn_output", None),
-            ("mlp.up_proj", "ffn_up", None),
-            ("mlp.down_proj", "ffn_down", None),
-        ):
-            tensor = exported[f"blk.{index}.{name}.weight"]
-            assert tensor.tensor_type.name == block_type.upper()
+        for path, _ in block.named_modules():
+            leaf = path.rpartition(".")[2]
+            if leaf not in names:
+                continue
+            tensor = exported[f"blk.{index}.{names[leaf]}.weight"]
+            assert tensor.tensor_type.name == _TYPE_MAP.get(f"{index}.{path}", "q4_k").upper()
             expected = block.get_submodule(path).dequantized_weight().numpy()
-            expected = _gguf_order(expected, heads) if heads else expected
+            expected = _gguf_order(expected, heads[leaf]) if leaf in heads else expected
             assert np.array_equal(dequantize(tensor.data, tensor.tensor_type), expected)
