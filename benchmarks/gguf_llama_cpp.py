@@ -194,24 +194,35 @@ def report(payload: dict) -> str:
     )
 
 
+def _system(name: str) -> str:
+    """Which line of the plot a row is on: llama.cpp with or without its importance matrix, or leanlm's recipe."""
+    if name.startswith("llama.cpp"):
+        return "llama.cpp + imatrix" if "imatrix" in name else "llama.cpp"
+    if name.startswith("leanlm"):
+        return "leanlm GPTQ, budget" if "mix" in name else f"leanlm {name.split()[1]}{name.partition(',')[2]}"
+    return name
+
+
 def plot_rows(payload: dict, path: Path) -> None:
-    table = payload.get("rows", {})
-    if not table:
+    """Perplexity in llama.cpp against the file's bits per weight, one line per system (F32 left out)."""
+    table = {name: row for name, row in payload.get("rows", {}).items() if name != "F32"}
+    float_bytes = payload.get("rows", {}).get("F32", {}).get("file_bytes")
+    if not table or not float_bytes:
         return
-    names = list(table)[::-1]
-    fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.5))
-    values = [table[name]["llama_cpp"]["perplexity"] for name in names]
-    ax.barh(names, values, color=["tab:blue" if name.startswith("leanlm") else "tab:gray" for name in names])
-    for index, name in enumerate(names):
-        ax.text(
-            values[index],
-            index,
-            f" {values[index]:.2f}  ({table[name]['file_bytes'] / 2**20:.0f} MiB)",
-            va="center",
-            fontsize=8,
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for name, row in table.items():
+        lines.setdefault(_system(name), []).append(
+            (32 * row["file_bytes"] / float_bytes, row["llama_cpp"]["perplexity"])
         )
-    ax.set_xlim(min(values) * 0.9, max(values) * 1.15)
-    ax.set_xlabel("WikiText-2 perplexity, computed by llama.cpp")
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for system, points in sorted(lines.items()):
+        bits, perplexity = zip(*sorted(points))
+        style = "--" if system.startswith("llama.cpp") else "-"
+        ax.plot(bits, perplexity, style, marker="o", label=system)
+    ax.axhline(payload["rows"]["F32"]["llama_cpp"]["perplexity"], color="black", linewidth=0.8, label="F32")
+    ax.set_xlabel("file size, bits per weight")
+    ax.set_ylabel("WikiText-2 perplexity, computed by llama.cpp")
+    ax.legend(fontsize=8)
     save_figure(fig, path, titled(payload, "GGUF files in llama.cpp"))
 
 
