@@ -284,22 +284,17 @@ def main() -> None:
     recipes = rows(args.calib_samples)
     for row in study.todo("rows", recipes):
         recipe = recipes[row]
+        if isinstance(recipe, tuple) and recipe[0] == "mix":  # GPTQ spending llama.cpp's file's block bits
+            reference = work / f"llama.cpp_{recipe[1].upper()}.gguf"
+            if not reference.exists():
+                quantize_gguf(float_file, reference, recipe[1], threads=args.threads)
+            budget = block_linear_bits(reference)
+            recipe = GPTQConfig(target_bits=budget, hessian_shrinkage=0.5, calibration_samples=args.calib_samples)
         with peak_memory() as memory:
             ours = None
             if recipe is None:
                 path = float_file
                 ours = leanlm_perplexity(loaded.model, quantized=False)
-            elif isinstance(recipe, tuple) and recipe[0] == "mix":  # GPTQ spending llama.cpp's file's block bits
-                reference = work / f"llama.cpp_{recipe[1].upper()}.gguf"
-                if not reference.exists():
-                    quantize_gguf(float_file, reference, recipe[1], threads=args.threads)
-                budget = block_linear_bits(reference)
-                recipe = GPTQConfig(target_bits=budget, hessian_shrinkage=0.5, calibration_samples=args.calib_samples)
-                model = copy.deepcopy(loaded.model)
-                record = quantize_(model, recipe, calibration=calibration)
-                ours = leanlm_perplexity(model)
-                path = _export(loaded, model, record, work / row.replace(" ", "_").replace(",", ""))
-                del model
             elif isinstance(recipe, tuple):
                 _, kind, weighted = recipe
                 importance = importance_matrix(loaded.model, calibration.batches()) if weighted else None

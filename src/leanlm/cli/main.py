@@ -90,20 +90,27 @@ def _plan(parser: argparse.ArgumentParser) -> None:
     _setup(parser, "command_plan", settings=(PlanSettings,), json="write the plan as one JSON object to this path")
 
 
+def _text_windows(parser: argparse.ArgumentParser, samples: int, help: str) -> None:
+    """--samples windows of --seq-len tokens of one of the shipped running texts (--text)."""
+    import typing
+
+    from leanlm.data.datasets import PlainText
+
+    parser.add_argument("--samples", type=_positive_int, default=samples, help=help)
+    parser.add_argument("--seq-len", type=_positive_int, default=512)
+    parser.add_argument("--text", choices=list(typing.get_args(PlainText)), default="lambada-dev")
+
+
 def _analyze(parser: argparse.ArgumentParser) -> None:
     _setup(parser, "command_analyze", json="write the report as one JSON object to this path")
-    parser.add_argument("--samples", type=_positive_int, default=8, help="text windows analysed")
-    parser.add_argument("--seq-len", type=_positive_int, default=512)
-    parser.add_argument("--text", choices=["lambada-dev", "lambada-test", "lee"], default="lambada-dev")
+    _text_windows(parser, 8, "text windows analysed")
     parser.add_argument("--plot", type=Path, help="write a PNG: channel heat map + before/after SmoothQuant")
 
 
 def _imatrix(parser: argparse.ArgumentParser) -> None:
     _setup(parser, "command_imatrix", json=None)
     parser.add_argument("--out", type=Path, required=True, help="the importance-matrix GGUF file to write")
-    parser.add_argument("--samples", type=_positive_int, default=128, help="calibration windows read")
-    parser.add_argument("--seq-len", type=_positive_int, default=512)
-    parser.add_argument("--text", choices=["lambada-dev", "lambada-test", "lee"], default="lambada-dev")
+    _text_windows(parser, 128, "calibration windows read")
     parser.add_argument("--force", action="store_true", help="replace an existing --out file")
 
 

@@ -40,7 +40,10 @@ def lambada_test_texts() -> list[str]:
     return [record["text"] for record in _jsonl("lambada/lambada_test.jsonl")]
 
 
-def plain_text(name: Literal["lambada-dev", "lambada-test", "lee"]) -> str:
+PlainText = Literal["lambada-dev", "lambada-test", "lee"]  # the long running texts `plain_text` reads
+
+
+def plain_text(name: PlainText) -> str:
     """Long running text: LAMBADA development novels (the calibration and fine-tuning text), LAMBADA test
     passages (held-out text), or the Lee news corpus."""
     relative = {

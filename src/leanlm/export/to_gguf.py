@@ -245,7 +245,7 @@ def export_gguf(
     modules = dict(loaded.model.named_modules())
     quantized = {name: module for name, module in modules.items() if type(module).__name__ in QUANTIZED_MODULES}
     require_exact("GGUF", quantized.values(), gguf_problems)  # every refusal before anything is written
-    quantized = {name: module.gguf_blocks()[1] for name, module in quantized.items()}
+    quantized = {name: module.gguf_type() for name, module in quantized.items()}
     block_types = sorted({kind.name for kind in quantized.values()})
     if quantized:  # the file type llama.cpp reports: that of the blocks most matrices are (K-quants: its "_S" mix)
         most = Counter(kind.name for kind in quantized.values()).most_common(1)[0][0]

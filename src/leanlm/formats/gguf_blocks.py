@@ -59,7 +59,9 @@ class BlockType:
     half_fields: tuple[tuple[str, int], ...]  # float16 fields: (name, byte offset): d, and dmin / min
     pieces: tuple[_Piece, ...]
     scale_bits: int | None = None  # K-quants: bits of the integer sub-block scales (and mins)
-    signed_scales: bool = False  # Q3_K, Q6_K: sub-block scales are signed
+    signed_scales: bool = False  # Q3_K, Q6_K: sub-block scales are signed, stored as (scale + scale_bias) mod 2^bits
+    scale_bias: int = 0  # Q3_K: 32 (its scales are stored as scale + 32); Q6_K: 0 (two's complement int8)
+    code_xor: int = 0  # Q8_0: 0x80 (its codes are stored as the signed byte code - 128)
     has_min: bool = False  # affine: B stored (Q4_1 / Q5_1 as a float16, K-quants as dmin * m)
     fallback: str | None = None  # what llama.cpp writes when a row is not a whole number of blocks
 
@@ -158,7 +160,7 @@ BLOCK_TYPES = {
         BlockType("q4_1", 32, 4, 0, (_D, _D_MIN), (_nibbles_of_32(4),), has_min=True),
         BlockType("q5_0", 32, 5, 16, (_D,), (_nibbles_of_32(6), _high_bits_of_32(2))),
         BlockType("q5_1", 32, 5, 0, (_D, _D_MIN), (_nibbles_of_32(8), _high_bits_of_32(4)), has_min=True),
-        BlockType("q8_0", 32, 8, 128, (_D,), (_pieces("codes", [(e, 2 + e, 0) for e in range(32)]),)),
+        BlockType("q8_0", 32, 8, 128, (_D,), (_pieces("codes", [(e, 2 + e, 0) for e in range(32)]),), code_xor=0x80),
         BlockType(
             "q2_k",
             16,
@@ -183,6 +185,7 @@ BLOCK_TYPES = {
             (_pairs(32), _bit_per_weight(0, 256, 2), *_q3_k_scales(96)),
             scale_bits=6,
             signed_scales=True,
+            scale_bias=32,
             fallback="q4_0",
         ),
         BlockType(
@@ -271,16 +274,18 @@ def decode(kind: BlockType, codes: torch.Tensor, statistics: BlockStatistics) ->
 
 
 def _stored_integer(kind: BlockType, values: torch.Tensor) -> torch.Tensor:
-    """A signed sub-block scale as its stored bits: Q3_K adds 32, Q6_K is an int8."""
+    """Sub-block scales as their stored bits: signed ones as (scale + scale_bias) mod 2^scale_bits."""
     if not kind.signed_scales:
         return values
-    return values + 32 if kind.scale_bits == 6 else values & 0xFF
+    return (values + kind.scale_bias) & ((1 << kind.scale_bits) - 1)
 
 
 def _integer_value(kind: BlockType, stored: torch.Tensor) -> torch.Tensor:
+    """The sub-block scales stored bits hold: signed ones are (stored - scale_bias) read as two's complement."""
     if not kind.signed_scales:
         return stored
-    return stored - 32 if kind.scale_bits == 6 else stored - ((stored & 0x80) << 1)
+    wrapped = (stored - kind.scale_bias) & ((1 << kind.scale_bits) - 1)
+    return wrapped - ((wrapped >> (kind.scale_bits - 1)) << kind.scale_bits)
 
 
 def pack(kind: BlockType, codes: torch.Tensor, statistics: BlockStatistics) -> torch.Tensor:
@@ -293,8 +298,7 @@ def pack(kind: BlockType, codes: torch.Tensor, statistics: BlockStatistics) -> t
         fields["scales"] = _stored_integer(kind, statistics.scales.reshape(rows * blocks, kind.subs).to(torch.int32))
         if kind.has_min:
             fields["mins"] = statistics.mins.reshape(rows * blocks, kind.subs).to(torch.int32)
-    if kind.name == "q8_0":  # stored as int8: code - 128
-        fields["codes"] = fields["codes"] ^ 0x80
+    fields["codes"] = fields["codes"] ^ kind.code_xor
     for piece in kind.pieces:
         bits = (fields[piece.field][:, piece.element] >> piece.low) & ((1 << piece.width) - 1)
         out.index_add_(1, torch.from_numpy(piece.byte), bits << torch.from_numpy(piece.shift))
@@ -320,7 +324,7 @@ def unpack(kind: BlockType, raw: torch.Tensor, columns: int) -> tuple[torch.Tens
         name: flat[:, at : at + 2].contiguous().view(torch.float16).reshape(rows, blocks)
         for name, at in kind.half_fields
     }
-    codes = fields["codes"] ^ 0x80 if kind.name == "q8_0" else fields["codes"]
+    codes = fields["codes"] ^ kind.code_xor
     statistics = BlockStatistics(halves["d"], halves.get("dmin"))
     if kind.k_quant:
         statistics.scales = _integer_value(kind, fields["scales"]).reshape(rows, blocks, kind.subs)

@@ -61,6 +61,27 @@ def _gguf_type_option():
     )
 
 
+def _target_bits_option():
+    """RTN's and GPTQ's `target_bits` field (one text for both)."""
+    among = ", ".join(name.upper() for name in bit_allocation.CANDIDATES)
+    return option(
+        None,
+        f"choose a GGUF block type per linear (among {among}) to spend at most this many bits per weight where "
+        "the Hessian-weighted error falls most",
+        none_word="none",
+    )
+
+
+def _tensor_types_option():
+    """RTN's and GPTQ's `tensor_types` field (one text for both)."""
+    return option(
+        (),
+        "PATTERN=TYPE: the GGUF block type of the linears whose BLOCK.PATH (e.g. 3.mlp.down_proj) the regular "
+        "expression finds; repeat it, or give the map a quantize record saved",
+        flag="--tensor-type",
+    )
+
+
 def _grid_option():
     """RTN's and GPTQ's `grid` field (one text for both)."""
     return option(
@@ -95,18 +116,8 @@ class RTNConfig(_SolverChecks):
         none_word="none",
     )
     gguf_type: str | None = _gguf_type_option()
-    target_bits: float | None = option(
-        None,
-        "choose a GGUF block type per linear (among Q3_K-Q6_K, Q4_0, Q5_0, Q8_0) to spend at most this many bits "
-        "per weight where the Hessian-weighted error falls most",
-        none_word="none",
-    )
-    tensor_types: tuple[str, ...] = option(
-        (),
-        "PATTERN=TYPE: the GGUF block type of the linears whose BLOCK.PATH (e.g. 3.mlp.down_proj) the regular "
-        "expression finds; repeat it, or give the map a quantize record saved",
-        flag="--tensor-type",
-    )
+    target_bits: float | None = _target_bits_option()
+    tensor_types: tuple[str, ...] = _tensor_types_option()
 
     def __post_init__(self):
         super().__post_init__()
@@ -153,18 +164,8 @@ class GPTQConfig(_SolverChecks):
         0.0, "pull the Hessian's off-diagonal terms toward zero by this fraction (0: GPTQ, 1: importance-weighted RTN)"
     )
     gguf_type: str | None = _gguf_type_option()
-    target_bits: float | None = option(
-        None,
-        "choose a GGUF block type per linear (among Q3_K-Q6_K, Q4_0, Q5_0, Q8_0) to spend at most this many bits "
-        "per weight where the Hessian-weighted error falls most",
-        none_word="none",
-    )
-    tensor_types: tuple[str, ...] = option(
-        (),
-        "PATTERN=TYPE: the GGUF block type of the linears whose BLOCK.PATH (e.g. 3.mlp.down_proj) the regular "
-        "expression finds; repeat it, or give the map a quantize record saved",
-        flag="--tensor-type",
-    )
+    target_bits: float | None = _target_bits_option()
+    tensor_types: tuple[str, ...] = _tensor_types_option()
 
     def solver(self) -> SolverSettings:
         return SolverSettings(
@@ -235,8 +236,9 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     started = time.perf_counter()
     importance_only = getattr(config, "imatrix", False)  # RTN's scale search weighted by the Hessian's diagonal
     target = getattr(config, "target_bits", None)
-    fixed = _fixed_types(model, table, config)
-    given = _importance_from_file(model, table, getattr(config, "imatrix_file", None))
+    shapes = _linear_shapes(model, table)
+    fixed = _fixed_types(shapes, config)
+    given = _importance_from_file(model, table, shapes, getattr(config, "imatrix_file", None))
     hessians = _HessianObserver(table, diagonal_only=not settings.error_feedback)
 
     def block_types(index: int, block: nn.Module) -> dict[str, str | None]:
@@ -310,7 +312,16 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     )
 
 
-def _importance_from_file(model: nn.Module, table, path: str | None) -> dict[str, torch.Tensor]:
+def _linear_shapes(model: nn.Module, table) -> dict[str, tuple[int, int]]:
+    """{BLOCK.PATH: (out, in)} of every block linear, read from the (possibly still empty) model's modules."""
+    return {
+        f"{index}.{path}": tuple(linear_weight_out_in(block.get_submodule(path), table).shape)
+        for index, block in enumerate(decoder_blocks(model, table))
+        for path in table.quantizable_linears
+    }
+
+
+def _importance_from_file(model: nn.Module, table, shapes: dict, path: str | None) -> dict[str, torch.Tensor]:
     """{BLOCK.PATH: importance per input column} of every block linear, from an importance-matrix file; a
     ConfigError before any work if the file is not this model's."""
     if path is None:
@@ -321,33 +332,26 @@ def _importance_from_file(model: nn.Module, table, path: str | None) -> dict[str
     matrix = read_imatrix(path)
     names = gguf_tensor_names(model)
     found = {}
-    for index, block in enumerate(decoder_blocks(model, table)):
-        for path_in_block in table.quantizable_linears:
-            name = f"{names.get_name(f'{table.blocks}.{index}.{path_in_block}')}.weight"
-            columns = linear_weight_out_in(block.get_submodule(path_in_block), table).shape[1]
-            if name not in matrix.sums:
-                raise ConfigError(f"{path} is not this model's importance matrix: it has no entry for {name}")
-            if matrix.sums[name].shape[0] != columns:
-                raise ConfigError(
-                    f"{path} is not this model's importance matrix: {name} has {matrix.sums[name].shape[0]} "
-                    f"columns there, {columns} here"
-                )
-            found[f"{index}.{path_in_block}"] = torch.from_numpy(matrix.mean_squares(name))
+    for linear, (_, columns) in shapes.items():
+        name = f"{names.get_name(f'{table.blocks}.{linear}')}.weight"
+        if name not in matrix.sums:
+            raise ConfigError(f"{path} is not this model's importance matrix: it has no entry for {name}")
+        if matrix.sums[name].shape[0] != columns:
+            raise ConfigError(
+                f"{path} is not this model's importance matrix: {name} has {matrix.sums[name].shape[0]} "
+                f"columns there, {columns} here"
+            )
+        found[linear] = torch.from_numpy(matrix.mean_squares(name))
     return found
 
 
-def _fixed_types(model: nn.Module, table, config) -> dict[str, str]:
+def _fixed_types(shapes: dict[str, tuple[int, int]], config) -> dict[str, str]:
     """{BLOCK.PATH: type} the user's patterns give, checked before any slow work: every pattern must find a
     linear, and a budget must be one the linears' block types can spend."""
     patterns = bit_allocation.parse_tensor_types(getattr(config, "tensor_types", ()))
     target = getattr(config, "target_bits", None)
     if not patterns and target is None:
         return {}
-    shapes = {
-        f"{index}.{path}": tuple(linear_weight_out_in(block.get_submodule(path), table).shape)
-        for index, block in enumerate(decoder_blocks(model, table))
-        for path in table.quantizable_linears
-    }
     missing = bit_allocation.unmatched(list(shapes), patterns)
     if missing:
         example = next(iter(shapes))

@@ -48,7 +48,12 @@ class QuantizedModule(nn.Module):
         """The `leanlm quantize` settings this module would need to be GGUF blocks exactly (empty: none)."""
         return [f"--method rtn or gptq with --gguf-type ({self.kind} are no GGUF block type)"]
 
+    def gguf_type(self):
+        """The gguf.GGMLQuantizationType of this module's blocks (known without building them); only for a module
+        whose `gguf_problems` is empty."""
+        raise NotImplementedError
+
     def gguf_blocks(self) -> tuple[np.ndarray, object]:
-        """(rows, bytes per row) uint8 GGUF blocks holding exactly this module's weight, and their
-        gguf.GGMLQuantizationType; only for a module whose `gguf_problems` is empty."""
+        """(rows, bytes per row) uint8 GGUF blocks holding exactly this module's weight, and their `gguf_type`;
+        only for a module whose `gguf_problems` is empty."""
         raise NotImplementedError

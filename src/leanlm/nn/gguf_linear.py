@@ -21,8 +21,7 @@ from leanlm.formats import gguf_blocks
 from leanlm.formats.packing import pack
 from leanlm.kernels.kbit_gemm import avx2_available, kbit_linear, supports_fast_path
 from leanlm.nn.base import QuantizedModule
-
-IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 4-bit codes are the integers themselves
+from leanlm.nn.spqr_linear import IDENTITY_TABLE
 
 
 class GGUFLinear(QuantizedModule):
@@ -91,8 +90,11 @@ class GGUFLinear(QuantizedModule):
     def gguf_problems(self) -> list[str]:
         return []
 
+    def gguf_type(self):
+        return self.format.ggml
+
     def gguf_blocks(self) -> tuple[np.ndarray, object]:
-        return np.ascontiguousarray(self.blocks.numpy()), self.format.ggml
+        return np.ascontiguousarray(self.blocks.numpy()), self.gguf_type()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

@@ -194,13 +194,16 @@ class SpQRLinear(QuantizedModule):
             problems.append(f"--grid symmetric (Q4_0 / Q8_0 put zero at code {2 ** (self.bits - 1)})")
         return problems
 
+    def gguf_type(self):
+        return BLOCK_TYPES[GGUF_TYPES[self.bits]].ggml
+
     def gguf_blocks(self):
         """Symmetric groups of 32 are Q4_0 (4 bits) / Q8_0 (8 bits) blocks: the codes, and the group's float16
         scale as the block's d."""
         kind = BLOCK_TYPES[GGUF_TYPES[self.bits]]
         codes = unpack(self.codes, self.bits, self.out_features * self.in_features, self.code_layout)
         blocks = pack_blocks(kind, codes.reshape(self.out_features, self.in_features), BlockStatistics(self.scale))
-        return blocks.numpy(), kind.ggml
+        return blocks.numpy(), self.gguf_type()
 
     @property
     def outlier_count(self) -> int:
