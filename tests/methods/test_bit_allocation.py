@@ -128,3 +128,5 @@ def test_another_models_importance_matrix_is_refused_before_any_work(tmp_path):
         quantize_(tiny_model("llama", width=256), RTNConfig(gguf_type="q4_k", imatrix_file=str(tmp_path / "m.gguf")))
     with pytest.raises(ConfigError, match="--imatrix .* or --imatrix-file, not both"):
         RTNConfig(gguf_type="q4_k", imatrix=True, imatrix_file="x")
+    with pytest.raises(ConfigError, match="--imatrix-file .*missing.gguf: no such file"):  # before the model loads
+        RTNConfig(gguf_type="q4_k", imatrix_file=str(tmp_path / "missing.gguf"))

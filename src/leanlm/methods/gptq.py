@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -123,6 +124,8 @@ class RTNConfig(_SolverChecks):
         super().__post_init__()
         if self.imatrix and self.imatrix_file:
             raise ConfigError("give --imatrix (computed while quantizing) or --imatrix-file, not both")
+        if self.imatrix_file is not None and not Path(self.imatrix_file).expanduser().is_file():
+            raise ConfigError(f"--imatrix-file {self.imatrix_file}: no such file")
         if (self.imatrix or self.imatrix_file) and not (self.scale_search or self.gguf_type):
             raise ConfigError(
                 "imatrix weighs the search of each group's scale, which needs --scale-search or --gguf-type"
