@@ -5,12 +5,14 @@ line; `leanlm quantize` warns before a job predicted to exceed the available mem
 import json
 
 import pytest
+import torch
 
 import leanlm.methods as m
 import leanlm.plan as plan
 from leanlm.bench import weight_bytes
 from leanlm.cli.main import main
 from leanlm.errors import ConfigError
+from leanlm.kernels.kbit_gemm import avx2_available
 from leanlm.methods import load_any
 from leanlm.models.architectures import iter_quantizable_linears
 
@@ -27,13 +29,18 @@ METHODS = {
 @pytest.mark.parametrize("method", METHODS)
 def test_stored_bytes_are_the_bytes_the_quantized_layers_hold(tiny_llama_dir, method):
     facts = plan.model_facts(str(tiny_llama_dir))
-    predicted, _ = plan.stored_estimate(facts, METHODS[method])
+    predicted, _, kernel_forms = plan.stored_estimate(facts, METHODS[method])
     loaded = load_any(tiny_llama_dir)
     calibration = m.Calibration(samples=4, seq_len=32, tokenizer=loaded.tokenizer)
     m.quantize_(loaded.model, METHODS[method], calibration=calibration)
     linears = sum(weight_bytes(module) for _, module in iter_quantizable_linears(loaded.model))
     assert predicted.parts["linears"] == linears
     assert predicted.total == pytest.approx(weight_bytes(loaded.model), rel=0.01)  # the attention's few scalars
+    if method in ("rtn", "gptq") and avx2_available():  # the kernel's constants, derived at the first forward
+        with torch.inference_mode():
+            loaded.model(torch.randint(0, 100, (1, 8)))
+        held = [t for _, module in iter_quantizable_linears(loaded.model) for t in module.kernel_constants()]
+        assert kernel_forms == sum(t.numel() * t.element_size() for t in held) > 0
 
 
 def test_facts_come_from_the_config_alone(tiny_llama_dir):

@@ -317,24 +317,27 @@ def prefill_workspace(facts: ModelFacts, context: int, dtype_bytes: int = 4) -> 
     return hidden + scores
 
 
-def stored_estimate(facts: ModelFacts, configs: tuple, table_bytes: int = 4) -> tuple[Estimate, dict[str, int]]:
-    """(stored bytes, stored bytes per quantized module type)."""
+def stored_estimate(facts: ModelFacts, configs: tuple, table_bytes: int = 4) -> tuple[Estimate, dict[str, int], int]:
+    """(stored bytes, stored bytes per quantized module type, what the quantized linears derive from their
+    buffers to run: their `runtime_bytes`)."""
     quantizer = _weight_quantizer(configs)
     parts: dict[str, int] = {"tables": facts.table_parameters * table_bytes}
     by_type: dict[str, int] = {}
     if quantizer is None:
         parts["linears"] = sum(i * o + (o if b else 0) for _, i, o, b in facts.linears) * table_bytes
-        return Estimate(parts), by_type
+        return Estimate(parts), by_type, 0
     shapes: dict[tuple[int, int, bool], int] = {}
     for _, in_features, out_features, bias in facts.linears:
         key = (in_features, out_features, bias)
         shapes[key] = shapes.get(key, 0) + 1
+    runtime = 0
     for (in_features, out_features, bias), count in shapes.items():
         module = empty_linear(quantizer, in_features, out_features, bias)
         kind = type(module).__name__
         by_type[kind] = by_type.get(kind, 0) + count * module_bytes(module)
+        runtime += count * module.runtime_bytes()
     parts["linears"] = sum(by_type.values())
-    return Estimate(parts), by_type
+    return Estimate(parts), by_type, runtime
 
 
 def _weight_quantizer(configs: tuple):
@@ -371,7 +374,7 @@ def plan_row(
     configs = settings.applied(configs)
     compute_bytes = 2 if name == "bf16" else 4
     stored_bytes = facts.stored_dtype.itemsize
-    stored, by_type = stored_estimate(facts, configs)
+    stored, by_type, kernel_forms = stored_estimate(facts, configs)
     kv = kv_cache_bytes(facts, settings.context, compute_bytes)
     prefill = prefill_workspace(facts, settings.context, compute_bytes)
     extra = {"kv_cache": kv, "prefill": prefill}  # what running adds to the weights
@@ -389,6 +392,8 @@ def plan_row(
         weights = stored.total
         loading = 0  # the tables are copied in from their file a MiB at a time
         largest = max(i * o for _, i, o, _ in facts.linears)
+        if kernel_forms:
+            extra["kernel forms"] = kernel_forms
         if by_type.keys() - {"W8A8Linear"}:
             extra["kernels"] = KERNELS_RUNTIME + 2 * largest * 4
         else:  # a shared-input group of two of the largest linears: its plain, stacked and packed int8 copies

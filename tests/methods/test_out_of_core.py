@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny import FAMILIES, tiny_model, token_ids
+from tiny import FAMILIES, tiny_model, tiny_tokenizer, token_ids
 
 from leanlm.errors import ConfigError, NeedsWholeModelError
 from leanlm.methods import (
@@ -57,16 +57,8 @@ def _bf16_shards(directory: Path, family: str, tokenizer=None, layers: int = 3) 
     """A tiny model as a Hugging Face directory of bf16 safetensors shards (several files and an index)."""
     model = tiny_model(family, layers=layers).to(torch.bfloat16)
     model.save_pretrained(directory, max_shard_size="40KB")
-    (tokenizer or _tokenizer()).save_pretrained(directory)
+    (tokenizer or tiny_tokenizer()).save_pretrained(directory)
     return directory
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(128)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
 
 
 def _in_memory(directory: Path, config, out: Path) -> Path:
@@ -118,7 +110,7 @@ def test_a_checkpoint_stores_its_embedding_and_head_in_bfloat16_on_request(famil
     its tables rounded."""
     source = tmp_path / "source"  # float32 weights: the rounding is not a no-op
     tiny_model(family).save_pretrained(source)
-    _tokenizer().save_pretrained(source)
+    tiny_tokenizer().save_pretrained(source)
     config = KbitConfig(double_quant=True)
     streamed, _ = quantize_out_of_core(source, config, tmp_path / "streamed", table_dtype="bfloat16")
     loaded = load_model(source)
@@ -223,7 +215,7 @@ def test_a_model_of_hundreds_of_millions_of_parameters_quantizes_in_less_than_ha
     free = shutil.disk_usage(tmp_path).free
     if free < 1.5 * 2**30:
         pytest.skip(f"needs 1.5 GiB free on the temporary directory's disk, which has {free / 2**30:.1f} GiB")
-    source = write_random_model(config, tmp_path / "source", tokenizer=_tokenizer(), shard_bytes=200 << 20)
+    source = write_random_model(config, tmp_path / "source", tokenizer=tiny_tokenizer(), shard_bytes=200 << 20)
     parameters = sum(json.loads((source / "model.safetensors.index.json").read_text())["metadata"].values()) // 2
     assert 500e6 < parameters < 600e6
     result = subprocess.run(

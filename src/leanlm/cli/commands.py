@@ -72,7 +72,9 @@ def command_eval(args) -> None:
     settings = settings_from_args(EvalSettings, args)
     loading = settings_from_args(LoadSettings, args)
     _check_json_path(args.json)
-    loaded = load_any(args.model, loading.dtype, loading.head, loading.one_adapter(args.command))
+    loaded = load_any(
+        args.model, loading.dtype, loading.head, loading.one_adapter(args.command), loading.keep_freed_memory
+    )
     payload = {
         "model": args.model,
         "weights_note": loaded.weights_note,
@@ -244,7 +246,9 @@ def command_stream(args) -> None:
 
     settings = settings_from_args(StreamSettings, args)
     loading = settings_from_args(LoadSettings, args)
-    loaded = load_any(args.model, loading.dtype, loading.head, loading.one_adapter(args.command))
+    loaded = load_any(
+        args.model, loading.dtype, loading.head, loading.one_adapter(args.command), loading.keep_freed_memory
+    )
     results = stream_evaluate(loaded.model, loaded.tokenizer, settings)
     payload = {"model": args.model, "weights_note": loaded.weights_note, **results}
     title = (
@@ -290,7 +294,9 @@ def command_chat(args) -> None:
     streaming = settings_from_args(StreamingConfig, args, asdict(ChatSettings().streaming))
     settings = settings_from_args(ChatSettings, args, {"streaming": streaming})
     loading = settings_from_args(LoadSettings, args, asdict(INTERACTIVE_LOADING))
-    loaded = load_any(args.model, loading.dtype, loading.head, loading.one_adapter(args.command))
+    loaded = load_any(
+        args.model, loading.dtype, loading.head, loading.one_adapter(args.command), loading.keep_freed_memory
+    )
     chat = StreamingChat(loaded.model, loaded.tokenizer, settings)
     interactive = sys.stdin.isatty()
     if interactive:

@@ -38,53 +38,28 @@ from transformers import DynamicCache
 
 from leanlm.cache.prefix import attached_cushion, prefix_cache
 from leanlm.errors import ConfigError, LeanLMError
-from leanlm.kernels.kbit_gemm import compiled_kernels, int8_kernel_table, supports_int8_activations
+from leanlm.kernels.kbit_gemm import compiled_kernels
 from leanlm.methods.streaming import StreamingConfig, sink_cache
 from leanlm.models.architectures import FAMILY_FACTS, architecture_for, decoder_blocks
 from leanlm.nn.attention import ATTENTION_NAME
-from leanlm.nn.kbit_linear import KbitEmbedding, KbitLinear
-from leanlm.nn.spqr_linear import IDENTITY_TABLE, SpQRLinear
-from leanlm.nn.w8a8_linear import W8A8Linear
+from leanlm.nn.base import QuantizedModule
+from leanlm.nn.kbit_linear import KbitEmbedding
 
-_FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
-# The table's MLP kind -> (the C++ step's activation code, the config's activation name it implements)
-_ACTIVATIONS = {"swiglu": (0, "silu"), "geglu": (1, "gelu_pytorch_tanh")}
+# The float weights the step reads, by the name of their kind in the extension's `LINEAR_KINDS`
+_FLOAT_KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+# The table's MLP kind (a name of the extension's `ACTIVATIONS`) -> the config's activation name it implements
+_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}
 # Rotary kinds whose frequencies transformers computes once (rotary_emb's buffers), not per sequence length
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-_KBIT_KINDS = {3: 5, 4: 2, 8: 3}  # code width -> the C++ step's LinearKind
 
 
 def _linear_problem(name: str, module: nn.Module) -> str | None:
-    if isinstance(module, KbitLinear):
-        runs = (
-            module.bits == 4
-            and supports_int8_activations(module.block_size, module.in_features)
-            and module.proxy_columns is None
-        ) or module._runs_int8_kernel_only()
-        if not runs or module.backend == "reference":
-            return (
-                f"{name}: {module.extra_repr()} (the fused step runs 4-bit codes and 8-bit int codes in blocks of "
-                "a multiple of 64 and 3-bit codes in blocks of 16, 32 or a multiple of 64, without proxy columns)"
-            )
-        return None
-    if isinstance(module, SpQRLinear):
-        if module._resolve_backend() != "kernel" or not supports_int8_activations(
-            module.kernel_block, module.in_features, module.bits
-        ):
-            return (
-                f"{name}: {module.extra_repr()} (the fused step runs 3- and 4-bit GPTQ / SpQR codes in kernel "
-                f"blocks of a multiple of 64, or 3-bit ones of 16 or 32; these are {module.kernel_block} columns)"
-            )
-        return None
-    if isinstance(module, W8A8Linear):
-        if module.asymmetric:
-            return f"{name}: zero-point (asymmetric) int8, a baseline the fused step does not run"
-        if int(module.weight.min()) == -128:  # absmax quantization never writes it
-            return f"{name}: an int8 weight of -128, which the AVX2 kernel's sign trick cannot negate"
-        return None
+    if isinstance(module, QuantizedModule):  # each quantized module says what of it the step runs
+        problem = module.fused_problem()
+        return None if problem is None else f"{name}: {problem}"
     if type(module).__name__ in ("Linear", "GemvLinear") and module.weight.dtype in _FLOAT_KINDS:
         return None
-    return f"{name} is a {type(module).__name__}; the fused step runs float, k-bit and W8A8 linears"
+    return f"{name} is a {type(module).__name__}; the fused step runs float and quantized linears"
 
 
 def fused_decoder_problem(model: nn.Module, streaming: StreamingConfig | None = None) -> str | None:
@@ -109,7 +84,7 @@ def fused_decoder_problem(model: nn.Module, streaming: StreamingConfig | None = 
         checked = ", ".join(family for family, facts in FAMILY_FACTS.items() if facts.fused_decode)
         return f"the fused decode step is checked against {checked}; {table.family} is not one of them"
     config = model.config
-    expected = _ACTIVATIONS[table.mlp_activation][1] if table.mlp_activation in _ACTIVATIONS else None
+    expected = _ACTIVATIONS.get(table.mlp_activation)
     activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
     if activation != expected:
         return f"MLP activation {activation!r} in a {table.mlp_activation} MLP"
@@ -208,7 +183,7 @@ class FusedDecoder:
             head_dim,
             config.rms_norm_eps,
             attention.scaling,
-            _ACTIVATIONS[table.mlp_activation][0],
+            compiled_kernels().ACTIVATIONS[table.mlp_activation],
             table_rows,
             embedding_scale,
             self._norm(model.get_submodule(table.final_norm)),
@@ -256,59 +231,12 @@ class FusedDecoder:
         return None if fused_decoder_problem(model, streaming) else cls(model, capacity, streaming, compact_constants)
 
     def _add_linear(self, module: nn.Module) -> int:
+        if isinstance(module, QuantizedModule):
+            return module.add_to_fused(self._decoder, self.compact_constants)
+        weight = module.weight.detach()
         bias = None if module.bias is None else module.bias.detach()
-        if isinstance(module, W8A8Linear):  # a plain int8 copy beside fbgemm's packed one, which prefill runs
-            return self._decoder.add_w8a8_linear(
-                module.weight.contiguous(),
-                module.weight_scale,
-                bias,
-                float(module.input_scale) if module.static else 0.0,
-                module.outlier_threshold or 0.0,
-            )
-        if isinstance(module, SpQRLinear):
-            scale, offset = module.kernel_constants()
-            values, inverse = int8_kernel_table(IDENTITY_TABLE, module.bits)
-            linear = self._decoder.add_linear(
-                _KBIT_KINDS[module.bits],
-                module.codes,
-                module.in_features,
-                module.out_features,
-                bias,
-                scale,
-                values,
-                inverse,
-                module.kernel_block,
-            )
-            outliers = {}
-            if module.outlier_count:
-                outliers = {
-                    "outlier_row_offsets": module.outlier_row_offsets,
-                    "outlier_columns": module.outlier_columns,
-                    "outlier_values": module.outlier_values,
-                }
-            self._decoder.add_spqr_parts(linear, offset, module.permutation, **outliers)
-            return linear
-        if not isinstance(module, KbitLinear):
-            weight = module.weight.detach()
-            return self._decoder.add_linear(
-                _FLOAT_KINDS[weight.dtype], weight, module.in_features, module.out_features, bias
-            )
-        constants, table = module._kernel_state()
-        values, inverse = int8_kernel_table(table, module.bits)
-        if not self.compact_constants:
-            constants = constants.decoded_once()
-        return self._decoder.add_linear(
-            _KBIT_KINDS[module.bits],
-            module.packed,
-            module.in_features,
-            module.out_features,
-            bias,
-            constants.absmax,
-            values,
-            inverse,
-            module.block_size,
-            **constants.kernel_arguments(),
-        )
+        kind = compiled_kernels().LINEAR_KINDS[_FLOAT_KINDS[weight.dtype]]
+        return self._decoder.add_linear(kind, weight, module.in_features, module.out_features, bias)
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Reads `ids` from the start of the sequence through transformers' forward (a batched prefill; in chunks of
@@ -427,19 +355,17 @@ def _layer_rotary(model: nn.Module, table, index: int, block: nn.Module) -> tupl
     return frequencies.float(), float(scale), int(window or 0)
 
 
-_BMM_MODES = {"per_tensor": 1, "per_token": 2}
-
-
 def _bmm_quantization(model: nn.Module, block: nn.Module, table) -> dict:
     """The C++ step's arguments for SmoothQuant's int8 attention matmuls in `block` (nn/attention.py), if the model
     runs them: the mode, the static scales (as BmmQuantizer computes them) and whether probabilities are rounded."""
     quantizer = getattr(block.get_submodule(table.attention_module), "bmm_quantizer", None)
     if quantizer is None or model.config._attn_implementation != ATTENTION_NAME:
         return {}
+    modes = compiled_kernels().BMM_MODES
     if not quantizer.static:
-        return {"bmm_mode": _BMM_MODES[quantizer.activation], "bmm_probabilities": quantizer.quantize_probs}
+        return {"bmm_mode": modes[quantizer.activation], "bmm_probabilities": quantizer.quantize_probs}
     scales = {f"bmm_{which}_scale": scale.item() for which, scale in quantizer.static_scales().items()}
-    return {"bmm_mode": 3, **scales, "bmm_probabilities": quantizer.quantize_probs}
+    return {"bmm_mode": modes["static"], **scales, "bmm_probabilities": quantizer.quantize_probs}
 
 
 def new_cache(model: nn.Module, streaming: StreamingConfig | None = None):

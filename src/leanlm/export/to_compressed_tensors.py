@@ -24,14 +24,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from leanlm.errors import ConfigError, require_extra
-from leanlm.export.exactness import MODULE_KINDS, require_exact
-from leanlm.nn import QUANTIZED_MODULES, SpQRLinear, W8A8Linear, use_gemv_
-
-FORMATS = {W8A8Linear: "int-quantized", SpQRLinear: "pack-quantized"}
+from leanlm.export.exactness import require_exact
+from leanlm.nn import QUANTIZED_MODULES, use_gemv_
 
 
 def _require_compressed_tensors() -> None:
@@ -41,83 +38,14 @@ def _require_compressed_tensors() -> None:
 def compressed_tensors_problems(module: nn.Module) -> list[str]:
     """The `leanlm quantize` settings `module` would need to have an exact compressed-tensors scheme (empty:
     none)."""
-    kind = type(module).__name__
-    if isinstance(module, W8A8Linear):
-        problems = []
-        if module.outlier_threshold is not None:
-            problems.append(
-                "--method w8a8 or smoothquant (LLM.int8()'s outlier columns run in float; compressed-tensors has no "
-                "mixed-precision decomposition)"
-            )
-        if module.asymmetric:
-            problems.append("symmetric int8 (zero-point int8 is not exported)")
-        if module.activation == "per_tensor" and not module.static:
-            problems.append(
-                "--level O1 or O3 (dynamic per-tensor int8 activations, W8A8 O2, have no vLLM kernel: vLLM's int8 "
-                "W8A8 takes activations dynamic per token or static per tensor)"
-            )
-        return problems
-    if isinstance(module, SpQRLinear):
-        problems = []
-        if module.statistic_bits is not None or module.outlier_count:
-            problems.append("--method rtn or gptq (SpQR's quantized statistics and outliers have no such form)")
-        if module.permutation is not None:
-            problems.append("--static-groups or --no-act-order (act-order columns)")
-        if module.bits not in (4, 8):
-            problems.append(f"--bits 4 or 8 (int4 and int8 are written, not {module.bits}-bit codes)")
-        if not module.per_row and module.in_features % module.group_size:
-            problems.append(
-                f"a --group-size that divides every layer's input columns (a last group of "
-                f"{module.in_features % module.group_size} columns of {module.in_features} in groups of "
-                f"{module.group_size}; compressed-tensors packs whole groups)"
-            )
-        half = 2 ** (module.bits - 1)
-        if module.statistic_bits is None and not bool((module.zero == half).all()):  # quantized zeros: no grid
-            problems.append(
-                f"--grid symmetric (the min-max grid's fractional zeros; compressed-tensors' symmetric grid has zero "
-                f"at {half})"
-            )
-        return problems
-    if kind == "BmmQuantizer":
-        return [
-            "--no-bmm (attention's int8 q / k / v products have no compressed-tensors form: it quantizes the KV "
-            "cache, never q)"
-        ]
-    return [
-        f"--method w8a8, smoothquant, rtn or gptq ({MODULE_KINDS.get(kind, kind)} are not the integer grids "
-        "compressed-tensors holds)"
-    ]
+    return module.compressed_tensors_problems()
 
 
 def scheme_of(module: nn.Module) -> dict:
     """The compressed-tensors scheme ({"weights": ..., "input_activations": ...} as QuantizationArgs fields) that
     holds `module` exactly, or a ConfigError naming every setting it would need."""
     require_exact("compressed-tensors", [module], compressed_tensors_problems)
-    return _scheme(module)
-
-
-def _scheme(module: nn.Module) -> dict:
-    """The scheme of a module that has one (`compressed_tensors_problems` found none)."""
-    if isinstance(module, W8A8Linear):
-        per_tensor = bool((module.weight_scale == module.weight_scale[0]).all())
-        weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor" if per_tensor else "channel"}
-        activations = {
-            "num_bits": 8,
-            "type": "int",
-            "symmetric": True,
-            "strategy": "token" if module.activation == "per_token" else "tensor",
-            "dynamic": not module.static,
-        }
-        return {"weights": weights, "input_activations": activations}
-    strategy = {"strategy": "channel"} if module.per_row else {"strategy": "group", "group_size": module.group_size}
-    return {"weights": {"num_bits": module.bits, "type": "int", "symmetric": True, **strategy}}
-
-
-def _weight_and_scale(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (out, in) float weight leanlm computes with and the scale that re-creates its codes."""
-    if isinstance(module, W8A8Linear):
-        return module.weight.float() * module.weight_scale[:, None], module.weight_scale[:, None].clone()
-    return module.dequantized_weight(), module.scale.float()
+    return module.compressed_tensors_scheme()[0]
 
 
 def export_compressed_tensors(source: str | os.PathLike, out: str | os.PathLike) -> dict:
@@ -142,12 +70,10 @@ def export_compressed_tensors(source: str | os.PathLike, out: str | os.PathLike)
         )
     quantized = {name: module for name, module in model.named_modules() if type(module).__name__ in QUANTIZED_MODULES}
     require_exact("compressed-tensors", quantized.values(), compressed_tensors_problems)  # before any work
-    schemes = {name: _scheme(module) for name, module in quantized.items()}
-    distinct = {repr(scheme) for scheme in schemes.values()}
-    if len(distinct) != 1:
-        raise ConfigError(f"the checkpoint's quantized linears use {len(distinct)} different schemes; one is exported")
-    scheme = next(iter(schemes.values()))
-    form = {FORMATS[type(module)] for module in quantized.values()}.pop()
+    schemes = {repr(scheme): scheme for scheme in (m.compressed_tensors_scheme() for m in quantized.values())}
+    if len(schemes) != 1:
+        raise ConfigError(f"the checkpoint's quantized linears use {len(schemes)} different schemes; one is exported")
+    scheme, form = next(iter(schemes.values()))
     return _write(loaded, quantized, scheme, form, Path(out))
 
 
@@ -163,10 +89,11 @@ def _write(loaded, quantized: dict, scheme: dict, form: str, out: Path) -> dict:
     from leanlm.storage import staged_directory
 
     model = loaded.model
+    tensors = {}
     for name, module in quantized.items():  # float linears holding exactly the quantized values
-        weight, _ = _weight_and_scale(module)
+        tensors[name] = module.compressed_tensors_tensors()
         linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
-        linear.weight = nn.Parameter(weight, requires_grad=False)
+        linear.weight = nn.Parameter(tensors[name]["weight"], requires_grad=False)
         if module.bias is not None:
             linear.bias = nn.Parameter(module.bias.float().clone(), requires_grad=False)
         model.set_submodule(name, linear)
@@ -182,14 +109,14 @@ def _write(loaded, quantized: dict, scheme: dict, form: str, out: Path) -> dict:
         if isinstance(module, nn.Linear) and name not in quantized
     ]
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": group}, ignore=left_float))
-    for name, module in quantized.items():
+    for name in quantized:
         linear = model.get_submodule(name)
-        _, scale = _weight_and_scale(module)
+        scale = tensors[name]["weight_scale"]
         if scheme["weights"]["strategy"] == "tensor":
             scale = scale[:1, :1].reshape(linear.weight_scale.shape)
         linear.weight_scale.data = scale.to(linear.weight_scale.dtype).reshape(linear.weight_scale.shape)
-        if isinstance(module, W8A8Linear) and module.static:
-            linear.input_scale.data = module.input_scale.float().reshape(linear.input_scale.shape).clone()
+        if "input_scale" in tensors[name]:
+            linear.input_scale.data = tensors[name]["input_scale"].reshape(linear.input_scale.shape)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=form)
     compressor.compress_model(model)
     with staged_directory(out) as staging:

@@ -11,7 +11,7 @@ float32: the oracle.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -19,7 +19,6 @@ from leanlm.errors import ConfigError
 from leanlm.kernels.kbit_gemm import compiled_kernels
 
 GemvIsa = Literal["auto", "avx512", "avx2"]
-_ISA_CODES = {"auto": 0, "avx512": 1, "avx2": 2}
 MAX_ROWS = 8  # beyond this many rows of x, GEMM libraries reuse the weight well enough
 
 
@@ -37,12 +36,12 @@ def reference_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def float_gemv(x: torch.Tensor, weight: torch.Tensor, isa: GemvIsa = "auto") -> torch.Tensor:
     """(M, K) float32 x (N, K) float32 / bfloat16 -> (M, N) float32, M <= 8."""
-    if isa not in _ISA_CODES:
-        raise ConfigError(f"unknown GEMV kernel {isa!r}; choose one of {', '.join(_ISA_CODES)}")
+    if isa not in get_args(GemvIsa):
+        raise ConfigError(f"unknown GEMV kernel {isa!r}; choose one of {', '.join(get_args(GemvIsa))}")
     kernels = compiled_kernels()
     if kernels is None:
         raise ConfigError("leanlm's CPU kernels are not available on this machine (see the warning logged)")
-    return kernels.float_gemv(x.contiguous(), weight.contiguous(), _ISA_CODES[isa])
+    return kernels.float_gemv(x.contiguous(), weight.contiguous(), kernels.ISAS[isa])
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

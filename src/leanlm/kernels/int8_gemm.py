@@ -23,7 +23,7 @@ import torch
 
 from leanlm.errors import ConfigError
 from leanlm.formats.int8 import QMAX, QMIN
-from leanlm.kernels.kbit_gemm import INT8_ISA_CODES, compiled_kernels
+from leanlm.kernels.kbit_gemm import INT8_ISAS, compiled_kernels, isa_code
 
 Backend = Literal["reference", "fbgemm"]
 
@@ -88,8 +88,8 @@ def int8_gemv(
     extension = compiled_kernels()
     if extension is None:
         raise ConfigError("leanlm's CPU kernels are not available on this machine (see the warning logged)")
-    if isa != "auto" and isa not in INT8_ISA_CODES:
-        raise ConfigError(f"unknown W8A8 kernel {isa!r}; choose auto or one of {', '.join(INT8_ISA_CODES)}")
+    if isa != "auto" and isa not in INT8_ISAS:
+        raise ConfigError(f"unknown W8A8 kernel {isa!r}; choose auto or one of {', '.join(INT8_ISAS)}")
     return extension.w8a8_gemv(
         x.float().contiguous(),
         weight_int8.contiguous(),
@@ -97,7 +97,7 @@ def int8_gemv(
         bias,
         float(input_scale or 0.0),
         float(outlier_threshold or 0.0),
-        INT8_ISA_CODES.get(isa, 0),
+        isa_code(extension, isa),
     )
 
 

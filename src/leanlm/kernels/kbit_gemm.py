@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -34,8 +34,8 @@ KbitBackend = Literal["reference", "avx2"]
 # name one, for tests and benchmarks. The float kernels ("avx512", "avx2", "in-order") serve M <= SMALL_M and
 # keep x in float32; the int8 ones quantize x (llama.cpp's Q8_0 way) and, when named, serve every M.
 KernelIsa = Literal["auto", "avx512", "avx2", "in-order", "avx512-vnni-int8", "avx2-int8"]
-_ISA_CODES = {"auto": 0, "avx512": 1, "avx2": 2, "in-order": 3}
-INT8_ISA_CODES = {"avx512-vnni-int8": 1, "avx2-int8": 2}
+# The int8-activation kernels by the instruction set each runs (a name of the extension's `ISAS`).
+INT8_ISAS = {"avx512-vnni-int8": "avx512", "avx2-int8": "avx2"}
 INT8_CHUNK = 64  # activations are quantized per chunk of this many values; the int8 kernel's blocks are multiples
 SMALL_M = 16  # up to this many rows the register-decoding GEMV wins; above, decode tiles + SGEMM
 TILE_ROWS = 512  # output rows decoded at once on the large-M path (TILE_ROWS x K float32 of scratch)
@@ -81,6 +81,11 @@ def compiled_kernels():
     except Exception as error:  # no compiler, no headers: the reference path still works
         _log.warning("k-bit kernel could not be built (%s); using the reference path", str(error).splitlines()[0])
         return None
+
+
+def isa_code(extension, isa: str) -> int:
+    """The extension's code for kernel `isa` (an int8 kernel's: its instruction set's)."""
+    return extension.ISAS[INT8_ISAS.get(isa, isa)]
 
 
 def avx2_available() -> bool:
@@ -311,13 +316,13 @@ def kbit_linear(
         return torch.nn.functional.linear(x, weight, bias)
     if backend != "avx2":
         raise ValueError(f"unknown k-bit backend {backend!r}; choose reference or avx2")
-    if isa not in _ISA_CODES and isa not in INT8_ISA_CODES:
-        raise ConfigError(f"unknown k-bit kernel {isa!r}; choose one of {', '.join([*_ISA_CODES, *INT8_ISA_CODES])}")
+    if isa not in get_args(KernelIsa):
+        raise ConfigError(f"unknown k-bit kernel {isa!r}; choose one of {', '.join(get_args(KernelIsa))}")
     extension = compiled_kernels()
     if extension is None:
         raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
     x = x.contiguous()
-    int8 = isa in INT8_ISA_CODES or (
+    int8 = isa in INT8_ISAS or (
         isa == "auto"
         and int8_activations
         and x.shape[0] <= SMALL_M
@@ -336,7 +341,7 @@ def kbit_linear(
             out_features,
             block_size,
             bits,
-            INT8_ISA_CODES.get(isa, 0),
+            isa_code(extension, isa if isa in INT8_ISAS else "auto"),
             **constants.kernel_arguments(),
         )
     elif small:
@@ -347,7 +352,7 @@ def kbit_linear(
             table,
             out_features,
             block_size,
-            _ISA_CODES[isa],
+            isa_code(extension, isa),
             **constants.kernel_arguments(),
         )
     else:

@@ -24,7 +24,7 @@ from torch import nn
 from leanlm.cache.prefix import attached_cushion, save_cushion
 from leanlm.errors import ConfigError, CorruptModelError, ModelNotFoundError
 from leanlm.kernels.kbit_gemm import prefill_dtype
-from leanlm.memory import trim_freed_memory
+from leanlm.memory import return_freed_memory_at_once, trim_freed_memory
 from leanlm.methods.quantize import after_load, method_names
 from leanlm.models.architectures import architecture_for
 from leanlm.models.loading import (
@@ -37,7 +37,8 @@ from leanlm.models.loading import (
     read_tokenizer,
 )
 from leanlm.models.untrusted import INDEX_FILE, WEIGHTS_FILE, model_from_config, weight_files
-from leanlm.nn import QUANTIZED_MODULES, KbitLinear, SpQRLinear, use_gemv_
+from leanlm.nn import QUANTIZED_MODULES, KbitLinear, use_gemv_
+from leanlm.nn.base import QuantizedModule
 from leanlm.nn.kbit_linear import KbitEmbedding
 from leanlm.storage import (
     FORMAT_VERSION,
@@ -467,6 +468,7 @@ def load_any(
     dtype: str = "float32",
     head: str = "float",
     adapter: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+    keep_freed_memory: bool = False,
 ) -> LoadedModel:
     """A float model (registry name, HF directory, .gguf) computing in `dtype` (see `compute_dtype`), or a leanlm
     quantized checkpoint, whose quantized layers compute as their kernels do (float32 activations); there
@@ -475,8 +477,15 @@ def load_any(
     int blocks (`quantize_head_`). `adapter`: a LoRA adapter directory (`leanlm finetune`'s output) applied over
     the model as it was trained (its base quantized as then, the adapters beside it, in float32), or several over
     one base, each `NAME=DIR` or a directory named by its last component (`LoadedModel.adapters`; the first is
-    the model's own, the others are chosen per batch row with `leanlm.nn.lora.adapter_rows`)."""
-    settings = LoadSettings(dtype, head, adapter)  # checked before the slow load
+    the model's own, the others are chosen per batch row with `leanlm.nn.lora.adapter_rows`).
+
+    Unless `keep_freed_memory`, the C library is told to give freed blocks back to the system at once, for the
+    whole process (`return_freed_memory_at_once`): without it, the blocks a forward frees (activations, the
+    kernels' de-quantized tiles) stay resident in glibc's heap, so resident memory exceeds what `leanlm plan`
+    counts by an amount that varies from run to run (benchmarks/plan_accuracy.py)."""
+    settings = LoadSettings(dtype, head, adapter, keep_freed_memory)  # checked before the slow load
+    if not keep_freed_memory:  # from the start: loading leaves blocks in the heap too
+        return_freed_memory_at_once()
     lora, adapters, configs = None, [], []
     if settings.adapter:
         from leanlm.methods.qlora import adapter_configs, named_adapters
@@ -494,7 +503,7 @@ def load_any(
             # the int8 kernels'.
             gemm = prefill_dtype(storage)  # float32 where the CPU would only emulate bfloat16 products
             for module in loaded.model.modules():
-                if isinstance(module, (KbitLinear, SpQRLinear)):
+                if isinstance(module, QuantizedModule) and hasattr(module, "gemm_dtype"):  # the k-bit kernels'
                     module.gemm_dtype = gemm
             loaded.dtype = (
                 f"float32, embedding and output head in {dtype_name(storage)}, k-bit / GPTQ prefill GEMMs "

@@ -44,6 +44,12 @@ class BmmQuantizer(QuantizedModule):
         # Per channel (kv heads x head_dim) because smoothing v_proj -> o_proj rescales exactly these channels.
         self.register_buffer("v_channel_absmax", torch.zeros(kv_channels))
 
+    def compressed_tensors_problems(self) -> list[str]:
+        return [
+            "--no-bmm (attention's int8 q / k / v products have no compressed-tensors form: it quantizes the KV "
+            "cache, never q)"
+        ]
+
     def constructor_args(self) -> dict:
         """The arguments that rebuild this module before a checkpoint's state dict is loaded into it."""
         return {

@@ -1,8 +1,10 @@
 """QuantizedModule: the one interface of leanlm's quantized modules. A subclass registers itself by its class
 name (how a checkpoint's module records are turned back into modules) and declares, in words, what it stores
 (`kind`, for messages that name it); it gives the arguments that rebuild it empty (`constructor_args`), the weight
-it computes with (`dequantized_weight`) and the bits it stores per weight. Exporters ask a module for its own
-exact form (`gguf_problems` / `gguf_blocks`) instead of switching on class names."""
+it computes with (`dequantized_weight`) and the bits it stores per weight. The fused decode step and the exporters
+ask a module for its own form (`fused_problem` / `add_to_fused`, `gguf_problems` / `gguf_blocks`,
+`compressed_tensors_problems` / `compressed_tensors_scheme`) instead of switching on class names, so a new module
+type is added here and in its own file only."""
 
 from __future__ import annotations
 
@@ -43,6 +45,39 @@ class QuantizedModule(nn.Module):
         """Bits of every stored tensor (bias excluded) per weight."""
         stored = [t for name, t in self.named_buffers() if name != "bias" and t is not None]
         return sum(t.numel() * t.element_size() * 8 for t in stored) / (self.in_features * self.out_features)
+
+    def runtime_bytes(self) -> int:
+        """What this module holds beside its stored buffers once its first forward has run: the forms its kernel
+        reads, derived from them (known from its shape, on the meta device too)."""
+        return 0
+
+    def fused_problem(self) -> str | None:
+        """Why the fused decode step (`leanlm.decoding.FusedDecoder`) cannot run this module, or None if
+        `add_to_fused` hands it over."""
+        return f"{self.kind}, which the fused step does not run"
+
+    def add_to_fused(self, decoder, compact_constants: bool) -> int:
+        """Hand this module to the fused step's C++ decoder (the compiled kernels' `FusedDecoder`); its linear id.
+        `compact_constants`: keep double-quantized constants 8-bit rather than decoding them once."""
+        raise NotImplementedError
+
+    def compressed_tensors_problems(self) -> list[str]:
+        """The `leanlm quantize` settings this module would need to have an exact compressed-tensors scheme
+        (empty: none)."""
+        return [
+            f"--method w8a8, smoothquant, rtn or gptq ({self.kind} are not the integer grids compressed-tensors holds)"
+        ]
+
+    def compressed_tensors_scheme(self) -> tuple[dict, str]:
+        """({"weights": ..., "input_activations": ...} as compressed-tensors' QuantizationArgs fields, the
+        compressor's format name) holding this module exactly; only for a module whose
+        `compressed_tensors_problems` is empty."""
+        raise NotImplementedError
+
+    def compressed_tensors_tensors(self) -> dict[str, torch.Tensor]:
+        """The float (out, in) `weight` this module computes with, the `weight_scale` that re-creates its codes
+        from it and, where the scheme has static activations, the `input_scale`."""
+        raise NotImplementedError
 
     def gguf_problems(self) -> list[str]:
         """The `leanlm quantize` settings this module would need to be GGUF blocks exactly (empty: none)."""

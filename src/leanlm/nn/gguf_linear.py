@@ -43,11 +43,19 @@ class GGUFLinear(QuantizedModule):
         self._kernel_inputs = None
         super()._load_from_state_dict(*args, **kwargs)
 
+    def _kernel_fits(self) -> bool:
+        return self.format.bits == 4 and supports_fast_path(4, self.format.sub, self.in_features)
+
     def _resolve_backend(self) -> str:
         if self.backend is None:
-            fits = self.format.bits == 4 and supports_fast_path(4, self.format.sub, self.in_features)
-            self.backend = "kernel" if fits and avx2_available() else "reference"
+            self.backend = "kernel" if self._kernel_fits() and avx2_available() else "reference"
         return self.backend
+
+    def runtime_bytes(self) -> int:
+        """The kernel's codes two per byte and its float32 scale and offset per sub-block (`kernel_inputs`)."""
+        fits = self._kernel_fits() if self.backend is None else self.backend == "kernel"
+        weights = self.out_features * self.in_features
+        return weights // 2 + 2 * 4 * weights // self.format.sub if fits else 0
 
     def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The kernel's form of the weight: codes two per byte, each sub-block's A (flat) and offset

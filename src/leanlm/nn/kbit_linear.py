@@ -24,8 +24,10 @@ from leanlm.kernels.kbit_gemm import (
     KbitBackend,
     KernelIsa,
     code_table,
+    compiled_kernels,
     default_backend,
     dequantize_weight,
+    int8_kernel_table,
     is_int8_code_book,
     kbit_linear,
     prefill_dtype,
@@ -191,6 +193,37 @@ class KbitLinear(QuantizedModule):
                     part.masked_fill_(part == 255, INT8_CODE_BIAS)
             self._kernel_inputs = (constants, table)
         return self._kernel_inputs
+
+    def fused_problem(self) -> str | None:
+        runs = (
+            self.bits == 4
+            and supports_int8_activations(self.block_size, self.in_features)
+            and self.proxy_columns is None
+        ) or self._runs_int8_kernel_only()
+        if not runs or self.backend == "reference":
+            return (
+                f"{self.extra_repr()} (the fused step runs 4-bit codes and 8-bit int codes in blocks of a multiple "
+                "of 64 and 3-bit codes in blocks of 16, 32 or a multiple of 64, without proxy columns)"
+            )
+        return None
+
+    def add_to_fused(self, decoder, compact_constants: bool) -> int:
+        constants, table = self._kernel_state()
+        values, inverse = int8_kernel_table(table, self.bits)
+        if not compact_constants:
+            constants = constants.decoded_once()
+        return decoder.add_linear(
+            compiled_kernels().LINEAR_KINDS[f"kbit{self.bits}"],
+            self.packed,
+            self.in_features,
+            self.out_features,
+            None if self.bias is None else self.bias.detach(),
+            constants.absmax,
+            values,
+            inverse,
+            self.block_size,
+            **constants.kernel_arguments(),
+        )
 
     def _runs_int8_kernel_only(self) -> bool:
         """Codes without a float-activation GEMV: the int8 kernel at decode sizes, tiles beyond: 8-bit codes of

@@ -39,6 +39,8 @@ from leanlm.kernels.kbit_gemm import (
     SMALL_M,
     SparseRows,
     avx2_available,
+    compiled_kernels,
+    int8_kernel_table,
     kbit_linear,
     supports_fast_path,
     supports_int8_activations,
@@ -197,6 +199,72 @@ class SpQRLinear(QuantizedModule):
     def gguf_type(self):
         return BLOCK_TYPES[GGUF_TYPES[self.bits]].ggml
 
+    def fused_problem(self) -> str | None:
+        if self._resolve_backend() != "kernel" or not supports_int8_activations(
+            self.kernel_block, self.in_features, self.bits
+        ):
+            return (
+                f"{self.extra_repr()} (the fused step runs 3- and 4-bit GPTQ / SpQR codes in kernel blocks of a "
+                f"multiple of 64, or 3-bit ones of 16 or 32; these are {self.kernel_block} columns)"
+            )
+        return None
+
+    def add_to_fused(self, decoder, compact_constants: bool) -> int:
+        """The codes go to the step as a k-bit linear whose code book is the integers, with each block's offset,
+        the act-order permutation and the sparse outliers beside them."""
+        scale, offset = self.kernel_constants()
+        values, inverse = int8_kernel_table(IDENTITY_TABLE, self.bits)
+        linear = decoder.add_linear(
+            compiled_kernels().LINEAR_KINDS[f"kbit{self.bits}"],
+            self.codes,
+            self.in_features,
+            self.out_features,
+            None if self.bias is None else self.bias.detach(),
+            scale,
+            values,
+            inverse,
+            self.kernel_block,
+        )
+        outliers = {}
+        if self.outlier_count:
+            outliers = {
+                "outlier_row_offsets": self.outlier_row_offsets,
+                "outlier_columns": self.outlier_columns,
+                "outlier_values": self.outlier_values,
+            }
+        decoder.add_spqr_parts(linear, offset, self.permutation, **outliers)
+        return linear
+
+    def compressed_tensors_problems(self) -> list[str]:
+        problems = []
+        if self.statistic_bits is not None or self.outlier_count:
+            problems.append("--method rtn or gptq (SpQR's quantized statistics and outliers have no such form)")
+        if self.permutation is not None:
+            problems.append("--static-groups or --no-act-order (act-order columns)")
+        if self.bits not in (4, 8):
+            problems.append(f"--bits 4 or 8 (int4 and int8 are written, not {self.bits}-bit codes)")
+        if not self.per_row and self.in_features % self.group_size:
+            problems.append(
+                f"a --group-size that divides every layer's input columns (a last group of "
+                f"{self.in_features % self.group_size} columns of {self.in_features} in groups of "
+                f"{self.group_size}; compressed-tensors packs whole groups)"
+            )
+        half = 2 ** (self.bits - 1)
+        if self.statistic_bits is None and not bool((self.zero == half).all()):  # quantized zeros: no grid
+            problems.append(
+                f"--grid symmetric (the min-max grid's fractional zeros; compressed-tensors' symmetric grid has zero "
+                f"at {half})"
+            )
+        return problems
+
+    def compressed_tensors_scheme(self) -> tuple[dict, str]:
+        """Symmetric groups along the input, value = scale * (code - 2^(b-1)), packed."""
+        strategy = {"strategy": "channel"} if self.per_row else {"strategy": "group", "group_size": self.group_size}
+        return {"weights": {"num_bits": self.bits, "type": "int", "symmetric": True, **strategy}}, "pack-quantized"
+
+    def compressed_tensors_tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.dequantized_weight(), "weight_scale": self.scale.float()}
+
     def gguf_blocks(self):
         """Symmetric groups of 32 are Q4_0 (4 bits) / Q8_0 (8 bits) blocks: the codes, and the group's float16
         scale as the block's d."""
@@ -229,17 +297,25 @@ class SpQRLinear(QuantizedModule):
         """Columns per block of the kernel: the largest that tiles every row and lies within one group."""
         return math.gcd(self.group_size, self.in_features)
 
+    def _kernel_fits(self) -> bool:
+        """Whether the k-bit kernels read this layout (on a CPU that runs them)."""
+        return (
+            self.bits == 4
+            and supports_fast_path(4, self.kernel_block, self.in_features)
+            or self.bits == 3
+            and self.code_layout == "planes"
+            and supports_int8_activations(self.kernel_block, self.in_features, 3)
+        )
+
     def _resolve_backend(self) -> SpQRBackend:
         if self.backend is None:
-            fits = (
-                self.bits == 4
-                and supports_fast_path(4, self.kernel_block, self.in_features)
-                or self.bits == 3
-                and self.code_layout == "planes"
-                and supports_int8_activations(self.kernel_block, self.in_features, 3)
-            )
-            self.backend = "kernel" if fits and avx2_available() else "dense_sparse"
+            self.backend = "kernel" if self._kernel_fits() and avx2_available() else "dense_sparse"
         return self.backend
+
+    def runtime_bytes(self) -> int:
+        """The kernel's float32 scale and offset per kernel block (`kernel_constants`)."""
+        fits = self._kernel_fits() if self.backend is None else self.backend == "kernel"
+        return 2 * 4 * self.out_features * (self.in_features // self.kernel_block) if fits else 0
 
     def kernel_constants(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What the kernel path reads beside the codes (built once): one scale per kernel block, flat

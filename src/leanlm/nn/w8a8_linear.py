@@ -242,6 +242,58 @@ class W8A8Linear(QuantizedModule):
         zero_point = self.weight_zero_point if self.asymmetric else 0
         return (self.weight[:, columns].float() - zero_point) * self.weight_scale[:, None]
 
+    def fused_problem(self) -> str | None:
+        if self.asymmetric:
+            return "zero-point (asymmetric) int8, a baseline the fused step does not run"
+        if int(self.weight.min()) == -128:  # absmax quantization never writes it
+            return "an int8 weight of -128, which the AVX2 kernel's sign trick cannot negate"
+        return None
+
+    def add_to_fused(self, decoder, compact_constants: bool) -> int:
+        """A plain int8 copy of the weight goes to the step, beside fbgemm's packed one that prefill runs."""
+        return decoder.add_w8a8_linear(
+            self.weight.contiguous(),
+            self.weight_scale,
+            None if self.bias is None else self.bias.detach(),
+            float(self.input_scale) if self.static else 0.0,
+            self.outlier_threshold or 0.0,
+        )
+
+    def compressed_tensors_problems(self) -> list[str]:
+        problems = []
+        if self.outlier_threshold is not None:
+            problems.append(
+                "--method w8a8 or smoothquant (LLM.int8()'s outlier columns run in float; compressed-tensors has no "
+                "mixed-precision decomposition)"
+            )
+        if self.asymmetric:
+            problems.append("symmetric int8 (zero-point int8 is not exported)")
+        if self.activation == "per_tensor" and not self.static:
+            problems.append(
+                "--level O1 or O3 (dynamic per-tensor int8 activations, W8A8 O2, have no vLLM kernel: vLLM's int8 "
+                "W8A8 takes activations dynamic per token or static per tensor)"
+            )
+        return problems
+
+    def compressed_tensors_scheme(self) -> tuple[dict, str]:
+        per_tensor = bool((self.weight_scale == self.weight_scale[0]).all())
+        weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor" if per_tensor else "channel"}
+        activations = {
+            "num_bits": 8,
+            "type": "int",
+            "symmetric": True,
+            "strategy": "token" if self.activation == "per_token" else "tensor",
+            "dynamic": not self.static,
+        }
+        return {"weights": weights, "input_activations": activations}, "int-quantized"
+
+    def compressed_tensors_tensors(self) -> dict[str, torch.Tensor]:
+        scale = self.weight_scale[:, None]
+        tensors = {"weight": self.weight.float() * scale, "weight_scale": scale.clone()}
+        if self.static:
+            tensors["input_scale"] = self.input_scale.float().clone()
+        return tensors
+
     def extra_repr(self) -> str:
         mode = "static" if self.static else "dynamic"
         outliers = f", outlier_threshold={self.outlier_threshold}" if self.outlier_threshold is not None else ""

@@ -157,7 +157,7 @@ def serve(
             "listening on %s: the API has no authentication and anyone who can reach this address can use it",
             settings.host,
         )
-    loaded = load_any(model_name, loading.dtype, loading.head, loading.adapter)
+    loaded = load_any(model_name, loading.dtype, loading.head, loading.adapter, loading.keep_freed_memory)
     if settings.log_requests:
         logging.getLogger("leanlm.serve.api").setLevel(logging.INFO)
     app = build_app(loaded.model, loaded.tokenizer, model_name, settings, engine_thread=False, adapters=loaded.adapters)

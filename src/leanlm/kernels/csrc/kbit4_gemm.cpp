@@ -594,6 +594,17 @@ torch::Tensor float_gemv(torch::Tensor x, torch::Tensor weight, int64_t isa) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The enums' values by name: Python looks them up here rather than keeping copies.
+  m.attr("ISAS") = py::dict(py::arg("auto") = int64_t{kAuto}, py::arg("avx512") = int64_t{kAvx512},
+                            py::arg("avx2") = int64_t{kAvx2}, py::arg("in-order") = int64_t{kInOrder});
+  m.attr("LINEAR_KINDS") =
+      py::dict(py::arg("float32") = int64_t{fused::kFloat32}, py::arg("bfloat16") = int64_t{fused::kBFloat16},
+               py::arg("kbit3") = int64_t{fused::kKbit3}, py::arg("kbit4") = int64_t{fused::kKbit4},
+               py::arg("kbit8") = int64_t{fused::kKbit8}, py::arg("w8a8") = int64_t{fused::kW8A8});
+  m.attr("ACTIVATIONS") = py::dict(py::arg("swiglu") = int64_t{fused::kSiLU}, py::arg("geglu") = int64_t{fused::kGeluTanh});
+  m.attr("BMM_MODES") =
+      py::dict(py::arg("none") = int64_t{fused::kBmmNone}, py::arg("per_tensor") = int64_t{fused::kBmmPerTensor},
+               py::arg("per_token") = int64_t{fused::kBmmPerToken}, py::arg("static") = int64_t{fused::kBmmStatic});
   m.def("float_gemv", &float_gemv, "float32 / bfloat16 weight times at most 8 float32 rows, threads over outputs");
   m.def("kbit4_gemv", &kbit4_gemv, "4-bit weight-only linear, weights decoded in registers", py::arg("x"),
         py::arg("packed"), py::arg("absmax"), py::arg("table"), py::arg("out_features"), py::arg("block"),
