@@ -7,8 +7,12 @@ checkpoint holds. Around them three estimates, each the sum of named parts (`Est
 
 - stored: the quantized layers plus the tables (token embedding, norms, an untied output head) in float32;
 - running: this process' own resident memory once torch and transformers are imported (what any leanlm process
-  starts from), the weights and the kernels' working memory (`KERNELS_RUNTIME`), the KV cache at the
-  context asked (or the sink cache's fixed size), and the working memory of one prefill chunk;
+  starts from), the weights and what the layers derive from them for their kernels (`runtime_bytes`), the KV
+  cache at the context asked (or the sink cache's fixed size) and the working memory of one prefill chunk (the
+  k-bit kernels' de-quantized tile included), or the load's own peak where that is higher (W8A8 packs its int8
+  weights for fbgemm one shared-input group at a time, the group's plain and stacked copies beside its packed
+  one). What a forward frees is given back to the system at once (`load_any`), so the live tensors are the
+  peak;
 - quantizing: `leanlm quantize`'s peak, out of core (one float block, the calibration windows' hidden states, the
   method's per-block statistics) or in memory for methods that need the whole model.
 
@@ -27,19 +31,13 @@ import torch
 from torch import nn
 
 from leanlm.errors import ConfigError
+from leanlm.kernels.kbit_gemm import TILE_ROWS
 from leanlm.settings import option
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 PREFILL_CHUNK = 512  # tokens per prefill forward (`leanlm serve`, `leanlm chat`)
 SPQR_OUTLIER_SHARE = 0.01  # SpQR's outliers depend on the weights; its paper keeps about 1 % of them
-# What a quantized model holds beyond its stored bytes once its first forward has run. W8A8 packs its int8 weights
-# for fbgemm one layer (or shared-input group) at a time as it loads, each group's plain and stacked copies beside
-# its packed one, what each frees given back before the next (`KERNELS_RUNTIME` covers fbgemm's own buffers); the
-# k-bit and SpQR kernels keep their libraries and buffers (a constant, measured by benchmarks/plan_accuracy.py) and
-# de-quantize the largest layer to float32 for a prefill GEMM, twice (one operand and the next while the first is
-# freed).
-KERNELS_RUNTIME = 96 * 2**20
 # What tokenizing the calibration text takes beside the windows it makes (a constant, measured by the same script).
 CALIBRATION_TEXT = 96 * 2**20
 
@@ -389,16 +387,15 @@ def plan_row(
         # are resident until the load ends.
         loading = 0 if in_place else facts.total_parameters * stored_bytes
     else:
-        weights = stored.total
-        loading = 0  # the tables are copied in from their file a MiB at a time
-        largest = max(i * o for _, i, o, _ in facts.linears)
-        if kernel_forms:
-            extra["kernel forms"] = kernel_forms
-        if by_type.keys() - {"W8A8Linear"}:
-            extra["kernels"] = KERNELS_RUNTIME + 2 * largest * 4
-        else:  # a shared-input group of two of the largest linears: its plain, stacked and packed int8 copies
-            extra["kernels"] = KERNELS_RUNTIME + 3 * 2 * largest
+        weights = stored.total  # the tables are copied in from their file a MiB at a time
+        if by_type.keys() - {"W8A8Linear"}:  # the k-bit kernels' prefill GEMM de-quantizes a tile of rows at a time
+            extra["kernel tile"] = TILE_ROWS * max(i for _, i, _, _ in facts.linears) * 4
+            loading = 0
+        else:  # packing a shared-input group of two of the largest linears: its plain, stacked and packed copies
+            loading = 3 * 2 * max(i * o for _, i, o, _ in facts.linears)
     running = Estimate({"process": baseline, "weights": weights})
+    if kernel_forms:
+        running.parts["kernel forms"] = kernel_forms
     if loading > sum(extra.values()):  # the load's peak is the higher one
         running.parts["loading"] = loading
     else:
