@@ -302,7 +302,7 @@ def test_chat_and_serve_take_the_fastest_float_path_measurements_the_reference(m
     class Loaded(Exception):
         pass
 
-    def load_any(source, dtype="float32", head="float", adapter=None):
+    def load_any(source, dtype="float32", head="float", adapter=None, keep_freed_memory=False):
         raise Loaded(f"{dtype} {head}")
 
     monkeypatch.setattr(leanlm.methods, "load_any", load_any)
