@@ -177,6 +177,10 @@ class SpQRLinear(QuantizedModule):
         restored[:, self.permutation.long()] = weight
         return restored
 
+    def _fractional_zeros(self) -> bool:
+        """Float zeros off the symmetric grid's middle code (quantized statistics are codes themselves: no grid)."""
+        return self.statistic_bits is None and not bool((self.zero == 2 ** (self.bits - 1)).all())
+
     def gguf_problems(self) -> list[str]:
         problems = []
         if self.statistic_bits is not None or self.outlier_count:
@@ -191,8 +195,7 @@ class SpQRLinear(QuantizedModule):
             )
         if self.permutation is not None:
             problems.append("--static-groups or --no-act-order (a block is 32 consecutive columns)")
-        quantized_statistics = self.statistic_bits is not None  # its zeros are codes themselves, not on a grid
-        if not quantized_statistics and not bool((self.zero == 2 ** (self.bits - 1)).all()):
+        if self._fractional_zeros():
             problems.append(f"--grid symmetric (Q4_0 / Q8_0 put zero at code {2 ** (self.bits - 1)})")
         return problems
 
@@ -249,11 +252,10 @@ class SpQRLinear(QuantizedModule):
                 f"{self.in_features % self.group_size} columns of {self.in_features} in groups of "
                 f"{self.group_size}; compressed-tensors packs whole groups)"
             )
-        half = 2 ** (self.bits - 1)
-        if self.statistic_bits is None and not bool((self.zero == half).all()):  # quantized zeros: no grid
+        if self._fractional_zeros():
             problems.append(
                 f"--grid symmetric (the min-max grid's fractional zeros; compressed-tensors' symmetric grid has zero "
-                f"at {half})"
+                f"at {2 ** (self.bits - 1)})"
             )
         return problems
 
