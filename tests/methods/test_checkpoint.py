@@ -335,6 +335,43 @@ def test_a_checkpoint_loads_straight_into_quantized_modules(quantized_dir, monke
     assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight  # tied again
 
 
+def test_each_tensor_of_a_weights_file_is_read_through_a_handle_of_its_own(quantized_dir, monkeypatch):
+    """A handle keeps every page it read mapped until it closes: an in-memory checkpoint is one file of the whole
+    model, so reading it through one handle held all of it resident beside the copies (benchmarks/plan_accuracy.py's
+    cushion row). No handle reads more than one tensor, and the model is the same."""
+    import leanlm.methods.checkpoint as checkpoint
+
+    reads_per_handle = []
+    original = checkpoint.safe_open
+
+    class Counting:
+        def __init__(self, *args, **kwargs):
+            self.handle, self.reads = original(*args, **kwargs), 0
+
+        def __enter__(self):
+            self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            reads_per_handle.append(self.reads)
+            return self.handle.__exit__(*exc)
+
+        def get_tensor(self, name):
+            self.reads += 1
+            return self.handle.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+    monkeypatch.setattr(checkpoint, "safe_open", Counting)
+    out, model = quantized_dir
+    loaded, _ = load_quantized(out)
+    assert len(list(out.glob("*.safetensors"))) == 1 and max(reads_per_handle) == 1 and sum(reads_per_handle) > 10
+    ids = torch.randint(0, 1000, (1, 12))
+    with torch.inference_mode():
+        assert torch.equal(loaded.model(ids).logits, model(ids).logits)
+
+
 @pytest.mark.skipif(
     not __import__("leanlm.kernels.int8_gemm", fromlist=["x"]).fbgemm_available(), reason="no fbgemm engine"
 )

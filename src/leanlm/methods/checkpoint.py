@@ -362,11 +362,17 @@ def load_quantized(
 
 def _read_file(path: Path, skip: dict) -> dict[str, torch.Tensor]:
     """The tensors of one weights file but those in `skip`, copied out of it. safetensors maps the file, and a
-    page read stays resident as long as any tensor viewing it (or the handle) lives: copies let the mapping go as
-    soon as the file is read, so no page of it outlives what the model keeps (W8A8's packing, for one, replaces
-    its int8 weights)."""
+    page read stays resident as long as any tensor viewing it (or the handle) lives: each tensor is copied
+    through a handle of its own, so the pages mapped at any moment are one tensor's, however large the file (an
+    in-memory checkpoint is one file of the whole model), and none outlives what the model keeps (W8A8's
+    packing, for one, replaces its int8 weights)."""
     with safe_open(str(path), "pt") as handle:
-        return {name: handle.get_tensor(name).clone() for name in handle.keys() if name not in skip}
+        names = [name for name in handle.keys() if name not in skip]
+    tensors = {}
+    for name in names:
+        with safe_open(str(path), "pt") as handle:
+            tensors[name] = handle.get_tensor(name).clone()
+    return tensors
 
 
 _CHUNK_BYTES = 1 << 20  # float32 bytes of a table read (and quantized) at a time
