@@ -43,7 +43,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from leanlm.bench import Study, print_report, study_arguments  # noqa: E402
-from leanlm.bench.harness import cpu_description, process_peak_rss_bytes  # noqa: E402
+from leanlm.bench.harness import cpu_description, process_peak_rss_bytes, worker_result  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 NAME = "out_of_core_llama3-8b-shape"
@@ -170,13 +170,6 @@ def qlora_worker(checkpoint: Path, out: Path) -> dict:
         "trainable_parameters": record["trainable_parameters"],
         "peak_rss_bytes": process_peak_rss_bytes(),
     }
-
-
-def _run_worker(*worker: str) -> dict:
-    result = subprocess.run([sys.executable, __file__, "--worker", *worker], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"worker {worker[0]} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def _check_disk(directory: Path, needed: int) -> None:
@@ -359,7 +352,7 @@ def main() -> None:
     for step in study.todo("steps", ["write", *QUANTIZE_STEPS, "generate", "qlora"]):
         if step == "write":
             shutil.rmtree(source, ignore_errors=True)
-            value = _run_worker("write", str(source))
+            value = worker_result(__file__, "write", str(source))
         elif not source.is_dir():
             raise SystemExit(f"{source} is missing: run the write step first (--only write)")
         elif step in ("generate", "qlora"):
@@ -367,9 +360,9 @@ def main() -> None:
             if not checkpoint.is_dir():
                 raise SystemExit(f"{checkpoint} is missing: run the nf4-dq step first (--only nf4-dq)")
             value = (
-                _run_worker("generate", str(checkpoint), str(args.new_tokens))
+                worker_result(__file__, "generate", str(checkpoint), str(args.new_tokens))
                 if step == "generate"
-                else _run_worker("qlora", str(checkpoint), str(args.workdir / "qlora"))
+                else worker_result(__file__, "qlora", str(checkpoint), str(args.workdir / "qlora"))
             )
         else:
             out = args.workdir / step

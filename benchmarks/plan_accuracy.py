@@ -30,7 +30,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
-from leanlm.bench.harness import process_peak_rss_bytes  # noqa: E402
+from leanlm.bench.harness import checkpoint_bytes, process_peak_rss_bytes, worker_result  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 DECODE_TOKENS = 8
@@ -74,17 +74,6 @@ def run_worker(source: str, context: int, dtype: str, streaming: bool) -> dict:
     return {"peak_rss_bytes": process_peak_rss_bytes()}
 
 
-def _child(*args: str) -> dict:
-    result = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"worker {' '.join(args)} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def _stored_bytes(directory: Path) -> int:
-    return sum(path.stat().st_size for path in directory.glob("*.safetensors"))
-
-
 def measure(row: dict, args, workdir: Path) -> dict:
     measured: dict = {}
     source = args.model
@@ -92,14 +81,16 @@ def measure(row: dict, args, workdir: Path) -> dict:
         out = workdir / row["row"]
         for left in (out, workdir / f".{out.name}.partial-resumable"):  # a killed run's checkpoint or staging
             shutil.rmtree(left, ignore_errors=True)
-        measured["quantizing_bytes"] = _child("quantize", args.model, row["row"], str(out), str(args.calib_samples))[
-            "peak_rss_bytes"
-        ]
-        measured["stored_bytes"] = _stored_bytes(out)
+        measured["quantizing_bytes"] = worker_result(
+            __file__, "quantize", args.model, row["row"], str(out), str(args.calib_samples)
+        )["peak_rss_bytes"]
+        measured["stored_bytes"] = checkpoint_bytes(out)
         source = str(out)
     dtype = "bfloat16" if row["row"] == "bf16" else "float32"
     streaming = "1" if row["row"] == "streaming" else "0"
-    measured["running_bytes"] = _child("run", source, str(args.context), dtype, streaming)["peak_rss_bytes"]
+    measured["running_bytes"] = worker_result(__file__, "run", source, str(args.context), dtype, streaming)[
+        "peak_rss_bytes"
+    ]
     if row["quantizing_bytes"] is not None:
         shutil.rmtree(workdir / row["row"], ignore_errors=True)
     return {**_predicted(row), "measured": measured}

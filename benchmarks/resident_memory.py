@@ -30,7 +30,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
-from leanlm.bench.harness import _status_kib, process_peak_rss_bytes, weight_bytes  # noqa: E402
+from leanlm.bench.harness import _status_kib, checkpoint_bytes, process_peak_rss_bytes, weight_bytes  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 PROMPT = "The history of the city begins with"
@@ -81,10 +81,6 @@ def worker(model: str, new_tokens: int, keep_int8_copy: bool) -> dict:
     }
 
 
-def _stored_bytes(directory: Path) -> int:
-    return sum(path.stat().st_size for path in directory.glob("*.safetensors"))
-
-
 def measure(row: str, args, float_bytes: int) -> dict:
     flags = ROWS[row]
     target, stored = args.model, float_bytes
@@ -96,7 +92,7 @@ def measure(row: str, args, float_bytes: int) -> dict:
                 check=True,
                 stdout=subprocess.DEVNULL,
             )
-        stored = _stored_bytes(target)
+        stored = checkpoint_bytes(target)
     command = [sys.executable, __file__, "--worker", str(target), str(args.new_tokens)]
     if row == KEEPS_INT8_COPY:
         command.append("keep")

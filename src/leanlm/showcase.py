@@ -75,16 +75,24 @@ def _streaming(loaded: LoadedModel, settings: EvalSettings) -> dict:
     }
 
 
-def _qlora(loaded: LoadedModel, settings: EvalSettings) -> dict:
-    """NF4 + double quantization base, LoRA adapters trained for a few steps on calibration text."""
+def qlora_training(model) -> tuple:
+    """The QLoRA row's training: LoRA r=8 added to `model` over an NF4 + double quantization base, for a few
+    steps on calibration text; (lora config, finetune settings, documents)."""
     from leanlm.data import plain_text
-    from leanlm.training import FinetuneSettings, finetune
+    from leanlm.training import FinetuneSettings
 
     lora = LoRAConfig(base="nf4-dq", rank=8)
     training = FinetuneSettings(max_steps=QLORA_STEPS, batch_size=2, seq_len=256, save_every=QLORA_STEPS)
     torch.manual_seed(training.seed)  # the adapters' initialisation and dropout: the same row every run
-    add_lora_(loaded.model, lora)
-    documents = plain_text("lambada-dev").splitlines()[:400]
+    add_lora_(model, lora)
+    return lora, training, plain_text("lambada-dev").splitlines()[:400]
+
+
+def _qlora(loaded: LoadedModel, settings: EvalSettings) -> dict:
+    """NF4 + double quantization base, LoRA adapters trained for a few steps on calibration text."""
+    from leanlm.training import finetune
+
+    lora, training, documents = qlora_training(loaded.model)
     with tempfile.TemporaryDirectory() as out:
         record = finetune(loaded.model, loaded.tokenizer, documents, training, lora, out, loaded.name, progress=False)
     return {

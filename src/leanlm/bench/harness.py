@@ -272,6 +272,21 @@ def peak_memory() -> Iterator[PeakMemory]:
         record.peak_bytes = max(record.peak_bytes, _status_kib("VmRSS") * 1024)
 
 
+def checkpoint_bytes(directory: str | os.PathLike) -> int:
+    """Bytes of a checkpoint's safetensors files as stored on disk."""
+    return sum(path.stat().st_size for path in Path(directory).glob("*.safetensors"))
+
+
+def worker_result(script: str | os.PathLike, *args: str) -> dict:
+    """`python SCRIPT --worker ARGS...` in a fresh process (whose peak resident memory is then its own work's): the
+    JSON object the last line of its output holds. A worker that fails stops the study with the end of its error
+    output."""
+    result = subprocess.run([sys.executable, str(script), "--worker", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"worker {' '.join(args)} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def _stored_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
     """The plain tensors that hold `tensor`'s data: itself, or the inner tensors of a tensor subclass (the
     way torchao stores quantized weights)."""
