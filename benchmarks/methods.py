@@ -3,8 +3,9 @@
 Per row: the checkpoint written the way `leanlm quantize` writes it (calibration: --calib-samples windows of 512
 tokens of LAMBADA development text, never an evaluation set), its stored bytes and the peak resident memory of
 writing it; then, each in a fresh process that loads it with `load_any` (its float parts computing in --dtype,
-bfloat16 by default, against the fp32 row), WikiText-2 perplexity at the papers' window of 2048 (the whole test set for the --whole rows, its first --max-tokens tokens for the others) and the six
-zero-shot tasks (the first --limit items each), with that process's peak resident memory. GPTQ runs at the
+bfloat16 by default, against the fp32 row), WikiText-2 perplexity at the papers' window of 2048 (the whole test
+set for the --whole rows, its first --max-tokens tokens for the others) and the six zero-shot tasks (the first
+--limit items each), with that process's peak resident memory. GPTQ runs at the
 paper's groups of 128 (the showcase's GPTQ row is the Q4_0-exportable one). The streaming row reads a
 --stream-tokens WikiText-2 stream through StreamingLLM's sink cache; the QLoRA row trains adapters on an NF4 + DQ
 base as the showcase does, and is evaluated with them.
@@ -67,7 +68,7 @@ def _calibrated(steps: tuple, samples: int | None) -> tuple:
 
 
 def prepare_worker(model: str, row: str, out: str, calibration_samples: str) -> dict:
-    """The row's checkpoint (or, for QLoRA, its adapters) written to `out`, resuming a killed run's."""
+    """The row's checkpoint written to `out`, resuming a killed quantization's (for QLoRA: its adapters)."""
     from leanlm.methods.out_of_core import quantize_checkpoint
     from leanlm.methods.quantize import Calibration
 
@@ -125,14 +126,14 @@ def _parts(row: str) -> tuple[str, ...]:
     return ("stream",) if row == "streaming" else ("wikitext2", *TASKS)
 
 
-def measure_row(study: Study, row: str, args) -> None:
-    """The row's checkpoint (written once, kept in --workdir until every part of the row is saved), then each of
-    its parts in a fresh process."""
+def measure_row(study: Study, row: str, steps: tuple, args) -> None:
+    """The row's checkpoint (written once from its method configs `steps`, kept in --workdir until every part of
+    the row is saved), then each of its parts in a fresh process."""
     todo = list(study.todo(("parts", row), _parts(row)))
     if not todo:
         return
     source, adapter, dtype = args.model, "", FIXED_DTYPES.get(row, args.dtype)
-    if rows()[row][1] or row == "qlora":
+    if steps or row == "qlora":
         out = args.workdir / row
         if not (row in study.rows("prepare") and out.exists()):
             shutil.rmtree(out, ignore_errors=True)  # finished but not recorded: written again, measured
@@ -285,8 +286,8 @@ def main() -> None:
     study = Study(name, settings, args, plot=plot)
     study.payload.update(model=args.model, rows={row: description for row, (description, _) in table.items()})
     study.save()
-    for row in table:
-        measure_row(study, row, args)
+    for row, (_, steps) in table.items():
+        measure_row(study, row, steps, args)
     print(report(study.payload))
     print(f"wrote {study.path}")
 

@@ -30,7 +30,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
-from leanlm.bench.harness import _status_kib, checkpoint_bytes, process_peak_rss_bytes, weight_bytes  # noqa: E402
+from leanlm.bench.harness import (  # noqa: E402
+    _status_kib,
+    checkpoint_bytes,
+    process_peak_rss_bytes,
+    weight_bytes,
+    worker_result,
+)
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 PROMPT = "The history of the city begins with"
@@ -93,13 +99,8 @@ def measure(row: str, args, float_bytes: int) -> dict:
                 stdout=subprocess.DEVNULL,
             )
         stored = checkpoint_bytes(target)
-    command = [sys.executable, __file__, "--worker", str(target), str(args.new_tokens)]
-    if row == KEEPS_INT8_COPY:
-        command.append("keep")
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"worker for {row} failed:\n{result.stderr[-3000:]}")
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    keep = ["keep"] if row == KEEPS_INT8_COPY else []
+    measured = worker_result(__file__, str(target), str(args.new_tokens), *keep)
     return {**measured, "stored_bytes": stored, "quantize_flags": flags}
 
 
