@@ -90,7 +90,7 @@ def rows(calibration_samples: int) -> dict:
         ),
         **{
             f"llama.cpp {kind.upper()}{' + imatrix' if weighted else ''}": ("llama.cpp", kind, weighted)
-            for kind in ("q3_k_m", "q4_k_m", "q5_k_m", "q6_k")
+            for kind in ("q3_k_m", "iq4_xs", "q4_k_m", "q5_k_m", "q6_k")
             for weighted in (False, True)
         },
         **{
@@ -106,7 +106,10 @@ def rows(calibration_samples: int) -> dict:
                 ),
             )
         },
-        **{f"leanlm GPTQ mix, size of {kind.upper()}": ("mix", kind) for kind in ("q3_k_m", "q4_k_m", "q5_k_m")},
+        **{
+            f"leanlm GPTQ mix, size of {kind.upper()}": ("mix", kind)
+            for kind in ("q3_k_m", "iq4_xs", "q4_k_m", "q5_k_m")
+        },
     }
 
 

@@ -1,5 +1,5 @@
-"""Mixed GGUF block types: a budget of bits per weight goes where the Hessian-weighted error falls most, never
-above the budget; a user's PATTERN=TYPE map (or a record's) fixes types; bad maps and budgets are refused before
+"""Mixed GGUF block types: a budget of bits per weight goes where the Fisher-weighted (or, per block,
+Hessian-weighted) error falls most, never above the budget; a user's PATTERN=TYPE map (or a record's) fixes types; bad maps and budgets are refused before
 any work."""
 
 import json
@@ -34,6 +34,35 @@ def test_type_errors_fall_with_bits_and_weigh_the_columns_that_matter():
     assert errors["q3_k"] > errors["q4_k"] > errors["q5_k"] > errors["q6_k"] > 0
     doubled = type_errors(weight, 2 * torch.ones(512), ["q4_k"])["q4_k"]
     assert doubled == pytest.approx(2 * errors["q4_k"], rel=1e-5)
+    unit = type_errors(weight, torch.ones(512), ["q4_k"], output_weights=torch.ones(64))["q4_k"]
+    assert unit == pytest.approx(errors["q4_k"], rel=1e-5)
+    tripled = type_errors(weight, torch.ones(512), ["q4_k"], output_weights=torch.full((64,), 3.0))["q4_k"]
+    assert tripled == pytest.approx(3 * errors["q4_k"], rel=1e-5)
+
+
+def test_sensitivity_is_each_outputs_mean_squared_loss_gradient_and_each_inputs_mean_square():
+    from leanlm.methods.calibration import collect_sensitivity
+
+    model = tiny_model("llama", width=256)
+    batches = token_ids(3, 16, seed=4)
+    sensitivity = collect_sensitivity(model, batches)
+    assert len(sensitivity) == 2 * 7 and all(p.requires_grad for p in model.parameters())
+    linear = model.model.layers[1].mlp.down_proj
+    seen = []
+
+    def keep(module, args, out):
+        out.retain_grad()
+        seen.append((args[0], out))
+
+    handle = linear.register_forward_hook(keep)
+    for window in batches:
+        model.zero_grad()
+        model(input_ids=window[None], labels=window[None]).loss.backward()
+    handle.remove()
+    gradient = torch.cat([out.grad.reshape(-1, out.shape[-1]) for _, out in seen]).square().mean(0)
+    inputs = torch.cat([x.detach().reshape(-1, x.shape[-1]) for x, _ in seen]).square().mean(0)
+    torch.testing.assert_close(sensitivity["1.mlp.down_proj"][0], gradient, rtol=1e-4, atol=1e-12)
+    torch.testing.assert_close(sensitivity["1.mlp.down_proj"][1], inputs, rtol=1e-5, atol=1e-8)
 
 
 def test_tensor_types_are_patterns_or_the_map_a_record_keeps(tmp_path):
@@ -59,6 +88,7 @@ def test_a_budget_mixes_types_within_it_and_its_map_reproduces_the_model(tmp_pat
     assert len({m.block_type for m in layers.values()}) > 1
     assert record["avg_bits"] <= 5.0 and record["avg_bits"] > BLOCK_TYPES["q3_k"].bits_per_weight
     assert record["target_bits"] == 5.0 and len(record["tensor_types"]) == len(layers)
+    assert record["allocation"] == "fisher"
     saved = tmp_path / "record.json"
     saved.write_text(json.dumps(record))
     again = tiny_model("llama", width=256)
@@ -66,6 +96,13 @@ def test_a_budget_mixes_types_within_it_and_its_map_reproduces_the_model(tmp_pat
     assert {n: m.block_type for n, m in again.named_modules() if isinstance(m, GGUFLinear)} == {
         n: m.block_type for n, m in layers.items()
     }
+
+
+def test_a_budget_per_block_stays_within_it_too():
+    calibration = Calibration(token_ids=token_ids(4, 32, seed=1))
+    model = tiny_model("llama", width=256)
+    record = quantize_(model, RTNConfig(target_bits=5.0, allocation="block"), calibration=calibration)
+    assert record["allocation"] == "block" and BLOCK_TYPES["q3_k"].bits_per_weight < record["avg_bits"] <= 5.0
 
 
 @pytest.mark.parametrize(

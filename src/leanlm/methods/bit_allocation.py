@@ -1,14 +1,18 @@
 """Which GGUF block type each linear takes: a user's map (`PATTERN=TYPE`, llama.cpp's `--tensor-type` form), or
-a budget of bits per weight spent where it lowers the error most.
+a budget of bits per weight spent where it lowers the loss most.
 
-The measure of a type on a linear is its Hessian-weighted squared error, sum_ij h_j (W_ij - Q(W)_ij)^2 with h the
-diagonal of the linear's input Hessian (the mean squared input of each column: llama.cpp's importance matrix):
-the increase of the layer's output error, to first order, when its weight is rounded to the type's grid (round to
-nearest on the type's fitted statistics, on a sample of rows and scaled to all). For a budget B, every linear takes
-the type that minimises error + lambda * bits, with lambda the smallest at which the stored bits fit B (the
-Lagrangian of the knapsack; a type is a candidate only where a row is a whole number of its blocks). Bits move
-between the linears of one transformer block (attention against MLP, V against Q and K, down against gate and up),
-so that the pipeline keeps quantizing one block at a time.
+The measure of a type on a linear is its weighted squared error, sum_ij g_i h_j (W_ij - Q(W)_ij)^2 (round to
+nearest on the type's fitted statistics, on a sample of rows and scaled to all), with h the mean squared input of
+each column (llama.cpp's importance matrix) and g:
+- allocation "fisher": the mean squared gradient of the next-token loss with respect to each output, measured on
+  the float model (`collect_sensitivity`). The sum is then the Fisher estimate of the loss the rounding adds, one
+  scale for every linear of the model, and the budget is spent over the whole model at once.
+- allocation "block": 1, the increase of the layer's own output error. Errors of different blocks are on
+  different scales, so bits move only between the linears of one transformer block (attention against MLP, V
+  against Q and K, down against gate and up); it needs no backward pass and runs on streamed (out-of-core) models.
+For a budget B, every linear takes the type that minimises error + lambda * bits, with lambda the smallest at
+which the stored bits fit B (the Lagrangian of the knapsack; a type is a candidate only where a row is a whole
+number of its blocks).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from leanlm.formats.gguf_blocks import BLOCK_TYPES, block_type, codes_for, decod
 # What --target-bits chooses among by default: the K-quants and, for rows they cannot tile, the blocks of 32.
 CANDIDATES = ("q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q5_0", "q8_0")
 SAMPLE_ROWS = 256  # rows of a weight the error is measured on (spread evenly), scaled to the whole weight
+ALLOCATIONS = ("fisher", "block")
 
 
 def _entries(spec: str) -> list[str]:
@@ -92,17 +97,27 @@ def reachable_bits(shapes: dict[str, tuple[int, int]], fixed: dict[str, str]) ->
     return low / total, high / total
 
 
-def type_errors(weight: torch.Tensor, importance: torch.Tensor, names: list[str]) -> dict[str, float]:
-    """{type: Hessian-weighted squared error of rounding `weight` to it}, measured on SAMPLE_ROWS rows."""
+def type_errors(
+    weight: torch.Tensor, importance: torch.Tensor, names: list[str], output_weights: torch.Tensor | None = None
+) -> dict[str, float]:
+    """{type: sum_ij g_i h_j (W - Q(W))_ij^2 of rounding `weight` to it}, h the `importance` of each input column
+    and g the `output_weights` of each row (ones if None), measured on SAMPLE_ROWS rows and scaled to all."""
     rows = weight.shape[0]
-    sample = weight[torch.linspace(0, rows - 1, min(rows, SAMPLE_ROWS)).long()].float()
-    scale = rows / sample.shape[0]
+    picked = torch.linspace(0, rows - 1, min(rows, SAMPLE_ROWS)).long()
+    sample = weight[picked].float()
+    if output_weights is None:
+        row_weights = torch.full((len(picked),), rows / len(picked))
+    else:  # the sampled rows stand for all: their weights scaled to the whole weight's total
+        row_weights = output_weights[picked].float()
+        row_weights = row_weights * (
+            output_weights.sum() / row_weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
+        )
     errors = {}
     for name in names:
         kind = BLOCK_TYPES[name]
         statistics = fit_statistics(kind, sample, importance)
         restored = decode(kind, codes_for(kind, sample, statistics), statistics)
-        errors[name] = scale * float(((restored - sample).square() * importance).sum())
+        errors[name] = float((((restored - sample).square() * importance).sum(dim=1) * row_weights).sum())
     return errors
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from leanlm.formats.imatrix import ImportanceMatrix
 from leanlm.methods.blocks import observe_inputs, walk_blocks
-from leanlm.models.architectures import ArchitectureTable, architecture_for, gguf_tensor_names
+from leanlm.models.architectures import ArchitectureTable, architecture_for, decoder_blocks, gguf_tensor_names
 
 
 def record_channel_absmax(known: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> None:
@@ -68,3 +68,51 @@ def collect_importance(model: nn.Module, batches: torch.Tensor, source: str = "c
         len(batches),
         batches.shape[-1],
     )
+
+
+def collect_sensitivity(
+    model: nn.Module, batches: torch.Tensor, table: ArchitectureTable | None = None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{BLOCK.PATH: (g, h)} for every block linear of the float model: g the mean over the calibration tokens of
+    the squared gradient of the next-token loss with respect to each output, h the mean of each input column's
+    square. sum_ij g_i h_j dW_ij^2 is the Fisher (Kronecker-factored diagonal) estimate of what a change dW of the
+    weight adds to the loss, so the errors of linears in different blocks are on one scale. One window per
+    forward and backward; no parameter gradient is kept."""
+    table = table or architecture_for(model)
+    outputs: dict[str, torch.Tensor] = {}
+    inputs: dict[str, torch.Tensor] = {}
+    tokens: Counter = Counter()
+
+    def add(store: dict, name: str, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float().square().sum(dim=0)
+        store[name] = store[name].add_(x) if name in store else x
+
+    def watch(name: str):
+        def hook(module, args, output):
+            add(inputs, name, args[0])
+            tokens[name] += args[0].reshape(-1, args[0].shape[-1]).shape[0]
+            output.register_hook(lambda grad: add(outputs, name, grad))
+
+        return hook
+
+    handles = [
+        block.get_submodule(path).register_forward_hook(watch(f"{index}.{path}"))
+        for index, block in enumerate(decoder_blocks(model, table))
+        for path in table.quantizable_linears
+    ]
+    # the gradient reaches the linears through the embedding's output, not through any parameter
+    handles.append(model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.requires_grad_()))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for parameter in trainable:
+        parameter.requires_grad_(False)
+    try:
+        with torch.enable_grad():
+            for window in batches:
+                ids = window.unsqueeze(0)
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        for parameter in trainable:
+            parameter.requires_grad_(True)
+    return {name: (outputs[name] / tokens[name], inputs[name] / tokens[name]) for name in inputs}

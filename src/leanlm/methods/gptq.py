@@ -28,6 +28,8 @@ from leanlm.nn.gguf_linear import GGUFLinear
 from leanlm.nn.spqr_linear import SpQRLinear
 from leanlm.settings import option
 
+SENSITIVITY_WINDOWS = 32  # calibration windows the loss's gradients are measured on (a backward pass each)
+
 
 class _SolverChecks:
     """Every setting of a solver config is checked when the config is made, before any model is loaded."""
@@ -68,8 +70,19 @@ def _target_bits_option():
     return option(
         None,
         f"choose a GGUF block type per linear (among {among}) to spend at most this many bits per weight where "
-        "the Hessian-weighted error falls most",
+        "the loss falls most (see --allocation)",
         none_word="none",
+    )
+
+
+def _allocation_option():
+    """RTN's and GPTQ's `allocation` field (one text for both)."""
+    return option(
+        "fisher",
+        "how --target-bits ranks the types: fisher (each linear's Hessian-weighted error scaled by the loss's "
+        "squared gradient at its outputs, one budget for the whole model; a streamed model takes block) or block "
+        "(the Hessian-weighted error alone, bits moved within each transformer block)",
+        choices=bit_allocation.ALLOCATIONS,
     )
 
 
@@ -118,6 +131,7 @@ class RTNConfig(_SolverChecks):
     )
     gguf_type: str | None = _gguf_type_option()
     target_bits: float | None = _target_bits_option()
+    allocation: str = _allocation_option()
     tensor_types: tuple[str, ...] = _tensor_types_option()
 
     def __post_init__(self):
@@ -168,6 +182,7 @@ class GPTQConfig(_SolverChecks):
     )
     gguf_type: str | None = _gguf_type_option()
     target_bits: float | None = _target_bits_option()
+    allocation: str = _allocation_option()
     tensor_types: tuple[str, ...] = _tensor_types_option()
 
     def solver(self) -> SolverSettings:
@@ -243,11 +258,19 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     fixed = _fixed_types(shapes, config)
     given = _importance_from_file(model, table, shapes, getattr(config, "imatrix_file", None))
     hessians = _HessianObserver(table, diagonal_only=not settings.error_feedback)
+    allocation = getattr(config, "allocation", "block") if not run.streamed else "block"
+    budget = (
+        _fisher_types(model, table, fixed, target, run.data(config).batches(samples))
+        if target is not None and allocation == "fisher"
+        else {}
+    )
 
     def block_types(index: int, block: nn.Module) -> dict[str, str | None]:
-        """Each linear's block type: the user's, the budget's (bits moved between the block's linears), or
-        --gguf-type's."""
+        """Each linear's block type: the user's, the whole model's budget, the block's budget (bits moved between
+        the block's linears), or --gguf-type's."""
         chosen = {path: fixed.get(f"{index}.{path}", settings.block_type) for path in table.quantizable_linears}
+        if budget:
+            return {path: budget[f"{index}.{path}"] for path in table.quantizable_linears}
         if target is None:
             return chosen
         errors, sizes = {}, {}
@@ -296,6 +319,7 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
         return {
             **asdict(settings),
             "target_bits": target,
+            "allocation": allocation if target is not None else None,
             "tensor_types": mapped or None,
             "imatrix": importance_only,
             "imatrix_file": getattr(config, "imatrix_file", None),
@@ -313,6 +337,27 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
         windows=windows,
         feed_quantized=True,
     )
+
+
+def _fisher_types(model: nn.Module, table, fixed: dict[str, str], target: float, windows) -> dict[str, str]:
+    """{BLOCK.PATH: type} spending `target` bits per weight over the whole float model, each type ranked by its
+    Fisher-weighted error (`bit_allocation`); `fixed` entries keep the user's type."""
+    from leanlm.methods.calibration import collect_sensitivity
+
+    sensitivity = collect_sensitivity(model, windows[:SENSITIVITY_WINDOWS], table)
+    errors, sizes = {}, {}
+    for index, block in enumerate(decoder_blocks(model, table)):
+        for path in table.quantizable_linears:
+            name = f"{index}.{path}"
+            weight = linear_weight_out_in(block.get_submodule(path), table)
+            sizes[name] = weight.numel()
+            if name in fixed:
+                errors[name] = {fixed[name]: 0.0}
+                continue
+            gradient, importance = sensitivity[name]
+            names = bit_allocation.candidates_for(weight.shape[1])
+            errors[name] = bit_allocation.type_errors(weight, importance, names, gradient)
+    return bit_allocation.allocate(errors, sizes, target)
 
 
 def _linear_shapes(model: nn.Module, table) -> dict[str, tuple[int, int]]:
