@@ -47,7 +47,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
-from leanlm.bench.harness import peak_memory  # noqa: E402
+from leanlm.bench.harness import peak_memory, time_interleaved  # noqa: E402
 from leanlm.bench.llama_cpp import LlamaCpp, llama_cpp_version, quantize_gguf, with_q8_0_activations  # noqa: E402
 from leanlm.data import datasets  # noqa: E402
 from leanlm.evaluation.perplexity import perplexity_windows, windows_perplexity  # noqa: E402
@@ -146,6 +146,47 @@ def describe_file(path: Path) -> dict:
     }
 
 
+GOAL_BITS = (3.5, 6.6)  # the llama.cpp files the goal covers: bits per weight of their block linears
+
+
+def _shown_bits(row: dict) -> str:
+    return f"{row['block_linear_bits']:.2f}" if "block_linear_bits" in row else ""
+
+
+def pareto(table: dict) -> tuple[list[str], list[list[str]]]:
+    """For every llama.cpp file of GOAL_BITS, the leanlm file of lowest perplexity in llama.cpp among those no
+    larger, and whether it is lower than llama.cpp's (the goal: every row "yes")."""
+    float_bytes = table.get("F32", {}).get("file_bytes")
+    if not float_bytes:
+        return [], []
+    ours = {name: row for name, row in table.items() if name.startswith("leanlm")}
+    lines = []
+    for name, row in table.items():
+        bits = row.get("block_linear_bits")  # rows saved before it was recorded are left out
+        if not name.startswith("llama.cpp") or bits is None or not GOAL_BITS[0] <= bits <= GOAL_BITS[1]:
+            continue
+        theirs = row["llama_cpp"]["perplexity"]
+        smaller = {n: r for n, r in ours.items() if r["file_bytes"] <= row["file_bytes"]}
+        best = min(smaller, key=lambda n: smaller[n]["llama_cpp"]["perplexity"], default=None)
+        mine = smaller[best]["llama_cpp"]["perplexity"] if best else None
+        lines.append(
+            [
+                name,
+                f"{row['file_bytes'] / 2**20:.1f}",
+                _shown_bits(row),
+                f"{theirs:.3f}",
+                best or "none",
+                f"{smaller[best]['file_bytes'] / 2**20:.1f}" if best else "",
+                _shown_bits(smaller[best]) if best else "",
+                f"{mine:.3f}" if best else "",
+                f"{100 * (mine / theirs - 1):+.1f}%" if best else "",
+                "yes" if best and mine < theirs else "no",
+            ]
+        )
+    head = ["llama.cpp file", "MiB", "block linears", "ppl"]
+    return [*head, "best leanlm file no larger", *head[1:], "vs", "lower"], lines
+
+
 def report(payload: dict) -> str:
     table = payload.get("rows", {})
     settings = payload["settings"]
@@ -194,6 +235,46 @@ def report(payload: dict) -> str:
             lines,
             markdown=True,
         )
+        + _pareto_text(table)
+        + _decode_text(payload)
+    )
+
+
+def _decode_text(payload: dict) -> str:
+    rows = payload.get("decode", {})
+    if not rows:
+        return ""
+    lines = []
+    for row, value in rows.items():
+        ours, theirs = decode_pairs(payload["rows"])[row]
+        lines.append(
+            [
+                row,
+                f"{value[ours]['tokens_per_second']:.1f}",
+                theirs,
+                f"{value[theirs]['tokens_per_second']:.1f}",
+                f"{value['ratio']:.3f}",
+                " / ".join(f"{load:.1f}" for load in value["load_average"]),
+            ]
+        )
+    return (
+        f"\n\nllama.cpp's decode speed ({DECODE_STEPS} one-token steps after {DECODE_PROMPT} prompt tokens, median of "
+        "interleaved rounds, tokens/s)\n\n"
+        + format_table(
+            ["leanlm file", "tokens/s", "llama.cpp file", "tokens/s", "ratio", "load (1/5/15 min)"],
+            lines,
+            markdown=True,
+        )
+    )
+
+
+def _pareto_text(table: dict) -> str:
+    head, lines = pareto(table)
+    if not lines:
+        return ""
+    return (
+        f"\n\nEvery llama.cpp file of {GOAL_BITS[0]} to {GOAL_BITS[1]} bits per weight in its block linears against "
+        "leanlm's best file no larger (perplexity in llama.cpp)\n\n" + format_table(head, lines, markdown=True)
     )
 
 
@@ -235,6 +316,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib-seq-len", type=int, default=512)
+    parser.add_argument("--decode-rounds", type=int, default=7, help="interleaved rounds of the decode-speed part")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--no-q8-inputs",
@@ -287,11 +369,14 @@ def main() -> None:
     recipes = rows(args.calib_samples)
     for row in study.todo("rows", recipes):
         recipe = recipes[row]
-        if isinstance(recipe, tuple) and recipe[0] == "mix":  # GPTQ spending llama.cpp's file's block bits
+        if isinstance(recipe, tuple) and recipe[0] == "mix":  # GPTQ spending llama.cpp's smaller file's block bits
             reference = work / f"llama.cpp_{recipe[1].upper()}.gguf"
             if not reference.exists():
                 quantize_gguf(float_file, reference, recipe[1], threads=args.threads)
-            budget = block_linear_bits(reference)
+            weighted = reference.with_name(
+                f"llama.cpp_{recipe[1].upper()}_+_imatrix.gguf"
+            )  # its importance-matrix twin
+            budget = min(block_linear_bits(path) for path in (reference, weighted) if path.exists())
             recipe = GPTQConfig(target_bits=budget, hessian_shrinkage=0.5, calibration_samples=args.calib_samples)
         with peak_memory() as memory:
             ours = None
@@ -330,8 +415,47 @@ def main() -> None:
                 + f", {v['file_bytes']:,} bytes"
             ),
         )
+    measure_decode(study, work, windows[0], args)
     print(report(study.payload))
     print(f"wrote {study.path}")
+
+
+DECODE_PROMPT, DECODE_STEPS = 8, 128  # tokens read in one batch, then decoded one at a time
+
+
+def decode_pairs(table: dict) -> dict[str, tuple[str, str]]:
+    """{leanlm mix row: (it, the llama.cpp importance-matrix file of the size it matches)} for the rows saved."""
+    pairs = {}
+    for name in table:
+        if "mix, size of" in name:
+            theirs = f"llama.cpp {name.rpartition(' ')[2]} + imatrix"
+            if theirs in table:
+                pairs[name] = (name, theirs)
+    return pairs
+
+
+def measure_decode(study: Study, work: Path, ids: list[int], args: argparse.Namespace) -> None:
+    """llama.cpp's decode speed on each leanlm mix beside its own recipe at that size: DECODE_STEPS one-token
+    steps after a DECODE_PROMPT-token prompt, interleaved rounds, medians."""
+    pairs = decode_pairs(study.payload.get("rows", {}))
+    for row in study.todo("decode", pairs):
+        engines = {
+            name: LlamaCpp(work / f"{name.replace(' ', '_')}.gguf", context=args.seq_len, threads=args.threads)
+            for name in pairs[row]
+        }
+        tokens = ids[: DECODE_PROMPT + DECODE_STEPS]
+        timings = time_interleaved(
+            {name: (lambda engine=engine: engine.decode(tokens, DECODE_PROMPT)) for name, engine in engines.items()},
+            repeats=args.decode_rounds,
+        )
+        del engines
+        value = {
+            name: {"tokens_per_second": DECODE_STEPS / timing.median, "rounds": timing.repeats}
+            for name, timing in timings.items()
+        }
+        value["ratio"] = value[pairs[row][0]]["tokens_per_second"] / value[pairs[row][1]]["tokens_per_second"]
+        value["load_average"] = list(os.getloadavg())
+        study.record("decode", row, value, summary=lambda v: f"leanlm / llama.cpp decode speed {v['ratio']:.3f}")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,14 @@ class LlamaCpp:
         logits = torch.from_numpy(np.asarray(self.model.scores[: len(ids) - 1], dtype=np.float32))
         return F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum").item()
 
+    def decode(self, ids: list[int], prompt: int) -> None:
+        """Read ids[:prompt] in one batch, then each later id alone: llama.cpp's decode step, once per token (the
+        ids are given, so the work does not depend on what the model would sample)."""
+        self.model.reset()
+        self.model.eval(ids[:prompt])
+        for token in ids[prompt:]:
+            self.model.eval([token])
+
     def perplexity(self, windows: list[list[int]]) -> dict:
         """The protocol of `leanlm.evaluation.perplexity` on llama.cpp: the mean NLL over every predicted token."""
         total, predicted, seconds = 0.0, 0, 0.0
