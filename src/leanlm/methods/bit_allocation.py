@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -119,6 +120,27 @@ def type_errors(
         restored = decode(kind, codes_for(kind, sample, statistics), statistics)
         errors[name] = float((((restored - sample).square() * importance).sum(dim=1) * row_weights).sum())
     return errors
+
+
+def budget_types(
+    weights: dict[str, torch.Tensor],
+    fixed: dict[str, str],
+    target_bits: float,
+    importance: Callable[[str], torch.Tensor],
+    output_weights: Callable[[str], torch.Tensor | None] = lambda name: None,
+) -> dict[str, str]:
+    """{name: type} spending at most `target_bits` per weight over `weights` ({name: (out, in) weight}): the
+    `fixed` names keep their type, the others' candidates are ranked by `type_errors` with `importance(name)` and
+    `output_weights(name)`."""
+    errors, sizes = {}, {}
+    for name, weight in weights.items():
+        sizes[name] = weight.numel()
+        if name in fixed:
+            errors[name] = {fixed[name]: 0.0}
+        else:
+            candidates = candidates_for(weight.shape[1])
+            errors[name] = type_errors(weight, importance(name), candidates, output_weights(name))
+    return allocate(errors, sizes, target_bits)
 
 
 def allocate(errors: dict[str, dict[str, float]], sizes: dict[str, int], target_bits: float) -> dict[str, str]:

@@ -47,6 +47,20 @@ def observe_inputs(
             handle.remove()
 
 
+@contextmanager
+def frozen_parameters(model: nn.Module) -> Iterator[None]:
+    """While active, no parameter of `model` takes a gradient (a backward pass reaches activations only); the
+    ones that took gradients before take them again after."""
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    for parameter in trainable:
+        parameter.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for parameter in trainable:
+            parameter.requires_grad_(True)
+
+
 class _StopForward(Exception):
     pass
 

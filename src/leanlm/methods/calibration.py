@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from leanlm.formats.imatrix import ImportanceMatrix
-from leanlm.methods.blocks import observe_inputs, walk_blocks
+from leanlm.methods.blocks import frozen_parameters, observe_inputs, walk_blocks
 from leanlm.models.architectures import ArchitectureTable, architecture_for, decoder_blocks, gguf_tensor_names
 
 
@@ -79,6 +79,11 @@ def collect_sensitivity(
     weight adds to the loss, so the errors of linears in different blocks are on one scale. One window per
     forward and backward; no parameter gradient is kept."""
     table = table or architecture_for(model)
+    linears = [
+        (f"{index}.{path}", block.get_submodule(path))
+        for index, block in enumerate(decoder_blocks(model, table))
+        for path in table.quantizable_linears
+    ]
     outputs: dict[str, torch.Tensor] = {}
     inputs: dict[str, torch.Tensor] = {}
     tokens: Counter = Counter()
@@ -87,32 +92,25 @@ def collect_sensitivity(
         x = x.detach().reshape(-1, x.shape[-1]).float().square().sum(dim=0)
         store[name] = store[name].add_(x) if name in store else x
 
-    def watch(name: str):
-        def hook(module, args, output):
-            add(inputs, name, args[0])
-            tokens[name] += args[0].reshape(-1, args[0].shape[-1]).shape[0]
+    def record_input(name: str, x: torch.Tensor) -> None:
+        add(inputs, name, x)
+        tokens[name] += x.numel() // x.shape[-1]
+
+    def watch_output(name: str):
+        def hook(module, args, output) -> None:  # returns nothing: the output stays as it is
             output.register_hook(lambda grad: add(outputs, name, grad))
 
         return hook
 
-    handles = [
-        block.get_submodule(path).register_forward_hook(watch(f"{index}.{path}"))
-        for index, block in enumerate(decoder_blocks(model, table))
-        for path in table.quantizable_linears
-    ]
+    handles = [module.register_forward_hook(watch_output(name)) for name, module in linears]
     # the gradient reaches the linears through the embedding's output, not through any parameter
     handles.append(model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.requires_grad_()))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    for parameter in trainable:
-        parameter.requires_grad_(False)
     try:
-        with torch.enable_grad():
+        with frozen_parameters(model), observe_inputs(linears, record_input), torch.enable_grad():
             for window in batches:
                 ids = window.unsqueeze(0)
                 model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     finally:
         for handle in handles:
             handle.remove()
-        for parameter in trainable:
-            parameter.requires_grad_(True)
     return {name: (outputs[name] / tokens[name], inputs[name] / tokens[name]) for name in inputs}

@@ -44,7 +44,7 @@ from leanlm.cache.prefix import (
 )
 from leanlm.data import calibration_batches, plain_text
 from leanlm.errors import ConfigError
-from leanlm.methods.blocks import observe_inputs
+from leanlm.methods.blocks import frozen_parameters, observe_inputs
 from leanlm.methods.quantize import Calibration, QuantRun, quantize_, register_after_load, register_method
 from leanlm.methods.w8a8 import W8A8Config
 from leanlm.models.architectures import iter_quantizable_linears
@@ -235,11 +235,8 @@ def tune_cushion(
         seed=config.seed + 1,
         source=config.source,
     )
-    frozen = [p for p in model.parameters() if p.requires_grad]
-    for parameter in frozen:
-        parameter.requires_grad_(False)
     curve = []
-    try:
+    with frozen_parameters(model):
         for step in tqdm(range(config.tune_steps), desc="cushion tuning", unit="step", disable=not progress):
             ids = batches[step * config.tune_batch_size : (step + 1) * config.tune_batch_size]
             trainable = Cushion(cushion.tokens, keys, values)
@@ -256,9 +253,6 @@ def tune_cushion(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             curve.append({"cross_entropy": cross_entropy.item(), "quantization_error": quantization.item()})
-    finally:
-        for parameter in frozen:
-            parameter.requires_grad_(True)
     record = {
         **cushion.record,
         "tuning": {"steps": config.tune_steps, "seconds": time.perf_counter() - started, "curve": curve},

@@ -259,30 +259,25 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     given = _importance_from_file(model, table, shapes, getattr(config, "imatrix_file", None))
     hessians = _HessianObserver(table, diagonal_only=not settings.error_feedback)
     allocation = getattr(config, "allocation", "block") if not run.streamed else "block"
-    budget = (
-        _fisher_types(model, table, fixed, target, run.data(config).batches(samples))
-        if target is not None and allocation == "fisher"
-        else {}
-    )
+    fisher = target is not None and allocation == "fisher"
+    # RTN reads no data, but for its importance matrix or a budget
+    reads_text = settings.error_feedback or importance_only or target is not None
+    data = run.data(config).batches(samples) if reads_text else None
+    budget = _fisher_types(model, table, fixed, target, data) if fisher else {}
 
     def block_types(index: int, block: nn.Module) -> dict[str, str | None]:
         """Each linear's block type: the user's, the whole model's budget, the block's budget (bits moved between
         the block's linears), or --gguf-type's."""
-        chosen = {path: fixed.get(f"{index}.{path}", settings.block_type) for path in table.quantizable_linears}
-        if budget:
-            return {path: budget[f"{index}.{path}"] for path in table.quantizable_linears}
+        names = {path: f"{index}.{path}" for path in table.quantizable_linears}
+        if fisher:
+            return {path: budget[name] for path, name in names.items()}
         if target is None:
-            return chosen
-        errors, sizes = {}, {}
-        for path in table.quantizable_linears:
-            weight = linear_weight_out_in(block.get_submodule(path), table)
-            sizes[path] = weight.numel()
-            if f"{index}.{path}" in fixed:
-                errors[path] = {chosen[path]: 0.0}
-            else:
-                names = bit_allocation.candidates_for(weight.shape[1])
-                errors[path] = bit_allocation.type_errors(weight, hessians.diagonal(path, weight.shape[1]), names)
-        return bit_allocation.allocate(errors, sizes, target)
+            return {path: fixed.get(name, settings.block_type) for path, name in names.items()}
+        weights = {name: linear_weight_out_in(block.get_submodule(path), table) for path, name in names.items()}
+        types = bit_allocation.budget_types(
+            weights, fixed, target, lambda name: hessians.diagonal(name.partition(".")[2], weights[name].shape[1])
+        )
+        return {path: types[name] for path, name in names.items()}
 
     def quantize_block(index: int, block: nn.Module) -> dict:
         counts = {"weights": 0, "stored_bits": 0.0, "outliers": 0}
@@ -310,9 +305,8 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
         hessians.clear()
         return counts
 
-    # RTN reads no data, but for its importance matrix
-    reads_text = settings.error_feedback or importance_only or target is not None
-    windows = run.data(config).batches(samples) if reads_text else None
+    # the blocks read the calibration windows where the Hessians they observe are used
+    windows = data if settings.error_feedback or importance_only or (target is not None and not fisher) else None
 
     def finish(model: nn.Module, counts: dict) -> dict:
         mapped = {key.rpartition("=")[0]: key.rpartition("=")[2] for key in counts if "=" in key}
@@ -323,7 +317,7 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
             "tensor_types": mapped or None,
             "imatrix": importance_only,
             "imatrix_file": getattr(config, "imatrix_file", None),
-            "calibration_samples": None if windows is None else len(windows),
+            "calibration_samples": None if data is None else len(data),
             "calibration_seq_len": run.calibration.seq_len if run.calibration is not None else None,
             "avg_bits": counts["stored_bits"] / counts["weights"],
             "outlier_rate": counts["outliers"] / counts["weights"],
@@ -345,19 +339,14 @@ def _fisher_types(model: nn.Module, table, fixed: dict[str, str], target: float,
     from leanlm.methods.calibration import collect_sensitivity
 
     sensitivity = collect_sensitivity(model, windows[:SENSITIVITY_WINDOWS], table)
-    errors, sizes = {}, {}
-    for index, block in enumerate(decoder_blocks(model, table)):
-        for path in table.quantizable_linears:
-            name = f"{index}.{path}"
-            weight = linear_weight_out_in(block.get_submodule(path), table)
-            sizes[name] = weight.numel()
-            if name in fixed:
-                errors[name] = {fixed[name]: 0.0}
-                continue
-            gradient, importance = sensitivity[name]
-            names = bit_allocation.candidates_for(weight.shape[1])
-            errors[name] = bit_allocation.type_errors(weight, importance, names, gradient)
-    return bit_allocation.allocate(errors, sizes, target)
+    weights = {
+        f"{index}.{path}": linear_weight_out_in(block.get_submodule(path), table)
+        for index, block in enumerate(decoder_blocks(model, table))
+        for path in table.quantizable_linears
+    }
+    return bit_allocation.budget_types(
+        weights, fixed, target, lambda name: sensitivity[name][1], lambda name: sensitivity[name][0]
+    )
 
 
 def _linear_shapes(model: nn.Module, table) -> dict[str, tuple[int, int]]:
