@@ -120,6 +120,11 @@ def importance_matrix(model, batches: torch.Tensor) -> dict[str, torch.Tensor]:
     return {name: matrix.mean_squares(name) for name in matrix.sums}
 
 
+def row_file(work: Path, row: str) -> Path:
+    """Where a row's GGUF file is written (a leanlm row's checkpoint is the same path without `.gguf`)."""
+    return work / f"{row.replace(' ', '_')}.gguf"
+
+
 def _export(loaded, model, record, checkpoint_dir: Path) -> Path:
     """The quantized model saved as a checkpoint and exported (a previous run's files are made anew)."""
     path = checkpoint_dir.with_name(f"{checkpoint_dir.name}.gguf")
@@ -369,13 +374,11 @@ def main() -> None:
     recipes = rows(args.calib_samples)
     for row in study.todo("rows", recipes):
         recipe = recipes[row]
-        if isinstance(recipe, tuple) and recipe[0] == "mix":  # GPTQ spending llama.cpp's smaller file's block bits
-            reference = work / f"llama.cpp_{recipe[1].upper()}.gguf"
+        if isinstance(recipe, tuple) and recipe[0] == "mix":  # GPTQ spending the block bits of llama.cpp's smaller file
+            reference = row_file(work, f"llama.cpp {recipe[1].upper()}")
             if not reference.exists():
                 quantize_gguf(float_file, reference, recipe[1], threads=args.threads)
-            weighted = reference.with_name(
-                f"llama.cpp_{recipe[1].upper()}_+_imatrix.gguf"
-            )  # its importance-matrix twin
+            weighted = row_file(work, f"llama.cpp {recipe[1].upper()} + imatrix")
             budget = min(block_linear_bits(path) for path in (reference, weighted) if path.exists())
             recipe = GPTQConfig(target_bits=budget, hessian_shrinkage=0.5, calibration_samples=args.calib_samples)
         with peak_memory() as memory:
@@ -388,7 +391,7 @@ def main() -> None:
                 importance = importance_matrix(loaded.model, calibration.batches()) if weighted else None
                 path = quantize_gguf(
                     float_file,
-                    work / f"{row.replace(' ', '_')}.gguf",
+                    row_file(work, row),
                     kind,
                     threads=args.threads,
                     importance=importance,
@@ -397,7 +400,7 @@ def main() -> None:
                 model = copy.deepcopy(loaded.model)
                 record = quantize_(model, recipe, calibration=calibration)
                 ours = leanlm_perplexity(model)
-                path = _export(loaded, model, record, work / row.replace(" ", "_"))
+                path = _export(loaded, model, record, row_file(work, row).with_suffix(""))
                 del model
         engine = LlamaCpp(path, context=args.seq_len, threads=args.threads)
         scored = engine.perplexity(windows)
@@ -440,8 +443,7 @@ def measure_decode(study: Study, work: Path, ids: list[int], args: argparse.Name
     pairs = decode_pairs(study.payload.get("rows", {}))
     for row in study.todo("decode", pairs):
         engines = {
-            name: LlamaCpp(work / f"{name.replace(' ', '_')}.gguf", context=args.seq_len, threads=args.threads)
-            for name in pairs[row]
+            name: LlamaCpp(row_file(work, name), context=args.seq_len, threads=args.threads) for name in pairs[row]
         }
         tokens = ids[: DECODE_PROMPT + DECODE_STEPS]
         timings = time_interleaved(

@@ -1,6 +1,6 @@
 """Mixed GGUF block types: a budget of bits per weight goes where the Fisher-weighted (or, per block,
-Hessian-weighted) error falls most, never above the budget; a user's PATTERN=TYPE map (or a record's) fixes types; bad maps and budgets are refused before
-any work."""
+Hessian-weighted) error falls most, never above the budget; a user's PATTERN=TYPE map (or a record's) fixes
+types; bad maps and budgets are refused before any work."""
 
 import json
 
