@@ -118,6 +118,11 @@ def test_bad_maps_and_budgets_are_refused_before_any_work(config, reason):
         quantize_(tiny_model("llama", width=256), config, calibration=Calibration(token_ids=token_ids(2, 8)))
 
 
+def test_an_unknown_allocation_is_refused_when_the_config_is_made():
+    with pytest.raises(ConfigError, match="allocation must be one of fisher, block, got 'hessian'"):
+        GPTQConfig(target_bits=5.0, allocation="hessian")
+
+
 def test_a_map_that_leaves_linears_untyped_needs_a_type_for_them():
     with pytest.raises(ConfigError, match="no type: add --gguf-type or --target-bits"):
         quantize_(tiny_model("llama", width=256), RTNConfig(tensor_types=("mlp=q6_k",)))

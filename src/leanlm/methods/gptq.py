@@ -42,6 +42,9 @@ class _SolverChecks:
         target = getattr(self, "target_bits", None)
         if target is not None and not 2 <= target <= 9:
             raise ConfigError(f"target bits must be between 2 and 9 bits per weight, got {target}")
+        allocation = getattr(self, "allocation", bit_allocation.ALLOCATIONS[0])
+        if allocation not in bit_allocation.ALLOCATIONS:
+            raise ConfigError(f"allocation must be one of {', '.join(bit_allocation.ALLOCATIONS)}, got {allocation!r}")
 
 
 def _scale_search_option():
