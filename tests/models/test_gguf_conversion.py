@@ -15,7 +15,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from leanlm.errors import CorruptModelError, UnsupportedArchitectureError
 from leanlm.export import export_gguf
-from leanlm.models.gguf_conversion import INDEX_FILE, convert_gguf
+from leanlm.models.gguf_conversion import INDEX_FILE, convert_gguf, tensor_processor
 from leanlm.models.synthetic import write_random_model
 
 
@@ -53,6 +53,13 @@ def test_a_converted_gguf_is_the_model_it_was_written_from(tiny_gguf, tmp_path):
         AutoConfig.from_pretrained(out).num_hidden_layers
         == AutoConfig.from_pretrained(tiny_llama_dir).num_hidden_layers
     )
+
+
+def test_the_tensor_processor_is_the_files_architectures_not_the_model_types():
+    """A Gemma-3 GGUF's model type is gemma3_text; its processor (norm weights stored as 1 + w) is
+    gemma3's."""
+    processor = tensor_processor("gemma3", {"config": {"model_type": "gemma3_text"}})
+    assert type(processor).__name__ == "Gemma2TensorProcessor"  # transformers shares Gemma 2's
 
 
 def test_a_truncated_gguf_is_named_before_any_tensor_is_read(tiny_gguf, tmp_path):
@@ -96,8 +103,8 @@ def tiny_metadata(tiny_gguf):
     """The tiny GGUF's parsed metadata, read once (parsing a vocabulary's metadata takes seconds)."""
     from leanlm.models import gguf_conversion
 
-    config, parsed, _ = gguf_conversion._read_metadata(tiny_gguf[1])
-    return config, parsed
+    config, parsed, _, architecture = gguf_conversion._read_metadata(tiny_gguf[1])
+    return config, parsed, architecture
 
 
 @pytest.mark.parametrize(
@@ -112,9 +119,9 @@ def test_a_layer_count_that_disagrees_with_the_blocks_is_named(tiny_gguf, tiny_m
 
     from leanlm.models import gguf_conversion
 
-    config, parsed = copy.deepcopy(tiny_metadata[0]), tiny_metadata[1]
+    config, parsed, architecture = copy.deepcopy(tiny_metadata[0]), tiny_metadata[1], tiny_metadata[2]
     config.num_hidden_layers = layers
-    name_map, _, needed = gguf_conversion._name_map(config, parsed)
+    name_map, _, needed = gguf_conversion._name_map(config, parsed, architecture)
     with pytest.raises(CorruptModelError, match=message):
         gguf_conversion._check_tensors(tiny_gguf[1], GGUFReader(tiny_gguf[1]), config, name_map, needed)
 

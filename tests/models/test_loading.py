@@ -107,6 +107,18 @@ def test_default_model_loads_offline(no_network, default_checkpoint_dir):
     assert loaded.tokenizer.decode([next_token]).strip() == "Paris"
 
 
+@pytest.mark.slow
+def test_gemma3_from_its_gguf_knows_the_country_of_paris(no_network):
+    """Gemma-3's GGUF stores its norms' weights as 1 + w, which the conversion takes off (`make gemma` installs
+    the model; skipped without it)."""
+    pytest.importorskip(registry.REGISTRY["gemma3-270m"].package)
+    loaded = load_model("gemma3-270m")
+    ids = loaded.tokenizer("Paris is the capital of", return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        next_token = loaded.model(ids).logits[0, -1].argmax().item()
+    assert loaded.tokenizer.decode([next_token]).strip() == "France"
+
+
 @pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32)])
 def test_auto_dtype_follows_the_cpu(monkeypatch, native, expected):
     monkeypatch.setattr(loading, "has_native_bf16", lambda: native)

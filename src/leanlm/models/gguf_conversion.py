@@ -61,19 +61,21 @@ def _parsed_config(gguf: Path):
 
 
 def _read_metadata(gguf: Path):
-    """(config, parsed parameters, reader) from the file's metadata, or one error naming the problem."""
+    """(config, parsed parameters, reader, the file's architecture name) from the file's metadata, or one error
+    naming the problem."""
     from gguf import GGUFReader
 
     config, parsed = _parsed_config(gguf)
     try:
         reader = GGUFReader(gguf)  # after the parse above, so that the two readers' fields are never held together
+        architecture = str(reader.fields["general.architecture"].contents())
     except Exception as error:
         raise CorruptModelError(f"{gguf} cannot be read as a GGUF model: {one_line(error)}") from None
     # The tensors are all that is read from here on: the metadata's parsed fields (a vocabulary and its merges,
     # a few hundred MB of small arrays for a large vocabulary) are dropped, and so is the tokenizer's raw copy.
     reader.fields.clear()
     parsed.pop("tokenizer", None)
-    return config, parsed, reader
+    return config, parsed, reader, architecture
 
 
 def _read_tokenizer(gguf: Path):
@@ -88,17 +90,25 @@ def _read_tokenizer(gguf: Path):
         ) from None
 
 
-def _name_map(config, parsed: dict):
+def tensor_processor(architecture: str, parsed: dict):
+    """transformers' tensor processor for a GGUF of `architecture` (the file's `general.architecture`, which is
+    what transformers' own loader keys them by: a "gemma3" file's model type is "gemma3_text", and its processor
+    takes the 1 off the norms' weights)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+
+
+def _name_map(config, parsed: dict, architecture: str):
     """(GGUF tensor name -> transformers name, the architecture's tensor processor, the shape of every tensor
     the model needs, by transformers name)."""
     from accelerate import init_empty_weights
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     with init_empty_weights():
         skeleton = model_from_config(config)
     config.architectures = [type(skeleton).__name__]
-    architecture = parsed["config"].get("model_type", config.model_type)
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    processor = tensor_processor(architecture, parsed)
     needed = {name: tuple(tensor.shape) for name, tensor in skeleton.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         needed = {name: shape for name, shape in needed.items() if not name.startswith("lm_head.")}
@@ -180,9 +190,9 @@ def convert_gguf(
     Face model: config, tokenizer and safetensors shards of `dtype` with their index."""
     gguf, out = Path(gguf), Path(out)
 
-    config, parsed, reader = _read_metadata(gguf)
+    config, parsed, reader, architecture = _read_metadata(gguf)
     architecture_for(config)  # an unsupported family is refused before any tensor is read
-    name_map, processor, needed = _name_map(config, parsed)
+    name_map, processor, needed = _name_map(config, parsed, architecture)
     _check_tensors(gguf, reader, config, name_map, needed)
     element = torch.empty((), dtype=dtype).element_size()
     total = sum(int(tensor.n_elements) for tensor in reader.tensors) * element

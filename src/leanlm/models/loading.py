@@ -255,9 +255,14 @@ def _cached_float_checkpoint(gguf: Path, expected_sha256: str | None) -> Path:
     return directory
 
 
+# Raised whenever the conversion's output changes, so that a cache entry made by an older conversion is made anew.
+CONVERSION_VERSION = 2
+
+
 def cached_float_directory(gguf: Path, sha256: str) -> Path:
-    """Where the float checkpoint converted from the GGUF of this checksum is (or will be) cached."""
-    return cache_root() / "models" / f"{gguf.stem}-{sha256[:16]}"
+    """Where the float checkpoint converted from the GGUF of this checksum (by this CONVERSION_VERSION) is, or
+    will be, cached."""
+    return cache_root() / "models" / f"{gguf.stem}-{sha256[:16]}-c{CONVERSION_VERSION}"
 
 
 def _convert_gguf(gguf: Path, directory: Path) -> None:
