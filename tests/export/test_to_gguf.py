@@ -299,7 +299,8 @@ def test_a_killed_export_leaves_nothing_and_the_next_removes_a_dead_runs_staging
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
 
 
-# One linear per GGUF type leanlm writes (the others Q4_K): q / k / v / o of the first block, its MLP, the second's.
+# One linear per GGUF type leanlm writes (the others Q4_K): q / k / v / o of the first block, its MLP, the second's
+# MLP, q and k.
 _TYPE_MAP = {
     "0.self_attn.q_proj": "q2_k",
     "0.self_attn.k_proj": "q3_k",
@@ -310,6 +311,8 @@ _TYPE_MAP = {
     "0.mlp.down_proj": "q5_0",
     "1.mlp.gate_proj": "q5_1",
     "1.mlp.up_proj": "q8_0",
+    "1.self_attn.q_proj": "iq4_nl",
+    "1.self_attn.k_proj": "iq4_xs",
 }
 
 
@@ -326,7 +329,9 @@ def test_a_gguf_block_type_checkpoint_is_written_as_its_own_blocks(tmp_path, cap
     arguments = ["quantize", str(source), "--method", "rtn", "--gguf-type", "q4_k"]
     assert main([*arguments, *(f"--tensor-type={t}" for t in types), "--out", str(checkpoint)]) == 0
     assert main(["export", str(checkpoint), "--format", "gguf", "--out", str(out)]) == 0
-    assert "Q2_K / Q3_K / Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0" in capsys.readouterr().out
+    assert "IQ4_NL / IQ4_XS / Q2_K / Q3_K / Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0" in (
+        capsys.readouterr().out
+    )
     exported = {tensor.name: tensor for tensor in gguf.GGUFReader(out).tensors}
     loaded, _ = load_quantized(checkpoint)
     config = loaded.model.config

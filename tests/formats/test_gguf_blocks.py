@@ -66,7 +66,7 @@ def test_fitted_blocks_hold_the_weight_to_the_precision_their_bits_allow(name):
         )
 
 
-@pytest.mark.parametrize("name", ["q4_0", "q3_k", "q4_k", "q6_k"])
+@pytest.mark.parametrize("name", ["q4_0", "q3_k", "q4_k", "q6_k", "iq4_nl", "iq4_xs"])
 def test_codes_are_the_nearest_on_the_fitted_grid(name):
     kind = BLOCK_TYPES[name]
     weight = _weight(rows=8)
@@ -78,7 +78,11 @@ def test_codes_are_the_nearest_on_the_fitted_grid(name):
         assert bool(((decode(kind, moved, statistics) - weight).abs() >= error - 1e-6).all())
     scale, zero = zero_points(kind, statistics)
     column_group = torch.arange(weight.shape[1]) // kind.sub
-    grid = scale[:, column_group] * (codes.float() - zero[:, column_group])
+    if kind.levels is None:
+        grid = scale[:, column_group] * (codes.float() - zero[:, column_group])
+    else:  # a non-linear grid: the codes' levels, no zero point
+        assert not zero.any()
+        grid = scale[:, column_group] * torch.tensor(kind.levels).float()[codes.long()]
     torch.testing.assert_close(grid, decode(kind, codes, statistics), rtol=1e-5, atol=1e-6)
 
 
@@ -99,12 +103,13 @@ def test_an_importance_vector_moves_the_error_to_the_columns_that_matter_less():
 
 
 def test_rows_that_are_no_whole_number_of_super_blocks_take_llama_cpps_fallback():
-    assert [type_for_row(name, 576).name for name in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")] == [
+    assert [type_for_row(name, 576).name for name in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")] == [
         "q4_0",
         "q4_0",
         "q5_0",
         "q5_1",
         "q8_0",
+        "iq4_nl",
     ]
     assert type_for_row("q4_k", 1536).name == "q4_k"
     with pytest.raises(ConfigError, match="a row of 100 weights is not a whole number of Q4_K blocks"):

@@ -132,10 +132,11 @@ def test_a_gguf_block_type_stores_every_block_linear_as_its_blocks(family, metho
     assert ((quantized - reference).norm() / reference.norm()).item() < 0.25  # as the min-max grids above
 
 
-def test_gptq_beats_rtn_on_a_gguf_block_type():
+@pytest.mark.parametrize("kind", ["q3_k", "iq4_xs"])  # a uniform grid and a non-linear one
+def test_gptq_beats_rtn_on_a_gguf_block_type(kind):
     ids = _calibration(samples=8)
     errors = {}
-    for name, config in {"rtn": RTNConfig(gguf_type="q3_k"), "gptq": GPTQConfig(gguf_type="q3_k")}.items():
+    for name, config in {"rtn": RTNConfig(gguf_type=kind), "gptq": GPTQConfig(gguf_type=kind)}.items():
         model = tiny_model("llama", layers=2, width=256)
         with torch.inference_mode():
             reference = model(input_ids=ids).logits

@@ -20,7 +20,7 @@ def _module(name: str, bias: bool = True, rows: int = 96, columns: int = 512) ->
 
 
 @pytest.mark.skipif(not avx2_available(), reason="the k-bit kernel needs AVX2")
-@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q4_k"])
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q4_k", "iq4_nl", "iq4_xs"])
 @pytest.mark.parametrize("m", [1, 7, 600])
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_kernel_computes_what_the_reference_does(name, m, bias):

@@ -2,8 +2,8 @@
 
 Float models are written as F32, F16, BF16 or llama.cpp's own Q8_0 rounding. A leanlm checkpoint whose
 weights lie exactly on a GGUF block grid is written as those blocks, value for value: RTN / GPTQ with
-`--gguf-type` (any of Q4_0 .. Q8_0, Q2_K .. Q6_K) stores them already, and RTN / GPTQ on the symmetric grid
-(`--grid symmetric`) with groups of 32 consecutive columns (`--no-act-order`, or act-order with
+`--gguf-type` (any of Q4_0 .. Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS) stores them already, and RTN / GPTQ on the
+symmetric grid (`--grid symmetric`) with groups of 32 consecutive columns (`--no-act-order`, or act-order with
 `--static-groups`) are Q4_0 (4 bits) or Q8_0 (8 bits); the other tensors (embeddings, norms) take the float type
 asked for. Every other stored form is refused with the reason (each module's `gguf_problems`): nothing is
 re-rounded silently.

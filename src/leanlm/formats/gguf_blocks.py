@@ -1,15 +1,19 @@
-"""GGUF's block types as leanlm writes and reads them: the legacy blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
-and the K-quants' super-blocks of 256 (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), per the layouts of llama.cpp's
-`ggml-common.h` and the de-quantization rules of its `ggml-quants.c`.
+"""GGUF's block types as leanlm writes and reads them: the legacy blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0),
+the K-quants' super-blocks of 256 (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and the non-linear 4-bit types (IQ4_NL in blocks
+of 32, IQ4_XS in super-blocks of 256), per the layouts of llama.cpp's `ggml-common.h` and the de-quantization
+rules of its `ggml-quants.c`.
 
 Every type is one rule over sub-blocks of `sub` weights that share a multiplier A and an offset B:
 
-    w = A * (q - offset) + B,     q an unsigned code of `bits` bits,
+    w = A * v(q) + B,     q an unsigned code of `bits` bits,
 
+with v(q) = q - offset on the uniform grids and v(q) = the type's `levels`[q] on the non-linear ones:
 - symmetric types (Q4_0, Q5_0, Q8_0, Q3_K, Q6_K): B = 0 and `offset` centres the codes (Q3_K: 4, Q6_K: 32);
 - affine types: offset 0; Q4_1 / Q5_1 store B itself as a float16 ("min"), Q2_K / Q4_K / Q5_K store B = -dmin * m;
-- legacy types: A is the block's float16 scale d; K-quants: A = d * sc, with sc an integer sub-block scale of
-  `scale_bits` bits (Q3_K and Q6_K: signed), d (and dmin) one float16 per super-block.
+- non-linear types (IQ4_NL, IQ4_XS): B = 0 and sixteen fixed integer levels, denser near zero, where the
+  weights of a block are;
+- legacy types and IQ4_NL: A is the block's float16 scale d; K-quants and IQ4_XS: A = d * sc, with sc an integer
+  sub-block scale of `scale_bits` bits (Q3_K, Q6_K and IQ4_XS: signed), d (and dmin) one float16 per super-block.
 
 De-quantization does the float32 products in the order the `gguf` package does (A = d * sc first, then
 A * q, then the offset), so a block leanlm writes de-quantizes to the same float32 values here and there, bit for
@@ -18,9 +22,9 @@ bit (tests/formats/test_gguf_blocks.py checks every type on random bytes). A blo
 
 `fit_statistics` fits a weight's per-block statistics the way the format stores them: each sub-block's (A, B) by
 a weighted least-squares search over candidate scales (weights: an importance vector such as the Hessian's
-diagonal, else uniform), then the sub-block scales and mins rounded to their integers under a float16 d / dmin.
+diagonal, else uniform; on a non-linear grid the codes are the nearest levels), then the sub-block scales and mins rounded to their integers under a float16 d / dmin.
 `codes_for` rounds a weight to the nearest codes of fitted statistics (RTN); GPTQ rounds with error feedback on the
-same grid (`sub_block_grid`).
+same grid (`zero_points`, and `nearest_levels` on a non-linear one).
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ import numpy as np
 import torch
 
 from leanlm.errors import ConfigError
+from leanlm.formats.codebooks import Codebook
 from leanlm.formats.minmax import search_symmetric
 
 SUPER_BLOCK = 256  # weights per K-quant block (QK_K)
+# IQ4_NL's and IQ4_XS's sixteen levels, code 0 to 15 (llama.cpp's kvalues_iq4nl): part of the file format
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class BlockType:
     code_xor: int = 0  # Q8_0: 0x80 (its codes are stored as the signed byte code - 128)
     has_min: bool = False  # affine: B stored (Q4_1 / Q5_1 as a float16, K-quants as dmin * m)
     fallback: str | None = None  # what llama.cpp writes when a row is not a whole number of blocks
+    levels: tuple[int, ...] | None = None  # non-linear types: the value of each code (offset unused)
 
     @property
     def ggml(self) -> gguf.GGMLQuantizationType:
@@ -89,7 +97,13 @@ class BlockType:
 
     @property
     def k_quant(self) -> bool:
+        """Whether the sub-block scales are integers under a per-super-block d (K-quants and IQ4_XS)."""
         return self.scale_bits is not None
+
+    @property
+    def codebook(self) -> Codebook | None:
+        """A non-linear type's levels as a code book (what finds the nearest code); None on a uniform grid."""
+        return None if self.levels is None else Codebook(self.name, self.bits, torch.tensor(self.levels).float())
 
 
 def _pieces(field: str, positions, low: int = 0, width: int = 8) -> _Piece:
@@ -213,6 +227,24 @@ BLOCK_TYPES = {
             signed_scales=True,
             fallback="q8_0",
         ),
+        BlockType("iq4_nl", 32, 4, 0, (_D,), (_nibbles_of_32(2),), levels=IQ4_LEVELS),
+        BlockType(
+            "iq4_xs",
+            32,
+            4,
+            0,
+            (_D,),
+            (
+                _pieces("codes", [(e, 8 + (e // 32) * 16 + e % 16, 4 * (e % 32 // 16)) for e in range(256)], 0, 4),
+                _pieces("scales", [(j, 4 + j // 2, 4 * (j % 2)) for j in range(8)], 0, 4),
+                _pieces("scales", [(j, 2 + j // 4, 2 * (j % 4)) for j in range(8)], 4, 2),
+            ),
+            scale_bits=6,
+            signed_scales=True,
+            scale_bias=32,
+            fallback="iq4_nl",
+            levels=IQ4_LEVELS,
+        ),
     )
 }
 
@@ -226,7 +258,7 @@ def block_type(name: str) -> BlockType:
 def type_for_row(name: str, columns: int) -> BlockType:
     """The block type a row of `columns` weights takes when `name` is asked for: `name` if the row is a whole
     number of its blocks, else llama.cpp's fallback for it (Q2_K / Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1,
-    Q6_K -> Q8_0; llama.cpp's IQ fallbacks are not written here); a ConfigError if not even that fits."""
+    Q6_K -> Q8_0, IQ4_XS -> IQ4_NL); a ConfigError if not even that fits."""
     kind = block_type(name)
     if columns % kind.block and kind.fallback is not None:
         kind = BLOCK_TYPES[kind.fallback]
@@ -264,7 +296,8 @@ def decode(kind: BlockType, codes: torch.Tensor, statistics: BlockStatistics) ->
     """(rows, columns) float32 weights of codes (rows, columns) uint8 under `statistics`."""
     rows, columns = codes.shape
     multiplier, offset = sub_block_grid(kind, statistics)
-    q = codes.reshape(rows, columns // kind.block, kind.subs, kind.sub).float()
+    q = codes.reshape(rows, columns // kind.block, kind.subs, kind.sub)
+    q = kind.codebook.values[q.long()] if kind.levels is not None else q.float()
     if kind.offset:
         q = q - kind.offset
     weight = multiplier[..., None] * q
@@ -378,6 +411,26 @@ def _affine_search(x: torch.Tensor, weights: torch.Tensor, top: int, nonpositive
     return best_a, best_b
 
 
+def _levels_search(x: torch.Tensor, book: Codebook, weights: torch.Tensor, steps: int = 9) -> torch.Tensor:
+    """A per slice of x's last dimension minimising sum weights * (A v - x)^2 over levels v of `book`: for
+    candidate rounding scales (the one putting the slice's extreme value on the level of largest magnitude, moved
+    by one unit of the levels at a time), take the nearest levels, then their least-squares A
+    (sum w x v / sum w v^2), and keep the best."""
+    end = float(book.values[book.values.abs().argmax()])
+    extreme = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))
+    safe = torch.where(extreme == 0, 1.0, extreme)
+    best_a = (extreme / end).squeeze(-1)
+    best_error = torch.full_like(best_a, float("inf"))
+    for step in range(-steps, steps + 1):
+        v = book.values[book.nearest(x * ((end + step) / safe)).long()]
+        denominator = (weights * v.square()).sum(dim=-1)
+        a = (weights * x * v).sum(dim=-1) / torch.where(denominator > 0, denominator, 1.0)
+        error = (weights * (x - a[..., None] * v).square()).sum(dim=-1)
+        better = error < best_error
+        best_a, best_error = torch.where(better, a, best_a), torch.where(better, error, best_error)
+    return best_a
+
+
 def _integers(values: torch.Tensor, step: torch.Tensor, low: int, high: int) -> torch.Tensor:
     """values / step rounded into [low, high] (0 where step is 0)."""
     safe = torch.where(step == 0, 1.0, step)
@@ -397,6 +450,8 @@ def fit_statistics(kind: BlockType, weight: torch.Tensor, importance: torch.Tens
     )
     if kind.has_min:
         a, b = _affine_search(x, weights.expand_as(x), 2**kind.bits - 1, nonpositive_offset=kind.k_quant)
+    elif kind.levels is not None:
+        a, b = _levels_search(x, kind.codebook, weights), None
     else:
         a, _ = search_symmetric(x, kind.bits, weights)
         b = None
@@ -416,7 +471,8 @@ def fit_statistics(kind: BlockType, weight: torch.Tensor, importance: torch.Tens
 
 def zero_points(kind: BlockType, statistics: BlockStatistics) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero) per sub-block, (rows, blocks * subs) each, in leanlm's grid form x = scale * (q - zero)
-    (leanlm.formats.minmax), for rounding with error feedback."""
+    (leanlm.formats.minmax), for rounding with error feedback; on a non-linear grid zero is 0 and x = scale * v(q)
+    (`nearest_levels`)."""
     multiplier, offset = sub_block_grid(kind, statistics)
     safe = torch.where(multiplier == 0, 1.0, multiplier)
     zero = kind.offset - torch.where(multiplier == 0, 0.0, offset / safe)
@@ -429,7 +485,18 @@ def codes_for(kind: BlockType, weight: torch.Tensor, statistics: BlockStatistics
     rows, columns = weight.shape
     multiplier, offset = sub_block_grid(kind, statistics)
     x = weight.float().reshape(rows, columns // kind.block, kind.subs, kind.sub)
+    if kind.levels is not None:
+        return nearest_levels(kind, x, multiplier[..., None])[0].reshape(rows, columns)
     safe = torch.where(multiplier == 0, 1.0, multiplier)[..., None]
     q = torch.round((x - offset[..., None]) / safe) + kind.offset
     q = torch.where(multiplier[..., None] == 0, float(kind.offset), q)
     return torch.clamp(q, 0, 2**kind.bits - 1).to(torch.uint8).reshape(rows, columns)
+
+
+def nearest_levels(kind: BlockType, x: torch.Tensor, multiplier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A non-linear type's nearest codes (uint8) of x under the multipliers A broadcast against it, and the values
+    A * v(code) they stand for (a zero A takes the level nearest zero)."""
+    book = kind.codebook
+    safe = torch.where(multiplier == 0, 1.0, multiplier)
+    codes = book.nearest(torch.where(multiplier == 0, 0.0, x / safe))
+    return codes, multiplier * book.values[codes.long()]

@@ -319,8 +319,11 @@ def solve(
                 scales.append(scale)
                 zeros.append(zero)
             w = lazy[local]
-            q = quantize_minmax(w[:, None], scale.values, zero.values, settings.bits)[:, 0]
-            kept = scale.values * (q - zero.values)
+            if kind is not None and kind.levels is not None:  # a non-linear grid: the nearest of its levels
+                q, kept = gguf_blocks.nearest_levels(kind, w, scale.values)
+            else:
+                q = quantize_minmax(w[:, None], scale.values, zero.values, settings.bits)[:, 0]
+                kept = scale.values * (q - zero.values)
             block_codes[local] = q
             if threshold is not None:
                 outliers[:, j] |= ((w - kept) / diagonal[j]).square() > threshold

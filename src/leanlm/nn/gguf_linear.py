@@ -1,14 +1,16 @@
-"""GGUFLinear: a linear whose weight is stored as GGUF blocks of one type (Q4_0 .. Q8_0, Q2_K .. Q6_K), byte for
+"""GGUFLinear: a linear whose weight is stored as GGUF blocks of one type (Q4_0 .. Q8_0, Q2_K .. Q6_K, IQ4_NL,
+IQ4_XS), byte for
 byte what a GGUF file holds (`leanlm.formats.gguf_blocks`), so that export writes the blocks as they are and a
 file de-quantizes, through the `gguf` package, to exactly the weight this module computes with.
 
 Two forward paths:
 - `reference` de-quantizes the whole weight (float32) and runs one matmul, at the cost of one float32 copy of the
   weight per call, freed after it: every type, and the test oracle;
-- `kernel` (4-bit types: Q4_0, Q4_1, Q4_K, on AVX2) runs leanlm's k-bit kernel, which computes with the
-  sub-block rule w = A * q + (B - offset * A): the codes 0..15 are the kernel's table, A its block scale and the
-  rest its block offset, as for GPTQ's groups (`SpQRLinear`). It keeps that form beside the blocks (the codes
-  again, and two float32 numbers per sub-block), built at the first forward.
+- `kernel` (4-bit types: Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS, on AVX2) runs leanlm's k-bit kernel, which computes
+  with the sub-block rule w = A * v(q) + (B - offset * A): v(q) (the codes 0..15, or the non-linear types'
+  levels) is the kernel's table, A its block scale and the rest its block offset, as for GPTQ's groups
+  (`SpQRLinear`). It keeps that form beside the blocks (the codes again, and two float32 numbers per sub-block),
+  built at the first forward.
 The default is the kernel wherever it applies."""
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class GGUFLinear(QuantizedModule):
             rows,
             codes,
             scales,
-            IDENTITY_TABLE,
+            IDENTITY_TABLE if self.format.levels is None else self.format.codebook.values,
             self.out_features,
             self.format.sub,
             self.bias,
