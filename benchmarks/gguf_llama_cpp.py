@@ -372,6 +372,7 @@ def main() -> None:
         return result
 
     recipes = rows(args.calib_samples)
+    importance = {}  # the float model's importance matrix, computed once, for every llama.cpp row that takes it
     for row in study.todo("rows", recipes):
         recipe = recipes[row]
         if isinstance(recipe, tuple) and recipe[0] == "mix":  # GPTQ spending the block bits of llama.cpp's smaller file
@@ -388,13 +389,14 @@ def main() -> None:
                 ours = leanlm_perplexity(loaded.model, quantized=False)
             elif isinstance(recipe, tuple):
                 _, kind, weighted = recipe
-                importance = importance_matrix(loaded.model, calibration.batches()) if weighted else None
+                if weighted and not importance:
+                    importance.update(importance_matrix(loaded.model, calibration.batches()))
                 path = quantize_gguf(
                     float_file,
                     row_file(work, row),
                     kind,
                     threads=args.threads,
-                    importance=importance,
+                    importance=importance if weighted else None,
                 )
             else:
                 model = copy.deepcopy(loaded.model)
