@@ -105,6 +105,21 @@ def test_a_budget_per_block_stays_within_it_too():
     assert record["allocation"] == "block" and BLOCK_TYPES["q3_k"].bits_per_weight < record["avg_bits"] <= 5.0
 
 
+@pytest.mark.parametrize("allocation", ["fisher", "block"])
+def test_leanlm_quantize_spends_a_fisher_budget_in_memory_and_a_per_block_one_out_of_core(
+    tiny_llama_dir, tmp_path, allocation
+):
+    from leanlm.methods.out_of_core import quantize_checkpoint
+
+    said = []
+    calibration = Calibration(token_ids=token_ids(4, 32, seed=1, vocab_size=1000))
+    config = RTNConfig(target_bits=6.0, allocation=allocation)
+    _, record = quantize_checkpoint(tiny_llama_dir, (config,), tmp_path / "q", calibration=calibration, say=said.append)
+    assert record["allocation"] == allocation
+    in_memory = [line for line in said if line.startswith("quantizing in memory: --allocation fisher")]
+    assert len(in_memory) == (allocation == "fisher"), said
+
+
 @pytest.mark.parametrize(
     "config, reason",
     [

@@ -83,8 +83,8 @@ def _allocation_option():
     return option(
         "fisher",
         "how --target-bits ranks the types: fisher (each linear's Hessian-weighted error scaled by the loss's "
-        "squared gradient at its outputs, one budget for the whole model; a streamed model takes block) or block "
-        "(the Hessian-weighted error alone, bits moved within each transformer block)",
+        "squared gradient at its outputs, one budget for the whole model, quantized in memory) or block (the "
+        "Hessian-weighted error alone, bits moved within each transformer block, out of core)",
         choices=bit_allocation.ALLOCATIONS,
     )
 
@@ -238,14 +238,25 @@ class SpQRConfig(_SolverChecks):
 SolverConfig = RTNConfig | GPTQConfig | SpQRConfig
 
 
+def _whole_model_for_budget(config) -> str | None:
+    """Why a budget spent by the Fisher allocation needs the model in memory (None for any other config)."""
+    if getattr(config, "target_bits", None) is None or config.allocation != "fisher":
+        return None
+    return (
+        "--allocation fisher measures the loss's gradients through the whole model, which a model read block by "
+        "block from disk cannot give (--allocation block ranks the types block by block)"
+    )
+
+
 @register_method(
     RTNConfig,
     "rtn",
     "quantizer",
     needs_calibration=lambda config: config.imatrix or config.target_bits is not None,
     blockwise=True,
+    needs_whole_model=_whole_model_for_budget,
 )
-@register_method(GPTQConfig, "gptq", "quantizer", blockwise=True)
+@register_method(GPTQConfig, "gptq", "quantizer", blockwise=True, needs_whole_model=_whole_model_for_budget)
 @register_method(SpQRConfig, "spqr", "quantizer", blockwise=True)
 def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> BlockPlan:
     """Replace the block linears by SpQRLinear (GGUFLinear for a GGUF block type), block by block (each block's Hessians come from the outputs of
@@ -261,7 +272,7 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     fixed = _fixed_types(shapes, config)
     given = _importance_from_file(model, table, shapes, getattr(config, "imatrix_file", None))
     hessians = _HessianObserver(table, diagonal_only=not settings.error_feedback)
-    allocation = getattr(config, "allocation", "block") if not run.streamed else "block"
+    allocation = getattr(config, "allocation", "block")  # a streamed run never has fisher (_whole_model_for_budget)
     fisher = target is not None and allocation == "fisher"
     # RTN reads no data, but for its importance matrix or a budget
     reads_text = settings.error_feedback or importance_only or target is not None
