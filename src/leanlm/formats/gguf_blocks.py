@@ -22,7 +22,8 @@ bit (tests/formats/test_gguf_blocks.py checks every type on random bytes). A blo
 
 `fit_statistics` fits a weight's per-block statistics the way the format stores them: each sub-block's (A, B) by
 a weighted least-squares search over candidate scales (weights: an importance vector such as the Hessian's
-diagonal, else uniform; on a non-linear grid the codes are the nearest levels), then the sub-block scales and mins rounded to their integers under a float16 d / dmin.
+diagonal, else uniform; on a non-linear grid the codes are the nearest levels), then the sub-block scales and
+mins rounded to their integers under a float16 d / dmin.
 `codes_for` rounds a weight to the nearest codes of fitted statistics (RTN); GPTQ rounds with error feedback on the
 same grid (`zero_points`, and `nearest_levels` on a non-linear one).
 """
