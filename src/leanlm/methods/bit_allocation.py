@@ -106,7 +106,7 @@ def type_errors(
     and g the `output_weights` of each row (ones if None), measured on SAMPLE_ROWS rows and scaled to all."""
     rows = weight.shape[0]
     picked = torch.linspace(0, rows - 1, min(rows, SAMPLE_ROWS)).long()
-    sample = weight[picked].float()
+    sample = weight[picked].detach().float()  # the weight may be a parameter: no autograd graph here
     if output_weights is None:
         row_weights = torch.full((len(picked),), rows / len(picked))
     else:  # the sampled rows stand for all: their weights scaled to the whole weight's total
