@@ -248,3 +248,18 @@ def test_bad_settings_are_named():
         SolverSettings(static_groups=True, outlier_threshold=0.2)
     with pytest.raises(ConfigError, match="min-max only"):
         SolverSettings(grid="symmetric", statistic_bits=3)
+
+
+def test_gptq_keeps_a_weight_on_its_grid_exactly_even_where_an_input_is_never_active():
+    """A weight already on Q5_0's grid comes back unchanged, dead input columns (a zero row and column of the
+    Hessian, as Gemma's norms with weight -1 make) included: nothing re-rounds the blocks they share."""
+    from leanlm.formats.gguf_blocks import BLOCK_TYPES, codes_for, decode, fit_statistics
+
+    kind = BLOCK_TYPES["q5_0"]
+    weight, inputs, _ = _layer(rows=32, columns=128)
+    weight[:, 5] *= 4  # the dead column holds its blocks' largest weights
+    on_grid = decode(kind, codes_for(kind, weight, fit_statistics(kind, weight)), fit_statistics(kind, weight))
+    inputs[:, 5] = 0.0
+    hessian = 2 * inputs.T @ inputs / inputs.shape[0]
+    solved = solve(on_grid, hessian, replace(GPTQ, block_type="q5_0", hessian_shrinkage=0.5))
+    assert torch.equal(solved.weight, on_grid)

@@ -250,12 +250,17 @@ def solve(
         H = hessian.detach() if in_place else hessian.detach().float().clone()
     if H.shape != (columns, columns):
         raise ConfigError(f"Hessian of shape {tuple(H.shape)} does not fit a weight with {columns} input columns")
-    dead = H.diagonal() == 0  # inputs never active: their weights cannot matter
+    # Inputs never active in the calibration text: a unit diagonal keeps H invertible. GPTQ rounds their weights as
+    # they are (the text gives no reason to change them, other text may use them, and a weight on the grid stays
+    # exact) and, their row and column of H being zero, they feed no error forward and receive none. SpQR zeroes
+    # them, so that they are never taken for outliers.
+    dead = H.diagonal() == 0
     H[dead, dead] = 1.0
+    if settings.outlier_threshold is not None:
+        W[:, dead] = 0.0
     if settings.hessian_shrinkage:
         diagonal = H.diagonal().clone()
         H.mul_(1.0 - settings.hessian_shrinkage).diagonal().copy_(diagonal)
-    W[:, dead] = 0.0
     group = settings.group_size or columns
     static = None
     fitted = None
