@@ -31,6 +31,7 @@ same grid (`zero_points`, and `nearest_levels` on a non-linear one).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import gguf
 import numpy as np
@@ -101,7 +102,7 @@ class BlockType:
         """Whether the sub-block scales are integers under a per-super-block d (K-quants and IQ4_XS)."""
         return self.scale_bits is not None
 
-    @property
+    @cached_property  # built once per type: GPTQ asks for it at every column
     def codebook(self) -> Codebook | None:
         """A non-linear type's levels as a code book (what finds the nearest code); None on a uniform grid."""
         return None if self.levels is None else Codebook(self.name, self.bits, torch.tensor(self.levels).float())
