@@ -4,12 +4,15 @@
   the destination (`.NAME.partial-PID`) and renamed into place in one step (rename(2) is atomic within a file
   system, and replaces an empty directory), so a kill at any moment leaves either no result or a whole one. A
   later write to the same destination removes staging directories whose process no longer exists.
+- A result that several processes may make at once (a cache entry) is made under `exclusive_lock`: one makes it,
+  the others wait and read it. The lock is the kernel's (flock(2)), so a killed holder never leaves it held.
 - Every safetensors file of a quantized checkpoint carries `QUANTIZED_MARKER` in its metadata, so a directory
   whose `leanlm_quant.json` is missing can be recognised and refused instead of being read as a float model.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 from collections.abc import Iterator
@@ -139,6 +142,19 @@ def _remove_stale_staging(out: Path) -> None:
                 shutil.rmtree(candidate, ignore_errors=True)
             else:
                 candidate.unlink(missing_ok=True)
+
+
+@contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Holds an exclusive lock on the file `path` (created if missing) while active; another process asking for
+    it waits until it is released or its holder exits."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextmanager

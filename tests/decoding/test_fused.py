@@ -198,16 +198,22 @@ def test_smollm2_decodes_the_eager_tokens_fused(default_checkpoint_dir):
 @needs_kernels
 def test_smollm2_in_3_bits_decodes_fused_as_its_eager_path(default_checkpoint_dir):
     """NF3 + DQ through the 3-bit kernel, in both paths at M = 1: the same bounds as the 4-bit test above. NF3's
-    SmolLM2 (perplexity ~67) is less sure of its tokens: 28 of the 64 steps were decisive in a measured run."""
+    SmolLM2 (perplexity ~67) is less sure of its tokens, so it continues real text (WikiText-2's first 32 tokens),
+    where its greedy steps are decisive often enough whatever the thread count; after arbitrary token ids its
+    greedy path depends on the summation order and may have no decisive step at all."""
+    from leanlm.data import datasets
+    from leanlm.evaluation.tokens import encode
     from leanlm.models import load_model
 
-    model = load_model(default_checkpoint_dir).model
+    loaded = load_model(default_checkpoint_dir)
+    model = loaded.model
+    prompt = encode(loaded.tokenizer, datasets.wikitext2_test_text()[:1000])[:32]
     quantize_(model, KbitConfig(bits=3, double_quant=True))
     layers = [module for module in model.modules() if isinstance(module, KbitLinear)]
     for layer in layers:  # resolves each layer's backend: the kernel, not the de-quantizing reference
         layer(torch.zeros(1, layer.in_features))
     assert {layer.backend for layer in layers} == {"avx2"}
-    _assert_fused_within_float_rounding(model, list(range(100, 132)), "nf3", least_decisive=16)
+    _assert_fused_within_float_rounding(model, prompt, "nf3", least_decisive=16)
 
 
 def _assert_fused_within_float_rounding(model, prompt, label, least_decisive=32):

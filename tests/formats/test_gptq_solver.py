@@ -164,6 +164,20 @@ def test_static_groups_keep_act_order_groups_on_consecutive_columns():
     assert _output_error(weight, inputs, solved.weight) < in_order  # act-order still pays
 
 
+@pytest.mark.parametrize("columns", [256, 100])  # eight whole groups; three and a short one
+def test_static_groups_search_each_groups_scale_on_its_own_columns_weighted_by_the_hessian(columns):
+    weight, _, hessian = _layer(columns=columns)
+    settings = SolverSettings(bits=4, group_size=32, grid="symmetric", static_groups=True, scale_search=True)
+    solved = solve(weight, hessian, settings)
+    expected = [
+        search_symmetric(weight[:, start : start + 32], 4, hessian.diagonal()[start : start + 32])[0]
+        for start in range(0, columns, 32)
+    ]
+    assert len(solved.scales) == len(expected)
+    for stored, scale in zip(solved.scales, expected):
+        assert torch.equal(stored.values, scale.half().float())
+
+
 def _assert_kernel_close(actual, expected, int8_activations):
     """At decode sizes (M <= SMALL_M) the kernel quantizes x to int8 where its blocks are multiples of 64: within
     about 3% of the float product (SQNR > 25 dB; 30-38 dB measured: GPTQ's codes 0..15 are all positive, so the

@@ -2,6 +2,7 @@
 transformers' whole-model loader gives, in the memory of one tensor and one shard; a damaged file is named."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -161,6 +162,33 @@ def test_a_conversion_killed_half_way_leaves_no_cache_entry_that_loads(tiny_gguf
     monkeypatch.setattr(gguf_conversion, "save_file", save_file)
     loaded = load_model(gguf)  # the next run converts from the start
     assert loaded.model.config.num_hidden_layers == 2
+
+
+def test_processes_loading_one_gguf_at_once_convert_it_once(tiny_gguf, tmp_path):
+    """Two processes ask for the same uncached GGUF at the same moment (after their imports): one converts, the
+    other waits for its cache entry, and both load it."""
+    probe = textwrap.dedent(
+        f"""
+        import os, time
+        from pathlib import Path
+        from leanlm.models.loading import _cached_float_checkpoint
+        ready = Path({str(tmp_path / "ready")!r})
+        (ready / str(os.getpid())).touch()
+        while len(list(ready.iterdir())) < 2:
+            time.sleep(0.01)
+        print(_cached_float_checkpoint(Path({str(tiny_gguf[1])!r}), None))
+        """
+    )
+    environment = {**os.environ, "LEANLM_CACHE": str(tmp_path / "cache")}
+    (tmp_path / "ready").mkdir()
+    processes = [
+        subprocess.Popen([sys.executable, "-c", probe], env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    outputs = [process.communicate(timeout=120) for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert len({out.decode().split()[-1] for out, _ in outputs}) == 1
+    assert sum(b"converting" in err for _, err in outputs) == 1
 
 
 # The synthetic model: 12 layers of hidden 1024 / MLP 2816, a vocabulary of 49,152: about 190M values, 0.37 GB

@@ -170,6 +170,31 @@ def _group_statistics(
     return quantize_statistic(scale, settings), quantize_statistic(zero, settings)
 
 
+def _static_group_statistics(
+    weight: torch.Tensor, group: int, settings: SolverSettings, importance: torch.Tensor
+) -> list[tuple[QuantizedStatistic, QuantizedStatistic]]:
+    """Every group's statistics, fitted before solving as `_group_statistics` fits one (no outliers): the whole
+    groups in one call on a (rows, groups, group) view, a shorter last group alone."""
+    rows, columns = weight.shape
+    whole = columns // group * group
+    fitted = []
+    if whole:
+        groups = weight[:, :whole].reshape(rows, whole // group, group)
+        weights = importance[:whole].reshape(whole // group, group)
+        if settings.scale_search:
+            scale, zero = search_symmetric(groups, settings.bits, weights)
+        else:
+            scale, zero = GRIDS[settings.grid](groups, settings.bits)
+        fitted = [
+            (quantize_statistic(scale[:, g], settings), quantize_statistic(zero[:, g], settings))
+            for g in range(scale.shape[1])
+        ]
+    if whole < columns:
+        unmasked = torch.zeros(rows, columns - whole, dtype=torch.bool)
+        fitted.append(_group_statistics(weight[:, whole:], unmasked, settings, importance[whole:]))
+    return fitted
+
+
 def inverse_hessian_factor(hessian: torch.Tensor, damping: float, overwrite: bool = False) -> torch.Tensor:
     """U, the upper Cholesky factor of (H + damping * mean(diag H) I)^-1 (`overwrite`: H is damped in place)."""
     damped = hessian if overwrite else hessian.clone()
@@ -269,16 +294,7 @@ def solve(
         scale, zero = gguf_blocks.zero_points(kind, fitted)
         static = [(QuantizedStatistic(scale[:, g]), QuantizedStatistic(zero[:, g])) for g in range(scale.shape[1])]
     elif settings.static_groups and settings.error_feedback:
-        unmasked = torch.zeros(rows, group, dtype=torch.bool)
-        static = [
-            _group_statistics(
-                W[:, start : start + group],
-                unmasked[:, : min(group, columns - start)],
-                settings,
-                H.diagonal()[start : start + group],
-            )
-            for start in range(0, columns, group)
-        ]
+        static = _static_group_statistics(W, group, settings, H.diagonal())
     permutation = None
     if settings.act_order and settings.error_feedback:
         permutation = torch.argsort(H.diagonal(), descending=True)

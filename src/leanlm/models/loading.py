@@ -33,7 +33,7 @@ from leanlm.models.untrusted import (
 )
 from leanlm.nn.float_linear import use_gemv_
 from leanlm.settings import option
-from leanlm.storage import QUANT_FILE, quantized_weights_file, staged_directory
+from leanlm.storage import QUANT_FILE, exclusive_lock, quantized_weights_file, staged_directory
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def _load_hf_directory(directory: Path, attn_implementation: str | None, dtype: 
 
 def _cached_float_checkpoint(gguf: Path, expected_sha256: str | None) -> Path:
     """The float checkpoint made from `gguf`, converting it on first use. Keyed by the file's checksum, so a
-    changed file is converted anew."""
+    changed file is converted anew; processes asking at once wait for one conversion."""
     checksum = sha256_of(gguf)
     if expected_sha256 is not None and checksum != expected_sha256:
         raise CorruptModelError(
@@ -251,7 +251,9 @@ def _cached_float_checkpoint(gguf: Path, expected_sha256: str | None) -> Path:
     directory = cached_float_directory(gguf, checksum)
     if (directory / "config.json").is_file():
         return directory
-    _convert_gguf(gguf, directory)
+    with exclusive_lock(cache_root() / "locks" / directory.name):  # another process may be converting it
+        if not (directory / "config.json").is_file():
+            _convert_gguf(gguf, directory)
     return directory
 
 
