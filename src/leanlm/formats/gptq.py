@@ -163,11 +163,18 @@ def _group_statistics(
         kept = (~outliers).float()
         row_mean = (group * kept).sum(dim=1, keepdim=True) / kept.sum(dim=1, keepdim=True).clamp(min=1)
         group = torch.where(outliers, row_mean, group)
-    if settings.scale_search:
-        scale, zero = search_symmetric(group, settings.bits, importance)
-    else:
-        scale, zero = GRIDS[settings.grid](group, settings.bits)
+    scale, zero = _fit_grid(group, settings, importance)
     return quantize_statistic(scale, settings), quantize_statistic(zero, settings)
+
+
+def _fit_grid(
+    values: torch.Tensor, settings: SolverSettings, importance: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) of the settings' grid along the last dimension: searched (weighted by `importance`) or by the
+    grid's rule."""
+    if settings.scale_search:
+        return search_symmetric(values, settings.bits, importance)
+    return GRIDS[settings.grid](values, settings.bits)
 
 
 def _static_group_statistics(
@@ -179,20 +186,13 @@ def _static_group_statistics(
     whole = columns // group * group
     fitted = []
     if whole:
-        groups = weight[:, :whole].reshape(rows, whole // group, group)
-        weights = importance[:whole].reshape(whole // group, group)
-        if settings.scale_search:
-            scale, zero = search_symmetric(groups, settings.bits, weights)
-        else:
-            scale, zero = GRIDS[settings.grid](groups, settings.bits)
-        fitted = [
-            (quantize_statistic(scale[:, g], settings), quantize_statistic(zero[:, g], settings))
-            for g in range(scale.shape[1])
-        ]
+        scale, zero = _fit_grid(
+            weight[:, :whole].reshape(rows, -1, group), settings, importance[:whole].reshape(-1, group)
+        )
+        fitted = [(scale[:, g], zero[:, g]) for g in range(scale.shape[1])]
     if whole < columns:
-        unmasked = torch.zeros(rows, columns - whole, dtype=torch.bool)
-        fitted.append(_group_statistics(weight[:, whole:], unmasked, settings, importance[whole:]))
-    return fitted
+        fitted.append(_fit_grid(weight[:, whole:], settings, importance[whole:]))
+    return [(quantize_statistic(scale, settings), quantize_statistic(zero, settings)) for scale, zero in fitted]
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damping: float, overwrite: bool = False) -> torch.Tensor:

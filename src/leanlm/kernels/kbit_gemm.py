@@ -13,7 +13,6 @@ code book, so no NF4/FP4), `_weight_int8pack_mm` is 8-bit per-channel only.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
@@ -28,6 +27,7 @@ import torch
 from leanlm.errors import ConfigError
 from leanlm.formats.packing import preferred_layout, unpack
 from leanlm.kernels.cpu import has_native_bf16
+from leanlm.storage import exclusive_lock
 
 KbitBackend = Literal["reference", "avx2"]
 # The small-M kernel: "auto" = the fastest this CPU runs (int8 activations where the layout allows); the others
@@ -67,8 +67,7 @@ def compiled_kernels():
         # torch guards the build with a bare `lock` file that a killed build leaves behind, after which every
         # later load waits on it forever (this hung CI once). An flock is released by the kernel when its holder
         # dies, so whoever holds it knows any `lock` file is stale and may remove it.
-        with open(directory / "build.flock", "w") as guard:
-            fcntl.flock(guard, fcntl.LOCK_EX)
+        with exclusive_lock(directory / "build.flock"):
             (directory / "lock").unlink(missing_ok=True)
             return cpp_extension.load(
                 name="leanlm_kbit4",
