@@ -107,7 +107,12 @@ def rows(calibration_samples: int) -> dict:
             )
         },
         **{
-            f"leanlm GPTQ mix, size of {kind.upper()}": ("mix", kind)
+            f"leanlm GPTQ {'measured ' if allocation == 'measured' else ''}mix, size of {kind.upper()}": (
+                "mix",
+                kind,
+                allocation,
+            )
+            for allocation in ("fisher", "measured")
             for kind in ("q3_k_m", "iq4_xs", "q4_k_m", "q5_k_m")
         },
     }
@@ -288,7 +293,9 @@ def _system(name: str) -> str:
     if name.startswith("llama.cpp"):
         return "llama.cpp + imatrix" if "imatrix" in name else "llama.cpp"
     if name.startswith("leanlm"):
-        return "leanlm GPTQ, budget" if "mix" in name else f"leanlm {name.split()[1]}{name.partition(',')[2]}"
+        if "mix" in name:
+            return "leanlm GPTQ, measured budget" if "measured" in name else "leanlm GPTQ, budget"
+        return f"leanlm {name.split()[1]}{name.partition(',')[2]}"
     return name
 
 
@@ -381,7 +388,12 @@ def main() -> None:
                 quantize_gguf(float_file, reference, recipe[1], threads=args.threads)
             weighted = row_file(work, f"llama.cpp {recipe[1].upper()} + imatrix")
             budget = min(block_linear_bits(path) for path in (reference, weighted) if path.exists())
-            recipe = GPTQConfig(target_bits=budget, hessian_shrinkage=0.5, calibration_samples=args.calib_samples)
+            recipe = GPTQConfig(
+                target_bits=budget,
+                allocation=recipe[2],
+                hessian_shrinkage=0.5,
+                calibration_samples=args.calib_samples,
+            )
         with peak_memory() as memory:
             ours = None
             if recipe is None:

@@ -12,7 +12,14 @@ from tiny import tiny_model, token_ids
 from leanlm.errors import ConfigError
 from leanlm.formats.gguf_blocks import BLOCK_TYPES
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, quantize_
-from leanlm.methods.bit_allocation import allocate, parse_tensor_types, type_errors
+from leanlm.methods.bit_allocation import (
+    allocate,
+    budget_types,
+    candidates_for,
+    parse_tensor_types,
+    rounded,
+    type_errors,
+)
 from leanlm.nn import GGUFLinear
 
 
@@ -65,6 +72,40 @@ def test_sensitivity_is_each_outputs_mean_squared_loss_gradient_and_each_inputs_
     torch.testing.assert_close(sensitivity["1.mlp.down_proj"][1], inputs, rtol=1e-5, atol=1e-8)
 
 
+def test_output_divergence_is_the_kl_of_the_next_token_distributions_from_the_models_at_the_start():
+    from leanlm.methods.calibration import output_divergence
+
+    model = tiny_model("llama", width=256)
+    windows = token_ids(2, 16, seed=5)
+    before = [model(input_ids=w[None]).logits[0].log_softmax(-1).detach() for w in windows]
+    divergence = output_divergence(model, windows)
+    assert divergence() == pytest.approx(0.0, abs=1e-6)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    after = [model(input_ids=w[None]).logits[0].log_softmax(-1).detach() for w in windows]
+    expected = torch.stack([(p.exp() * (p - q)).sum(-1).mean() for p, q in zip(before, after, strict=True)]).mean()
+    assert divergence() == pytest.approx(float(expected), rel=1e-4) and float(expected) > 1e-4
+
+
+def test_a_measured_loss_rescales_each_linears_errors_and_moves_the_bits():
+    weight = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
+    weights = {"0.a": weight, "0.b": weight.clone()}
+    ones = torch.ones(512)
+    plain = budget_types(weights, {}, 4.5, lambda name: ones)
+    assert plain["0.a"] == plain["0.b"]
+    seen = []
+
+    def measure(name, rounded):
+        seen.append((name, rounded))
+        return 100.0 if name == "0.a" else 0.01
+
+    measured = budget_types(weights, {}, 4.5, lambda name: ones, measure=measure)
+    assert [name for name, _ in seen] == ["0.a", "0.b"]
+    cheapest = min(candidates_for(512), key=lambda t: BLOCK_TYPES[t].bits_per_weight)
+    torch.testing.assert_close(seen[0][1], rounded(weight, cheapest, ones))
+    assert BLOCK_TYPES[measured["0.a"]].bits_per_weight > BLOCK_TYPES[measured["0.b"]].bits_per_weight
+
+
 def test_tensor_types_are_patterns_or_the_map_a_record_keeps(tmp_path):
     (pattern, name), *_ = parse_tensor_types(("mlp\\.down_proj=Q6_K",))
     assert pattern.search("3.mlp.down_proj") and name == "q6_k"
@@ -105,7 +146,7 @@ def test_a_budget_per_block_stays_within_it_too():
     assert record["allocation"] == "block" and BLOCK_TYPES["q3_k"].bits_per_weight < record["avg_bits"] <= 5.0
 
 
-@pytest.mark.parametrize("allocation", ["fisher", "block"])
+@pytest.mark.parametrize("allocation", ["fisher", "measured", "block"])
 def test_leanlm_quantize_spends_a_fisher_budget_in_memory_and_a_per_block_one_out_of_core(
     tiny_llama_dir, tmp_path, allocation
 ):
@@ -116,8 +157,8 @@ def test_leanlm_quantize_spends_a_fisher_budget_in_memory_and_a_per_block_one_ou
     config = RTNConfig(target_bits=6.0, allocation=allocation)
     _, record = quantize_checkpoint(tiny_llama_dir, (config,), tmp_path / "q", calibration=calibration, say=said.append)
     assert record["allocation"] == allocation
-    in_memory = [line for line in said if line.startswith("quantizing in memory: --allocation fisher")]
-    assert len(in_memory) == (allocation == "fisher"), said
+    in_memory = [line for line in said if line.startswith(f"quantizing in memory: --allocation {allocation}")]
+    assert len(in_memory) == (allocation != "block"), said
 
 
 @pytest.mark.parametrize(
@@ -134,7 +175,7 @@ def test_bad_maps_and_budgets_are_refused_before_any_work(config, reason):
 
 
 def test_an_unknown_allocation_is_refused_when_the_config_is_made():
-    with pytest.raises(ConfigError, match="allocation must be one of fisher, block, got 'hessian'"):
+    with pytest.raises(ConfigError, match="allocation must be one of fisher, measured, block, got 'hessian'"):
         GPTQConfig(target_bits=5.0, allocation="hessian")
 
 

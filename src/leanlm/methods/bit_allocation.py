@@ -7,6 +7,11 @@ each column (llama.cpp's importance matrix) and g:
 - allocation "fisher": the mean squared gradient of the next-token loss with respect to each output, measured on
   the float model (`collect_sensitivity`). The sum is then the Fisher estimate of the loss the rounding adds, one
   scale for every linear of the model, and the budget is spent over the whole model at once.
+- allocation "measured": as "fisher", then each linear's errors rescaled so that its cheapest type's error is the
+  KL divergence of the model's next-token distribution from the float model's, measured on calibration windows with
+  that linear alone rounded to that type (`output_divergence`; one forward pass per linear and window). The Fisher
+  estimate ranks the types of one linear well but linears against each other poorly; the measurement fixes each
+  linear's scale.
 - allocation "block": 1, the increase of the layer's own output error. Errors of different blocks are on
   different scales, so bits move only between the linears of one transformer block (attention against MLP, V
   against Q and K, down against gate and up); it needs no backward pass and runs on streamed (out-of-core) models.
@@ -31,7 +36,7 @@ from leanlm.formats.gguf_blocks import BLOCK_TYPES, block_type, codes_for, decod
 # of 32 (IQ4_NL among them).
 CANDIDATES = ("q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q4_0", "iq4_nl", "q5_0", "q8_0")
 SAMPLE_ROWS = 256  # rows of a weight the error is measured on (spread evenly), scaled to the whole weight
-ALLOCATIONS = ("fisher", "block")
+ALLOCATIONS = ("fisher", "measured", "block")
 
 
 def _entries(spec: str) -> list[str]:
@@ -116,11 +121,17 @@ def type_errors(
         )
     errors = {}
     for name in names:
-        kind = BLOCK_TYPES[name]
-        statistics = fit_statistics(kind, sample, importance)
-        restored = decode(kind, codes_for(kind, sample, statistics), statistics)
+        restored = rounded(sample, name, importance)
         errors[name] = float((((restored - sample).square() * importance).sum(dim=1) * row_weights).sum())
     return errors
+
+
+def rounded(weight: torch.Tensor, name: str, importance: torch.Tensor) -> torch.Tensor:
+    """`weight` (out, in) rounded to the nearest values of block type `name`, its statistics fitted with each input
+    column weighted by `importance`."""
+    kind = BLOCK_TYPES[name]
+    statistics = fit_statistics(kind, weight, importance)
+    return decode(kind, codes_for(kind, weight, statistics), statistics)
 
 
 def budget_types(
@@ -129,18 +140,25 @@ def budget_types(
     target_bits: float,
     importance: Callable[[str], torch.Tensor],
     output_weights: Callable[[str], torch.Tensor | None] = lambda name: None,
+    measure: Callable[[str, torch.Tensor], float] | None = None,
 ) -> dict[str, str]:
     """{name: type} spending at most `target_bits` per weight over `weights` ({name: (out, in) weight}): the
     `fixed` names keep their type, the others' candidates are ranked by `type_errors` with `importance(name)` and
-    `output_weights(name)`."""
+    `output_weights(name)`. With `measure` (name, the whole weight rounded: the loss that rounding adds), each
+    linear's errors are scaled so that its cheapest type's error is what `measure` gives for it."""
     errors, sizes = {}, {}
     for name, weight in weights.items():
         sizes[name] = weight.numel()
         if name in fixed:
             errors[name] = {fixed[name]: 0.0}
-        else:
-            candidates = candidates_for(weight.shape[1])
-            errors[name] = type_errors(weight, importance(name), candidates, output_weights(name))
+            continue
+        candidates = candidates_for(weight.shape[1])
+        errors[name] = type_errors(weight, importance(name), candidates, output_weights(name))
+        cheapest = min(candidates, key=lambda t: BLOCK_TYPES[t].bits_per_weight)
+        if measure is not None and errors[name][cheapest] > 0:
+            whole = rounded(weight.detach().float(), cheapest, importance(name))
+            scale = max(measure(name, whole), 0.0) / errors[name][cheapest]
+            errors[name] = {t: error * scale for t, error in errors[name].items()}
     return allocate(errors, sizes, target_bits)
 
 

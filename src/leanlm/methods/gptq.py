@@ -29,6 +29,7 @@ from leanlm.nn.spqr_linear import SpQRLinear
 from leanlm.settings import option
 
 SENSITIVITY_WINDOWS = 32  # calibration windows the loss's gradients are measured on (a backward pass each)
+DIVERGENCE_WINDOWS = 1  # calibration windows (after those) a linear's rounding is measured on, for "measured"
 
 
 class _SolverChecks:
@@ -83,8 +84,9 @@ def _allocation_option():
     return option(
         "fisher",
         "how --target-bits ranks the types: fisher (each linear's Hessian-weighted error scaled by the loss's "
-        "squared gradient at its outputs, one budget for the whole model, quantized in memory) or block (the "
-        "Hessian-weighted error alone, bits moved within each transformer block, out of core)",
+        "squared gradient at its outputs, one budget for the whole model, quantized in memory), measured (fisher, "
+        "each linear's errors rescaled to the output divergence measured with it alone rounded: a forward pass per "
+        "linear) or block (the Hessian-weighted error alone, bits moved within each transformer block, out of core)",
         choices=bit_allocation.ALLOCATIONS,
     )
 
@@ -239,12 +241,12 @@ SolverConfig = RTNConfig | GPTQConfig | SpQRConfig
 
 
 def _whole_model_for_budget(config) -> str | None:
-    """Why a budget spent by the Fisher allocation needs the model in memory (None for any other config)."""
-    if getattr(config, "target_bits", None) is None or config.allocation != "fisher":
+    """Why a budget spent over the whole model needs the model in memory (None for any other config)."""
+    if getattr(config, "target_bits", None) is None or config.allocation == "block":
         return None
     return (
-        "--allocation fisher measures the loss's gradients through the whole model, which a model read block by "
-        "block from disk cannot give (--allocation block ranks the types block by block)"
+        f"--allocation {config.allocation} measures the loss's gradients through the whole model, which a model "
+        "read block by block from disk cannot give (--allocation block ranks the types block by block)"
     )
 
 
@@ -272,12 +274,12 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     fixed = _fixed_types(shapes, config)
     given = _importance_from_file(model, table, shapes, getattr(config, "imatrix_file", None))
     hessians = _HessianObserver(table, diagonal_only=not settings.error_feedback)
-    allocation = getattr(config, "allocation", "block")  # a streamed run never has fisher (_whole_model_for_budget)
-    fisher = target is not None and allocation == "fisher"
+    allocation = getattr(config, "allocation", "block")  # a streamed run is always "block" (_whole_model_for_budget)
+    fisher = target is not None and allocation != "block"
     # RTN reads no data, but for its importance matrix or a budget
     reads_text = settings.error_feedback or importance_only or target is not None
     data = run.data(config).batches(samples) if reads_text else None
-    budget = _fisher_types(model, table, fixed, target, data) if fisher else {}
+    budget = _fisher_types(model, table, fixed, target, data, measured=allocation == "measured") if fisher else {}
 
     def block_types(index: int, block: nn.Module) -> dict[str, str | None]:
         """Each linear's block type: the user's, the whole model's budget, the block's budget (bits moved between
@@ -347,10 +349,13 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     )
 
 
-def _fisher_types(model: nn.Module, table, fixed: dict[str, str], target: float, windows) -> dict[str, str]:
+def _fisher_types(
+    model: nn.Module, table, fixed: dict[str, str], target: float, windows, measured: bool = False
+) -> dict[str, str]:
     """{BLOCK.PATH: type} spending `target` bits per weight over the whole float model, each type ranked by its
-    Fisher-weighted error (`bit_allocation`); `fixed` entries keep the user's type."""
-    from leanlm.methods.calibration import collect_sensitivity
+    Fisher-weighted error (`bit_allocation`), rescaled per linear by a measured output divergence if `measured`;
+    `fixed` entries keep the user's type."""
+    from leanlm.methods.calibration import collect_sensitivity, output_divergence
 
     sensitivity = collect_sensitivity(model, windows[:SENSITIVITY_WINDOWS], table)
     weights = {
@@ -358,8 +363,23 @@ def _fisher_types(model: nn.Module, table, fixed: dict[str, str], target: float,
         for index, block in enumerate(decoder_blocks(model, table))
         for path in table.quantizable_linears
     }
+    measure = None
+    if measured:  # windows the gradients were not measured on, where there are enough
+        held_out = windows[SENSITIVITY_WINDOWS:] if len(windows) > SENSITIVITY_WINDOWS else windows
+        divergence = output_divergence(model, held_out[:DIVERGENCE_WINDOWS])
+
+        def measure(name: str, rounded: torch.Tensor) -> float:
+            weight = weights[name]
+            with torch.no_grad():
+                kept = weight.detach().clone()
+                weight.copy_(rounded.to(weight.dtype))
+                try:
+                    return divergence()
+                finally:
+                    weight.copy_(kept)
+
     return bit_allocation.budget_types(
-        weights, fixed, target, lambda name: sensitivity[name][1], lambda name: sensitivity[name][0]
+        weights, fixed, target, lambda name: sensitivity[name][1], lambda name: sensitivity[name][0], measure
     )
 
 
