@@ -383,11 +383,21 @@ def main() -> None:
     for row in study.todo("rows", recipes):
         recipe = recipes[row]
         if isinstance(recipe, tuple) and recipe[0] == "mix":  # GPTQ spending the block bits of llama.cpp's smaller file
-            reference = row_file(work, f"llama.cpp {recipe[1].upper()}")
-            if not reference.exists():
-                quantize_gguf(float_file, reference, recipe[1], threads=args.threads)
-            weighted = row_file(work, f"llama.cpp {recipe[1].upper()} + imatrix")
-            budget = min(block_linear_bits(path) for path in (reference, weighted) if path.exists())
+            references = []
+            for weighted in (False, True):  # with and without the importance matrix, made here if not yet made
+                reference = row_file(work, f"llama.cpp {recipe[1].upper()}{' + imatrix' if weighted else ''}")
+                if weighted and not importance and not reference.exists():
+                    importance.update(importance_matrix(loaded.model, calibration.batches()))
+                if not reference.exists():
+                    quantize_gguf(
+                        float_file,
+                        reference,
+                        recipe[1],
+                        threads=args.threads,
+                        importance=importance if weighted else None,
+                    )
+                references.append(reference)
+            budget = min(block_linear_bits(path) for path in references)
             recipe = GPTQConfig(
                 target_bits=budget,
                 allocation=recipe[2],
