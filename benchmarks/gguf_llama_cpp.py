@@ -380,23 +380,21 @@ def main() -> None:
 
     recipes = rows(args.calib_samples)
     importance = {}  # the float model's importance matrix, computed once, for every llama.cpp row that takes it
+
+    def llama_cpp_file(path: Path, kind: str, weighted: bool) -> Path:
+        """llama.cpp's own quantizer's `kind` file of the F32 export at `path`, with the importance matrix if
+        `weighted`."""
+        if weighted and not importance:
+            importance.update(importance_matrix(loaded.model, calibration.batches()))
+        return quantize_gguf(float_file, path, kind, threads=args.threads, importance=importance if weighted else None)
+
     for row in study.todo("rows", recipes):
         recipe = recipes[row]
         if isinstance(recipe, tuple) and recipe[0] == "mix":  # GPTQ spending the block bits of llama.cpp's smaller file
             references = []
             for weighted in (False, True):  # with and without the importance matrix, made here if not yet made
                 reference = row_file(work, f"llama.cpp {recipe[1].upper()}{' + imatrix' if weighted else ''}")
-                if weighted and not importance and not reference.exists():
-                    importance.update(importance_matrix(loaded.model, calibration.batches()))
-                if not reference.exists():
-                    quantize_gguf(
-                        float_file,
-                        reference,
-                        recipe[1],
-                        threads=args.threads,
-                        importance=importance if weighted else None,
-                    )
-                references.append(reference)
+                references.append(reference if reference.exists() else llama_cpp_file(reference, recipe[1], weighted))
             budget = min(block_linear_bits(path) for path in references)
             recipe = GPTQConfig(
                 target_bits=budget,
@@ -411,15 +409,7 @@ def main() -> None:
                 ours = leanlm_perplexity(loaded.model, quantized=False)
             elif isinstance(recipe, tuple):
                 _, kind, weighted = recipe
-                if weighted and not importance:
-                    importance.update(importance_matrix(loaded.model, calibration.batches()))
-                path = quantize_gguf(
-                    float_file,
-                    row_file(work, row),
-                    kind,
-                    threads=args.threads,
-                    importance=importance if weighted else None,
-                )
+                path = llama_cpp_file(row_file(work, row), kind, weighted)
             else:
                 model = copy.deepcopy(loaded.model)
                 record = quantize_(model, recipe, calibration=calibration)

@@ -118,9 +118,9 @@ def collect_sensitivity(
 
 def output_divergence(model: nn.Module, windows: torch.Tensor):
     """A function of no argument giving the mean over `windows`' tokens of KL(p || q): p the model's next-token
-    distribution now, when this is called, and q the distribution it gives when the function is called (after
-    some of its weights changed). Zero for the unchanged model; unlike a change of the loss it has no first-order
-    term, so one change's divergence is not swamped by how far the float model is from the text."""
+    distribution as `output_divergence` found it, q the one it gives each time the function is called (after some
+    of its weights changed). Zero for the unchanged model; unlike a change of the loss it has no first-order term,
+    so one change's divergence is not swamped by how far the float model is from the text."""
 
     def log_probs(window: torch.Tensor) -> torch.Tensor:
         return model(input_ids=window.unsqueeze(0), use_cache=False).logits[0].float().log_softmax(-1)

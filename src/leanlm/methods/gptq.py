@@ -275,17 +275,17 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     given = _importance_from_file(model, table, shapes, getattr(config, "imatrix_file", None))
     hessians = _HessianObserver(table, diagonal_only=not settings.error_feedback)
     allocation = getattr(config, "allocation", "block")  # a streamed run is always "block" (_whole_model_for_budget)
-    fisher = target is not None and allocation != "block"
+    whole_model = target is not None and allocation != "block"
     # RTN reads no data, but for its importance matrix or a budget
     reads_text = settings.error_feedback or importance_only or target is not None
     data = run.data(config).batches(samples) if reads_text else None
-    budget = _fisher_types(model, table, fixed, target, data, measured=allocation == "measured") if fisher else {}
+    budget = _fisher_types(model, table, fixed, target, data, measured=allocation == "measured") if whole_model else {}
 
     def block_types(index: int, block: nn.Module) -> dict[str, str | None]:
         """Each linear's block type: the user's, the whole model's budget, the block's budget (bits moved between
         the block's linears), or --gguf-type's."""
         names = {path: f"{index}.{path}" for path in table.quantizable_linears}
-        if fisher:
+        if whole_model:
             return {path: budget[name] for path, name in names.items()}
         if target is None:
             return {path: fixed.get(name, settings.block_type) for path, name in names.items()}
@@ -322,7 +322,7 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
         return counts
 
     # the blocks read the calibration windows where the Hessians they observe are used
-    windows = data if settings.error_feedback or importance_only or (target is not None and not fisher) else None
+    windows = data if settings.error_feedback or importance_only or (target is not None and not whole_model) else None
 
     def finish(model: nn.Module, counts: dict) -> dict:
         mapped = {key.rpartition("=")[0]: key.rpartition("=")[2] for key in counts if "=" in key}
