@@ -38,10 +38,9 @@ ESTIMATES = (("stored", "stored_bytes"), ("running", "running_bytes"), ("quantiz
 
 
 def _steps(row: str, calibration_samples: int) -> tuple:
-    from leanlm.plan import PlanSettings
-    from leanlm.showcase import ROWS
+    from leanlm.plan import PlanSettings, method_rows
 
-    steps = next((r.steps for r in ROWS if r.name == row), ())
+    steps = next((configs for name, _, configs in method_rows() if name == row), ())
     return PlanSettings(calibration_samples=calibration_samples).applied(steps)
 
 

@@ -93,6 +93,35 @@ def test_settings_that_need_the_whole_model_are_planned_in_memory(tiny_llama_dir
     assert row.quantizing_path == "in memory" and row.quantizing.parts["float weights"] == 4 * facts.total_parameters
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text", "gpt2"])
+def test_the_gradient_pass_on_fake_tensors_holds_what_the_real_one_holds(family):
+    from tiny import tiny_config, tiny_model
+
+    tokens = 48
+    predicted = plan.gradient_pass_bytes(tiny_config(family), tokens)
+    model = tiny_model(family)
+    model.requires_grad_(False)
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_())
+    ids = torch.randint(0, 128, (1, tokens))
+    with plan._LiveTensors(model) as live:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    with torch.no_grad():  # what the fake run's KV cache holds and the real one does not (gradient_pass_bytes)
+        kept = model(input_ids=ids, use_cache=True).past_key_values
+    cache = sum(layer.keys.nbytes + layer.values.nbytes for layer in kept.layers)
+    assert live.peak > 0 and live.peak <= predicted <= live.peak + cache
+
+
+def test_a_budget_ranked_by_gradients_plans_the_gradient_pass(tiny_llama_dir):
+    facts = plan.model_facts(str(tiny_llama_dir))
+    rows = {}
+    for allocation in ("block", "fisher"):
+        config = m.GPTQConfig(target_bits=4.5, allocation=allocation, calibration_samples=4)
+        rows[allocation] = plan.plan_row(facts, "x", "", (config,), plan.PlanSettings(), 0)
+    assert rows["block"].quantizing_path == "out of core" and rows["block"].quantizing.parts["gradient pass"] == 0
+    assert rows["fisher"].quantizing_path == "in memory" and rows["fisher"].quantizing.parts["gradient pass"] > 0
+    assert "gptq-mix" in [name for name, _, _ in plan.method_rows()]
+
+
 def test_the_kv_cache_grows_with_the_context(tiny_llama_dir):
     facts = plan.model_facts(str(tiny_llama_dir))
     small, large = (plan.plan_row(facts, "fp32", "", (), plan.PlanSettings(context=c), 0) for c in (512, 4096))

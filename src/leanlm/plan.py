@@ -24,11 +24,14 @@ from __future__ import annotations
 import math
 import os
 import re
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from leanlm.errors import ConfigError
 from leanlm.kernels.kbit_gemm import TILE_ROWS
@@ -211,6 +214,72 @@ def read_config(source: str):
     raise AssertionError("unreachable")
 
 
+class _LiveTensors(TorchDispatchMode):
+    """Counts the bytes of every storage an operation makes, from when it is made until the last tensor using it is
+    freed, and keeps the peak. A view's output uses its input's storage (under fake tensors it has one of its own);
+    the storages made before (the parameters and buffers) are not counted."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.before = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+        self.uses: dict[int, int] = {}  # a tensor's own storage -> the storage it uses
+        self.users: dict[int, int] = {}  # a storage counted -> the tensors alive that use it
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        viewed = args[0] if func.is_view and args and isinstance(args[0], torch.Tensor) else None
+        for tensor in tree_flatten(out)[0]:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            used = self._storage(viewed if viewed is not None else tensor)
+            if used in self.before:
+                continue
+            self.uses[tensor.untyped_storage()._cdata] = used
+            if used not in self.users:
+                self.users[used], self.sizes[used] = 0, tensor.untyped_storage().nbytes()
+                self.live += self.sizes[used]
+                self.peak = max(self.peak, self.live)
+            self.users[used] += 1
+            weakref.finalize(tensor, self._released, used)
+        return out
+
+    def _storage(self, tensor: torch.Tensor) -> int:
+        own = tensor.untyped_storage()._cdata
+        return self.uses.get(own, own)
+
+    def _released(self, used: int) -> None:
+        self.users[used] -= 1
+        if not self.users[used]:  # freed: its address may be given to a new storage
+            del self.users[used]
+            self.live -= self.sizes.pop(used)
+            self.uses = {own: use for own, use in self.uses.items() if use != used}
+
+
+def gradient_pass_bytes(config, tokens: int) -> int:
+    """The peak of the tensors alive while one window of `tokens` goes forward and back through the float32 model
+    for the next-token loss, its parameters frozen, as each window of the Fisher allocation does
+    (`collect_sensitivity`): transformers' own forward and backward run on fake tensors, which take no memory and do
+    no arithmetic, and every tensor they make is counted until it is freed. The fake forward keeps a KV cache: without
+    one, transformers cannot tell fake positions from a packed batch's and builds a causal mask that the real run
+    leaves to the attention kernel (changing the kernel, and what it keeps), so the count can exceed the real one
+    by at most the cache's bytes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from leanlm.models.untrusted import model_from_config
+
+    with FakeTensorMode():
+        model = model_from_config(config, dtype=torch.float32).eval()
+        model.requires_grad_(False)
+        # the gradient reaches the linears through the embedding's output, as in collect_sensitivity
+        model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_())
+        ids = torch.zeros((1, tokens), dtype=torch.long)
+        with _LiveTensors(model) as live:
+            model(input_ids=ids, labels=ids, use_cache=True).loss.backward()
+    return live.peak
+
+
 def empty_linear(config, in_features: int, out_features: int, bias: bool) -> nn.Module:
     """The module `config`'s method writes for a linear of this shape, empty, on the meta device."""
     from leanlm.formats.packing import preferred_layout
@@ -367,7 +436,7 @@ def plan_row(
     facts: ModelFacts, name: str, description: str, configs: tuple, settings: PlanSettings, baseline: int
 ) -> RowPlan:
     from leanlm.methods.cushion import CushionConfig
-    from leanlm.methods.gptq import GPTQConfig, SpQRConfig
+    from leanlm.methods.gptq import GPTQConfig, SpQRConfig, ranks_by_gradients
 
     configs = settings.applied(configs)
     compute_bytes = 2 if name == "bf16" else 4
@@ -411,6 +480,10 @@ def plan_row(
         first_block = facts.linears[: len(facts.linears) // facts.layers]
         statistics = sum(i * i * 4 for _, i, _, _ in first_block)  # one float32 Hessian per linear
     whole = _needs_whole_model(configs)
+    gradient_pass = 0
+    if ranks_by_gradients(quantizer):  # before the blocks are quantized, the float model's forward and backward
+        blocks_phase = hidden_states + per_window + statistics + stored.parts["linears"] // facts.layers
+        gradient_pass = max(0, gradient_pass_bytes(read_config(facts.name), seq_len) - blocks_phase)
     search = 0
     cushion = next((c for c in configs if isinstance(c, CushionConfig)), None)
     if cushion is not None:  # one search batch's inputs of every layer's hidden-wide linears (q/k/v, o, gate/up)
@@ -428,14 +501,30 @@ def plan_row(
             "calibration": hidden_states + (per_window + CALIBRATION_TEXT if windows else 0),
             "statistics": statistics,
             "cushion search": search,
+            "gradient pass": gradient_pass,  # what it holds beyond the blocks' phase, which comes after it
         }
     )
     return RowPlan(name, description, stored, running, quantizing, "in memory" if whole else "out of core")
 
 
-def plan_model(source: str, settings: PlanSettings) -> dict:
+def method_rows() -> list[tuple[str, str, tuple]]:
+    """(name, description, configs) of every quantizing row the planner predicts: the showcase's, then the settings
+    it does not run that change what quantizing holds."""
+    from leanlm.methods.gptq import GPTQConfig
     from leanlm.showcase import ROWS
 
+    mix = GPTQConfig(target_bits=4.5, hessian_shrinkage=0.5)
+    return [(row.name, row.description, row.steps) for row in ROWS if row.steps] + [
+        (
+            "gptq-mix",
+            "GPTQ with a GGUF block type per linear, 4.5 bits per weight spent where the loss's gradients say "
+            "(--target-bits 4.5)",
+            (mix,),
+        )
+    ]
+
+
+def plan_model(source: str, settings: PlanSettings) -> dict:
     facts = model_facts(source)
     baseline = current_rss()
     memory = parse_bytes(settings.memory) if settings.memory is not None else available_memory()
@@ -443,9 +532,8 @@ def plan_model(source: str, settings: PlanSettings) -> dict:
         plan_row(facts, "fp32", "float32 weights and activations", (), settings, baseline),
         plan_row(facts, "bf16", "bfloat16 weights and activations", (), settings, baseline),
     ]
-    for row in ROWS:
-        if row.steps:
-            rows.append(plan_row(facts, row.name, row.description, row.steps, settings, baseline))
+    for name, description, configs in method_rows():
+        rows.append(plan_row(facts, name, description, configs, settings, baseline))
     streaming = rows[0]
     sink = Estimate(dict(streaming.running.parts))
     sink.parts["kv_cache"] = kv_cache_bytes(facts, 256)

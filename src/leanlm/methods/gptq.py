@@ -240,9 +240,15 @@ class SpQRConfig(_SolverChecks):
 SolverConfig = RTNConfig | GPTQConfig | SpQRConfig
 
 
+def ranks_by_gradients(config) -> bool:
+    """Whether `config` spends a bit budget over the whole model, its types ranked by the loss's gradients: a
+    forward and backward pass of the float model for each of SENSITIVITY_WINDOWS windows (`collect_sensitivity`)."""
+    return getattr(config, "target_bits", None) is not None and config.allocation != "block"
+
+
 def _whole_model_for_budget(config) -> str | None:
     """Why a budget spent over the whole model needs the model in memory (None for any other config)."""
-    if getattr(config, "target_bits", None) is None or config.allocation == "block":
+    if not ranks_by_gradients(config):
         return None
     return (
         f"--allocation {config.allocation} measures the loss's gradients through the whole model, which a model "
@@ -275,7 +281,7 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     given = _importance_from_file(model, table, shapes, getattr(config, "imatrix_file", None))
     hessians = _HessianObserver(table, diagonal_only=not settings.error_feedback)
     allocation = getattr(config, "allocation", "block")  # a streamed run is always "block" (_whole_model_for_budget)
-    whole_model = target is not None and allocation != "block"
+    whole_model = ranks_by_gradients(config)
     # RTN reads no data, but for its importance matrix or a budget
     reads_text = settings.error_feedback or importance_only or target is not None
     data = run.data(config).batches(samples) if reads_text else None

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from leanlm.errors import ConfigError, CorruptModelError
-from leanlm.memory import trim_freed_memory
+from leanlm.memory import return_freed_memory_at_once, trim_freed_memory
 from leanlm.methods.blocks import ResidentBlocks
 from leanlm.methods.checkpoint import (
     INDEX_FILE,
@@ -378,6 +378,7 @@ def quantize_checkpoint(
         )
     except NeedsWholeModelError as reason:
         say(f"quantizing in memory: {reason}")
+        return_freed_memory_at_once()  # what the passes over the whole model free leaves no resident heap behind
         loaded = load_model(source)
         calibration = replace(calibration or Calibration(), tokenizer=loaded.tokenizer)
         record = quantize_(loaded.model, configs, calibration=calibration)
