@@ -97,13 +97,13 @@ def test_settings_that_need_the_whole_model_are_planned_in_memory(tiny_llama_dir
 def test_the_gradient_pass_on_fake_tensors_holds_what_the_real_one_holds(family):
     from tiny import tiny_config, tiny_model
 
+    from leanlm.methods.calibration import activation_gradients
+
     tokens = 48
     predicted = plan.gradient_pass_bytes(tiny_config(family), tokens)
     model = tiny_model(family)
-    model.requires_grad_(False)
-    model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_())
     ids = torch.randint(0, 128, (1, tokens))
-    with plan._LiveTensors(model) as live:
+    with activation_gradients(model), plan._LiveTensors(model) as live:
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     with torch.no_grad():  # what the fake run's KV cache holds and the real one does not (gradient_pass_bytes)
         kept = model(input_ids=ids, use_cache=True).past_key_values

@@ -222,7 +222,8 @@ class _LiveTensors(TorchDispatchMode):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.before = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
-        self.uses: dict[int, int] = {}  # a tensor's own storage -> the storage it uses
+        self.uses: dict[int, int] = {}  # a tensor's own storage -> the storage it uses, while a tensor has it
+        self.holders: dict[int, int] = {}  # an own storage in `uses` -> the tensors alive that have it
         self.users: dict[int, int] = {}  # a storage counted -> the tensors alive that use it
         self.sizes: dict[int, int] = {}
         self.live = self.peak = 0
@@ -236,25 +237,29 @@ class _LiveTensors(TorchDispatchMode):
             used = self._storage(viewed if viewed is not None else tensor)
             if used in self.before:
                 continue
-            self.uses[tensor.untyped_storage()._cdata] = used
+            own = tensor.untyped_storage()._cdata
+            self.uses[own] = used
+            self.holders[own] = self.holders.get(own, 0) + 1
             if used not in self.users:
                 self.users[used], self.sizes[used] = 0, tensor.untyped_storage().nbytes()
                 self.live += self.sizes[used]
                 self.peak = max(self.peak, self.live)
             self.users[used] += 1
-            weakref.finalize(tensor, self._released, used)
+            weakref.finalize(tensor, self._released, own, used)
         return out
 
     def _storage(self, tensor: torch.Tensor) -> int:
         own = tensor.untyped_storage()._cdata
         return self.uses.get(own, own)
 
-    def _released(self, used: int) -> None:
+    def _released(self, own: int, used: int) -> None:
+        self.holders[own] -= 1
+        if not self.holders[own]:  # no tensor has this storage now: its address may be given to a new one
+            del self.holders[own], self.uses[own]
         self.users[used] -= 1
-        if not self.users[used]:  # freed: its address may be given to a new storage
+        if not self.users[used]:
             del self.users[used]
             self.live -= self.sizes.pop(used)
-            self.uses = {own: use for own, use in self.uses.items() if use != used}
 
 
 def gradient_pass_bytes(config, tokens: int) -> int:
@@ -267,15 +272,13 @@ def gradient_pass_bytes(config, tokens: int) -> int:
     by at most the cache's bytes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from leanlm.methods.calibration import activation_gradients
     from leanlm.models.untrusted import model_from_config
 
     with FakeTensorMode():
         model = model_from_config(config, dtype=torch.float32).eval()
-        model.requires_grad_(False)
-        # the gradient reaches the linears through the embedding's output, as in collect_sensitivity
-        model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_())
         ids = torch.zeros((1, tokens), dtype=torch.long)
-        with _LiveTensors(model) as live:
+        with activation_gradients(model), _LiveTensors(model) as live:
             model(input_ids=ids, labels=ids, use_cache=True).loss.backward()
     return live.peak
 
@@ -481,8 +484,9 @@ def plan_row(
         statistics = sum(i * i * 4 for _, i, _, _ in first_block)  # one float32 Hessian per linear
     whole = _needs_whole_model(configs)
     gradient_pass = 0
+    quantized_block = stored.parts["linears"] // facts.layers
     if ranks_by_gradients(quantizer):  # before the blocks are quantized, the float model's forward and backward
-        blocks_phase = hidden_states + per_window + statistics + stored.parts["linears"] // facts.layers
+        blocks_phase = hidden_states + per_window + statistics + quantized_block
         gradient_pass = max(0, gradient_pass_bytes(read_config(facts.name), seq_len) - blocks_phase)
     search = 0
     cushion = next((c for c in configs if isinstance(c, CushionConfig)), None)
@@ -497,7 +501,7 @@ def plan_row(
             "float weights": facts.total_parameters * 4
             if whole
             else max(facts.block_parameters, facts.vocab * facts.hidden) * (4 + stored_bytes),
-            "quantized block": stored.parts["linears"] // facts.layers,
+            "quantized block": quantized_block,
             "calibration": hidden_states + (per_window + CALIBRATION_TEXT if windows else 0),
             "statistics": statistics,
             "cushion search": search,

@@ -5,6 +5,8 @@ each input column's square (llama.cpp's importance matrix)."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -70,6 +72,18 @@ def collect_importance(model: nn.Module, batches: torch.Tensor, source: str = "c
     )
 
 
+@contextmanager
+def activation_gradients(model: nn.Module) -> Iterator[None]:
+    """While active, a backward pass of `model` reaches its activations and no parameter: the parameters are frozen
+    and the gradient enters through the token embedding's output."""
+    handle = model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_())
+    try:
+        with frozen_parameters(model), torch.enable_grad():
+            yield
+    finally:
+        handle.remove()
+
+
 def collect_sensitivity(
     model: nn.Module, batches: torch.Tensor, table: ArchitectureTable | None = None
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -103,10 +117,8 @@ def collect_sensitivity(
         return hook
 
     handles = [module.register_forward_hook(watch_output(name)) for name, module in linears]
-    # the gradient reaches the linears through the embedding's output, not through any parameter
-    handles.append(model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.requires_grad_()))
     try:
-        with frozen_parameters(model), observe_inputs(linears, record_input), torch.enable_grad():
+        with activation_gradients(model), observe_inputs(linears, record_input):
             for window in batches:
                 ids = window.unsqueeze(0)
                 model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
