@@ -86,6 +86,40 @@ def test_codes_are_the_nearest_on_the_fitted_grid(name):
     torch.testing.assert_close(grid, decode(kind, codes, statistics), rtol=1e-5, atol=1e-6)
 
 
+K_QUANTS = [name for name, kind in BLOCK_TYPES.items() if kind.k_quant]
+
+
+# Q2_K's and IQ4_XS's fits do not find every super-block's d (and IQ4_XS's levels have no one step) again
+@pytest.mark.parametrize("name", ["q3_k", "q4_k", "q5_k", "q6_k"])
+def test_a_weight_already_on_the_grid_gets_its_own_blocks_back(name, monkeypatch):
+    import leanlm.formats.gguf_blocks as blocks
+
+    kind = BLOCK_TYPES[name]
+    weight = _weight()
+    with monkeypatch.context() as patch:  # llama.cpp's integers: each rounded, the largest at the end of its range
+        patch.setattr(blocks, "_chosen_integers", lambda kind, x, weights, fitted: fitted)
+        first = fit_statistics(kind, weight)
+    on_grid = decode(kind, codes_for(kind, weight, first), first)  # what a de-quantized K-quant file holds
+    statistics = fit_statistics(kind, on_grid)
+    assert torch.equal(decode(kind, codes_for(kind, on_grid, statistics), statistics), on_grid)
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+def test_each_sub_blocks_integers_round_no_worse_than_the_rounded_ones(name, monkeypatch):
+    import leanlm.formats.gguf_blocks as blocks
+
+    kind = BLOCK_TYPES[name]
+    weight = _weight(rows=16)
+    importance = torch.rand(weight.shape[1], generator=torch.Generator().manual_seed(1)) + 0.1
+    chosen = fit_statistics(kind, weight, importance)
+    monkeypatch.setattr(blocks, "_chosen_integers", lambda kind, x, weights, fitted: fitted)
+    rounded = fit_statistics(kind, weight, importance)
+    x = weight.reshape(16, -1, kind.subs, kind.sub)
+    weights = importance.reshape(-1, kind.subs, kind.sub).expand_as(x)
+    errors = [blocks._sub_block_errors(kind, x, s, weights) for s in (chosen, rounded)]
+    assert bool((errors[0] <= errors[1]).all()) and errors[0].sum() < errors[1].sum()
+
+
 def test_an_importance_vector_moves_the_error_to_the_columns_that_matter_less():
     kind = BLOCK_TYPES["q4_k"]
     weight = _weight(columns=256)

@@ -22,8 +22,8 @@ bit (tests/formats/test_gguf_blocks.py checks every type on random bytes). A blo
 
 `fit_statistics` fits a weight's per-block statistics the way the format stores them: each sub-block's (A, B) by
 a weighted least-squares search over candidate scales (weights: an importance vector such as the Hessian's
-diagonal, else uniform; on a non-linear grid the codes are the nearest levels), then the sub-block scales and
-mins rounded to their integers under a float16 d / dmin.
+diagonal, else uniform; on a non-linear grid the codes are the nearest levels), then, under a float16 d / dmin,
+each sub-block's integer scale and min chosen by the weighted error of the codes they give (`_chosen_integers`).
 `codes_for` rounds a weight to the nearest codes of fitted statistics (RTN); GPTQ rounds with error feedback on the
 same grid (`zero_points`, and `nearest_levels` on a non-linear one).
 """
@@ -463,12 +463,76 @@ def fit_statistics(kind: BlockType, weight: torch.Tensor, importance: torch.Tens
         half = 2 ** (kind.scale_bits - 1)
         extreme = a.gather(-1, a.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
         d = (extreme / -half).half()
-        return BlockStatistics(d, scales=_integers(a, d.float()[..., None], -half, half - 1))
-    top = 2**kind.scale_bits - 1
-    d, dmin = (a.amax(dim=-1) / top).half(), ((-b).amax(dim=-1) / top).half()
-    return BlockStatistics(
-        d, dmin, _integers(a, d.float()[..., None], 0, top), _integers(-b, dmin.float()[..., None], 0, top)
-    )
+        fitted = BlockStatistics(d, scales=_integers(a, d.float()[..., None], -half, half - 1))
+    else:
+        top = 2**kind.scale_bits - 1
+        d, dmin = (a.amax(dim=-1) / top).half(), ((-b).amax(dim=-1) / top).half()
+        fitted = BlockStatistics(
+            d, dmin, _integers(a, d.float()[..., None], 0, top), _integers(-b, dmin.float()[..., None], 0, top)
+        )
+    return _chosen_integers(kind, x, weights.expand_as(x), fitted)
+
+
+INTEGER_NEIGHBOURS = 1  # how far from its rounded value a sub-block's integer scale (or min) is tried
+
+
+def _sub_block_errors(kind: BlockType, x: torch.Tensor, statistics: BlockStatistics, weights: torch.Tensor):
+    """The weighted squared error of each sub-block (rows, blocks, subs) when x (rows, blocks, subs, sub) is
+    rounded to the nearest codes of `statistics`."""
+    weight = x.reshape(x.shape[0], -1)
+    restored = decode(kind, codes_for(kind, weight, statistics), statistics).reshape(x.shape)
+    return (weights * (x - restored).square()).sum(-1)
+
+
+def _chosen_integers(kind: BlockType, x: torch.Tensor, weights: torch.Tensor, fitted: BlockStatistics):
+    """`fitted` with each sub-block's integer scale (and min) chosen by the error of the codes it gives, d and dmin
+    kept: among the rounded integers, their neighbours (scales, then mins, then scales again) and, on a uniform
+    grid, the scale of the smallest gap between the sub-block's distinct values (on an affine type with each min
+    that puts its lowest value on a code). Rounding A / d alone is not the best integer for the codes; a weight already on the type's
+    grid (a de-quantized K-quant file) gets its own integers back."""
+    half = 2 ** (kind.scale_bits - 1)
+    scale_range = (-half, half - 1) if kind.signed_scales else (0, 2 * half - 1)
+    best = _sub_block_errors(kind, x, fitted, weights)
+    chosen = {"scales": fitted.scales, "mins": fitted.mins}
+
+    def consider(scales: torch.Tensor, mins: torch.Tensor | None) -> None:
+        nonlocal best
+        candidate = BlockStatistics(fitted.d, fitted.dmin, scales, mins)
+        error = _sub_block_errors(kind, x, candidate, weights)
+        better = error < best
+        best = torch.where(better, error, best)
+        chosen["scales"] = torch.where(better, scales, chosen["scales"])
+        if mins is not None:
+            chosen["mins"] = torch.where(better, mins, chosen["mins"])
+
+    for field in ("scales", "mins", "scales") if kind.has_min else ("scales",):
+        low, high = scale_range if field == "scales" else (0, 2 * half - 1)
+        base = chosen[field]
+        for step in range(-INTEGER_NEIGHBOURS, INTEGER_NEIGHBOURS + 1):
+            moved = (base + step).clamp(low, high)
+            consider(*((moved, chosen["mins"]) if field == "scales" else (chosen["scales"], moved)))
+    if kind.levels is None:  # on a uniform grid the smallest gap between distinct values is one step, d * |sc|
+        values = x.sort(dim=-1).values
+        gaps = values.diff(dim=-1)
+        gap = torch.where(gaps > 0, gaps, torch.inf).amin(dim=-1)
+        d = fitted.d.float()[..., None].abs()
+        steps = torch.round(gap / torch.where(d == 0, 1.0, d))
+        scales = torch.where(torch.isfinite(gap) & (d > 0), steps, chosen["scales"].float().abs())
+        if not kind.has_min:  # the sign stays the fitted one
+            scales = torch.where(chosen["scales"] < 0, -scales, scales)
+            consider(scales.clamp(*scale_range).to(chosen["scales"].dtype), None)
+        else:
+            scales = scales.clamp(*scale_range).to(chosen["scales"].dtype)
+            # the min that puts the lowest value on a code: of the codes it could have, the one whose min is
+            # nearest an integer
+            dmin = fitted.dmin.float()[..., None]
+            codes = torch.arange(2**kind.bits, dtype=torch.float32)
+            mins = (d * scales.float())[..., None] * codes - values[..., :1]
+            mins = mins / torch.where(dmin == 0, 1.0, dmin)[..., None]
+            nearest = (mins - mins.round()).abs().argmin(dim=-1, keepdim=True)
+            mins = mins.gather(-1, nearest).squeeze(-1).round()
+            consider(scales, mins.clamp(0, 2 * half - 1).to(chosen["mins"].dtype))
+    return BlockStatistics(fitted.d, fitted.dmin, chosen["scales"], chosen["mins"])
 
 
 def zero_points(kind: BlockType, statistics: BlockStatistics) -> tuple[torch.Tensor, torch.Tensor]:
