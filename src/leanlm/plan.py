@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -217,7 +218,9 @@ def read_config(source: str):
 class _LiveTensors(TorchDispatchMode):
     """Counts the bytes of every storage an operation makes, from when it is made until the last tensor using it is
     freed, and keeps the peak. A view's output uses its input's storage (under fake tensors it has one of its own);
-    the storages made before (the parameters and buffers) are not counted."""
+    the storages made before (the parameters and buffers) are not counted. Storages are known by their addresses,
+    each pinned by a weak reference while it is known, so that no other storage is given its address (a tensor can
+    let go of its storage while it lives, as a lifted constant does under fake tensors)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -226,6 +229,7 @@ class _LiveTensors(TorchDispatchMode):
         self.holders: dict[int, int] = {}  # an own storage in `uses` -> the tensors alive that have it
         self.users: dict[int, int] = {}  # a storage counted -> the tensors alive that use it
         self.sizes: dict[int, int] = {}
+        self.pins: dict[int, StorageWeakRef] = {}  # every address in `uses` or `users` -> its storage, weakly
         self.live = self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -234,10 +238,13 @@ class _LiveTensors(TorchDispatchMode):
         for tensor in tree_flatten(out)[0]:
             if not isinstance(tensor, torch.Tensor):
                 continue
-            used = self._storage(viewed if viewed is not None else tensor)
+            source = viewed if viewed is not None else tensor
+            used = self._storage(source)
             if used in self.before:
                 continue
             own = tensor.untyped_storage()._cdata
+            for pinned in (source, tensor):
+                self.pins.setdefault(pinned.untyped_storage()._cdata, StorageWeakRef(pinned.untyped_storage()))
             self.uses[own] = used
             self.holders[own] = self.holders.get(own, 0) + 1
             if used not in self.users:
@@ -254,12 +261,15 @@ class _LiveTensors(TorchDispatchMode):
 
     def _released(self, own: int, used: int) -> None:
         self.holders[own] -= 1
-        if not self.holders[own]:  # no tensor has this storage now: its address may be given to a new one
+        if not self.holders[own]:  # no tensor has this storage now
             del self.holders[own], self.uses[own]
         self.users[used] -= 1
         if not self.users[used]:
             del self.users[used]
             self.live -= self.sizes.pop(used)
+        for address in {own, used}:
+            if address not in self.uses and address not in self.users:
+                self.pins.pop(address, None)
 
 
 def gradient_pass_bytes(config, tokens: int) -> int:
