@@ -234,6 +234,24 @@ def test_rows_that_end_on_a_partial_group_still_run_the_kernel():
         _assert_kernel_close(module(x), x @ module.dequantized_weight().T + module.bias, int8_activations=m <= SMALL_M)
 
 
+def test_runtime_bytes_are_what_a_forward_leaves_beside_the_stored_buffers_until_the_module_moves():
+    """What the planner counts for a running SpQR layer: the kernel's constants and the outliers' sparse form."""
+    weight, _, hessian = _layer()
+    module = SpQRLinear.from_solved(solve(weight, hessian, SPQR), SPQR, None)
+    assert module.outlier_count > 0
+    module(torch.randn(1, 256))
+    module(torch.randn(40, 256))
+    sparse = module._outliers()
+    held = sum(t.nbytes for t in (sparse.row_offsets, sparse.columns, sparse.values, sparse.rows))
+    assert sparse.matrix.values().data_ptr() == sparse.values.data_ptr()  # the CSR matrix shares them
+    assert sparse.matrix.col_indices().data_ptr() == sparse.columns.data_ptr()
+    if module._kernel_inputs is not None:
+        held += sum(t.nbytes for t in module._kernel_inputs)
+    assert module.runtime_bytes() == held
+    module.to("meta")  # as a finished block of an out-of-core run is emptied: nothing derived is kept
+    assert module._kernel_inputs is None and module._sparse is None
+
+
 def test_spqr_account_matches_the_chapter_formula():
     """b + (b_s + b_z)/beta1 + 2 * 32/(beta1 beta2) + 32 r_o, plus what the formula leaves out: the int16
     permutation, the int32 CSR row offsets and the outliers' 16-bit column indices (counted in the 32)."""

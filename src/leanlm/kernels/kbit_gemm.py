@@ -258,13 +258,18 @@ class SparseRows:
     than the dense GEMM)."""
 
     def __init__(self, row_offsets: torch.Tensor, columns: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]):
-        self.row_offsets, self.columns, self.values = row_offsets.long(), columns.long(), values.float()
-        self.rows = torch.repeat_interleave(torch.arange(shape[0]), self.row_offsets.diff())
+        self.row_offsets, self.columns, self.values = row_offsets.int(), columns.int(), values.float()
+        self.rows = torch.repeat_interleave(torch.arange(shape[0], dtype=torch.int32), self.row_offsets.diff())
         with warnings.catch_warnings():  # "sparse CSR support is in beta": the ops used here are stable
             warnings.simplefilter("ignore", UserWarning)
             self.matrix = torch.sparse_csr_tensor(
                 self.row_offsets, self.columns, self.values, shape, check_invariants=False
             )
+
+    @staticmethod
+    def bytes_for(rows: int, entries: int) -> int:
+        """What the form holds beside the stored tensors: 32-bit row offsets, columns and rows, float32 values."""
+        return 4 * (rows + 1) + (4 + 4 + 4) * entries
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, K) float32 times the sparse part, transposed: (M, N)."""

@@ -46,6 +46,19 @@ class QuantizedModule(nn.Module):
         stored = [t for name, t in self.named_buffers() if name != "bias" and t is not None]
         return sum(t.numel() * t.element_size() * 8 for t in stored) / (self.in_features * self.out_features)
 
+    def forget_runtime_forms(self) -> None:
+        """Drop what the module derived from its buffers for its kernels (`runtime_bytes`); the next forward makes it
+        again. Called whenever the buffers change or go: a load, or a move (`.to(...)`, to the meta device included,
+        as a finished block of an out-of-core run is emptied)."""
+
+    def _apply(self, fn, recurse=True):
+        self.forget_runtime_forms()
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.forget_runtime_forms()
+        super()._load_from_state_dict(*args, **kwargs)
+
     def runtime_bytes(self) -> int:
         """What this module holds beside its stored buffers once its first forward has run: the forms its kernel
         reads, derived from them (known from its shape, on the meta device too)."""

@@ -39,11 +39,10 @@ class GGUFLinear(QuantizedModule):
         )
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self.backend: str | None = None  # "reference" or "kernel"; None: the kernel where it applies
-        self._kernel_inputs = None  # (packed codes, scales, offsets), rebuilt after a load
+        self._kernel_inputs = None  # (packed codes, scales, offsets), until `forget_runtime_forms`
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def forget_runtime_forms(self) -> None:
         self._kernel_inputs = None
-        super()._load_from_state_dict(*args, **kwargs)
 
     def _kernel_fits(self) -> bool:
         return self.format.bits == 4 and supports_fast_path(4, self.format.sub, self.in_features)

@@ -61,7 +61,7 @@ class KbitLinear(QuantizedModule):
         # bfloat16 products: its inputs are then rounded to it, as a model computing in it rounds them); None: the
         # inputs' own (`prefill_dtype`).
         self.gemm_dtype: torch.dtype | None = None
-        self._kernel_inputs = None  # (float absmax, code table): derived from the buffers, rebuilt after a load
+        self._kernel_inputs = None  # (float absmax, code table), until `forget_runtime_forms`
         self.in_features, self.out_features = in_features, out_features
         self.dtype, self.bits, self.double_quant, self.exponent_bits = dtype, bits, double_quant, exponent_bits
         self.code_layout = code_layout
@@ -170,9 +170,8 @@ class KbitLinear(QuantizedModule):
         stored += [self.proxy_columns, self.proxy_weight] if self.proxy_columns is not None else []
         return sum(t.numel() * t.element_size() * 8 for t in stored) / (self.in_features * self.out_features)
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def forget_runtime_forms(self) -> None:
         self._kernel_inputs = None
-        super()._load_from_state_dict(*args, **kwargs)
 
     def _kernel_state(self) -> tuple[BlockConstants, torch.Tensor | None]:
         """(the block constants as stored - double-quantized ones stay 8-bit, the kernel decodes them row by row -,

@@ -75,8 +75,8 @@ class SpQRLinear(QuantizedModule):
         self.group_size = group_size or in_features
         self.per_row = group_size is None
         self.backend: SpQRBackend | None = None  # None: the kernel where it applies, chosen at the first forward
-        self._kernel_inputs = None  # (float32 scales flat, offsets (rows, groups)), rebuilt after a load
-        self._sparse: SparseRows | None = None  # the outliers, rebuilt after a load
+        self._kernel_inputs = None  # (float32 scales flat, offsets (rows, groups)), until `forget_runtime_forms`
+        self._sparse: SparseRows | None = None  # the outliers, until `forget_runtime_forms`
         self.gemm_dtype: torch.dtype | None = None  # the large-M GEMM's dtype, as KbitLinear.gemm_dtype
         groups = -(-in_features // self.group_size)
         self.register_buffer(
@@ -279,9 +279,8 @@ class SpQRLinear(QuantizedModule):
     def outlier_count(self) -> int:
         return self.outlier_values.numel()
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def forget_runtime_forms(self) -> None:
         self._kernel_inputs = self._sparse = None
-        super()._load_from_state_dict(*args, **kwargs)
 
     def _outliers(self) -> SparseRows | None:
         """The sparse part (columns in the solver's order), built once; None without outliers."""
@@ -315,9 +314,12 @@ class SpQRLinear(QuantizedModule):
         return self.backend
 
     def runtime_bytes(self) -> int:
-        """The kernel's float32 scale and offset per kernel block (`kernel_constants`)."""
+        """The kernel's float32 scale and offset per kernel block (`kernel_constants`) and the outliers' sparse
+        form (`SparseRows`)."""
         fits = self._kernel_fits() if self.backend is None else self.backend == "kernel"
-        return 2 * 4 * self.out_features * (self.in_features // self.kernel_block) if fits else 0
+        constants = 2 * 4 * self.out_features * (self.in_features // self.kernel_block) if fits else 0
+        sparse = SparseRows.bytes_for(self.out_features, self.outlier_count) if self.outlier_count else 0
+        return constants + sparse
 
     def kernel_constants(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What the kernel path reads beside the codes (built once): one scale per kernel block, flat
