@@ -246,7 +246,9 @@ class _LiveTensors(TorchDispatchMode):
                 continue
             own = tensor.untyped_storage()._cdata
             for pinned in (source, tensor):
-                self.pins.setdefault(pinned.untyped_storage()._cdata, StorageWeakRef(pinned.untyped_storage()))
+                storage = pinned.untyped_storage()
+                if storage._cdata not in self.pins:
+                    self.pins[storage._cdata] = StorageWeakRef(storage)
             self.uses[own] = used
             self.holders[own] = self.holders.get(own, 0) + 1
             if used not in self.users:

@@ -488,10 +488,11 @@ def _chosen_integers(kind: BlockType, x: torch.Tensor, weights: torch.Tensor, fi
     """`fitted` with each sub-block's integer scale (and min) chosen by the error of the codes it gives, d and dmin
     kept: among the rounded integers, their neighbours (scales, then mins, then scales again) and, on a uniform
     grid, the scale of the smallest gap between the sub-block's distinct values (on an affine type with each min
-    that puts its lowest value on a code). Rounding A / d alone is not the best integer for the codes; a weight already on the type's
-    grid (a de-quantized K-quant file) gets its own integers back."""
+    that puts its lowest value on a code). Rounding A / d alone is not the best integer for the codes; a weight
+    already on the type's grid (a de-quantized K-quant file) gets its own integers back."""
     half = 2 ** (kind.scale_bits - 1)
-    scale_range = (-half, half - 1) if kind.signed_scales else (0, 2 * half - 1)
+    min_range = (0, 2 * half - 1)
+    scale_range = (-half, half - 1) if kind.signed_scales else min_range
     best = _sub_block_errors(kind, x, fitted, weights)
     chosen = {"scales": fitted.scales, "mins": fitted.mins}
 
@@ -506,7 +507,7 @@ def _chosen_integers(kind: BlockType, x: torch.Tensor, weights: torch.Tensor, fi
             chosen["mins"] = torch.where(better, mins, chosen["mins"])
 
     for field in ("scales", "mins", "scales") if kind.has_min else ("scales",):
-        low, high = scale_range if field == "scales" else (0, 2 * half - 1)
+        low, high = scale_range if field == "scales" else min_range
         base = chosen[field]
         for step in range(-INTEGER_NEIGHBOURS, INTEGER_NEIGHBOURS + 1):
             moved = (base + step).clamp(low, high)
@@ -531,7 +532,7 @@ def _chosen_integers(kind: BlockType, x: torch.Tensor, weights: torch.Tensor, fi
             mins = mins / torch.where(dmin == 0, 1.0, dmin)[..., None]
             nearest = (mins - mins.round()).abs().argmin(dim=-1, keepdim=True)
             mins = mins.gather(-1, nearest).squeeze(-1).round()
-            consider(scales, mins.clamp(0, 2 * half - 1).to(chosen["mins"].dtype))
+            consider(scales, mins.clamp(*min_range).to(chosen["mins"].dtype))
     return BlockStatistics(fitted.d, fitted.dmin, chosen["scales"], chosen["mins"])
 
 
