@@ -167,3 +167,34 @@ def test_an_answer_does_not_depend_on_what_the_store_held(smollm2_tokenizer, fus
     _serve_turns(Engine(model, smollm2_tokenizer, streaming, max_batch=2, fused=fused), [second], 20, requests)
     continued, fresh = ([(e.token, e.logprob) for e in request.logprobs] for request in requests)
     assert continued == fresh  # the same tokens, and logits equal to the last bit
+
+
+def test_prompts_are_read_first_come_first_served_within_a_chunk_a_round(smollm2_tokenizer):
+    """Three prompts at once, of 3 chunks, 3 chunks and 10 tokens: each round reads at most one chunk's worth of
+    prompt tokens, oldest request first, so the first request is answering while the second is still reading, and
+    the short prompt is read in the round where the second's last piece leaves room for it."""
+    model = tiny_model("llama", vocab_size=len(smollm2_tokenizer), seed=2)
+    streaming = StreamingConfig(sinks=4, window=120)
+    engine = Engine(model, smollm2_tokenizer, streaming, max_batch=3, fused=False, thread=False)
+    assert engine.chunk == 30
+    prompts = [[(5 * i + j) % 4000 + 3 for j in range(n)] for i, n in enumerate((90, 80, 10))]
+    done = []
+    requests = [
+        Request(prompt, Sampling(max_tokens=3, temperature=0.0), lambda e: done.append(e[0] == "done"))
+        for prompt in prompts
+    ]
+    for request in requests:
+        engine.submit(request)
+    rounds = []  # before the first round and after each: (prompt tokens read, tokens generated) of each request
+
+    def finished() -> bool:
+        rounds.append([(request.fed, len(request.generated)) for request in requests])
+        return sum(done) == len(requests) or len(rounds) > 20
+
+    engine.run(until=finished)
+    read = [[fed for fed, _ in state] for state in rounds]
+    assert all(sum(b) - sum(a) <= 30 for a, b in zip(read, read[1:]))  # at most a chunk of prompt a round
+    assert read[1:4] == [[30, 0, 0], [60, 0, 0], [90, 0, 0]]
+    assert rounds[4] == [(90, 1), (30, 0), (0, 0)]  # answering while the next prompt is read
+    assert read[6] == [90, 80, 10]  # the second's last piece of 20 and the short prompt share a round
+    assert sum(done) == 3 and [len(request.generated) for request in requests] == [3, 3, 3]

@@ -1,8 +1,11 @@
 """The generation engine behind `leanlm serve`: one thread owns the model and advances every request in flight.
 
-Each round gives every active request one step: a chunk of its prompt (prefill in pieces no longer than the
-cache window, so a long prompt delays the others by one chunk per round, not by its whole length) or one new
-token. The new tokens of a round go through the model together, as one batch (continuous batching): each
+Each round reads at most one chunk's worth of prompt tokens (prompts are read in pieces that end at multiples of
+the chunk), oldest request first, and gives every request whose prompt is read one new token. So prompts are
+read first come, first served (the first of many long prompts starts answering after its own prefill, not after
+everyone's), a later request's short prompt may fill what an older one's piece leaves of the round, and a
+request that is generating waits at most one chunk's prefill between two tokens. The new tokens of a round go
+through the model together, as one batch (continuous batching): each
 request's cache is left-padded to the longest, the padding masked out, each token placed at its own cache
 position, and each request's new keys and values go back into its own cache. Requests join at the next round
 and leave when they finish or their client goes away; at most `max_batch` are active, the rest wait in order.
@@ -215,11 +218,15 @@ class Engine:
                     reply(None, error)
             self._admit()
             decoding: list[tuple[Request, int]] = []
+            budget = self.chunk  # prompt tokens this round still reads; the oldest reader's piece always fits
             for request in list(self._active):
+                piece = 0 if request.cancelled.is_set() else self._piece_end(request) - request.fed
                 try:
-                    step = self._step(request)
+                    step = self._step(request, read=piece <= budget)
                 except Exception as error:  # one request's failure ends it, never the engine or the others
                     step = self._fail(request, error)
+                if piece <= budget:
+                    budget -= piece
                 if isinstance(step, str):
                     self._end(request, step)
                 elif step is not None:
@@ -350,13 +357,20 @@ class Engine:
             request.conversation.ids.append(token)
             request.logits = logits[row]
 
-    def _step(self, request: Request) -> str | int | None:
-        """One step of `request`: a prompt chunk (None), or its next token (to be fed with the round's batch), or
-        its finish reason when it is done."""
+    def _piece_end(self, request: Request) -> int:
+        """Where the request's next prompt piece ends: the next multiple of the chunk, or the prompt's end (its
+        `fed` once the prompt is read)."""
+        return min(len(request.prompt), (request.fed // self.chunk + 1) * self.chunk)
+
+    def _step(self, request: Request, read: bool = True) -> str | int | None:
+        """One step of `request`: its next prompt piece if `read` (None), or its next token (to be fed with the
+        round's batch), or its finish reason when it is done."""
         if request.cancelled.is_set():
             return "cancelled"
         if request.fed < len(request.prompt):
-            end = min(len(request.prompt), (request.fed // self.chunk + 1) * self.chunk)
+            if not read:
+                return None
+            end = self._piece_end(request)
             self._feed(request, request.prompt[request.fed : end])
             request.fed = end
             if end % self.chunk == 0:
