@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from leanlm.kernels.cpu import cpu_flags
+from leanlm.kernels.cpu import cpu_fields, cpu_flags
 
 
 @dataclass(frozen=True)
@@ -315,15 +315,7 @@ def weight_bytes(model: nn.Module) -> int:
 def environment_cpu() -> str:
     """The CPU's model name, with its family and model numbers where the name alone does not say which generation
     it is (a virtual machine's "AMD EPYC" covers generations whose vector units differ in width)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return platform.processor()
-    fields = {}
-    for line in cpuinfo.read_text().splitlines():
-        key, _, value = line.partition(":")
-        if not key.strip():
-            break  # the first processor's fields
-        fields.setdefault(key.strip(), value.strip())
+    fields = cpu_fields()
     name = fields.get("model name", platform.processor())
     if "cpu family" in fields and "model" in fields and not any(ch.isdigit() for ch in name):
         name += f" family {fields['cpu family']} model {fields['model']}"

@@ -12,13 +12,25 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where there is no such file)."""
+def cpu_fields() -> dict[str, str]:
+    """The fields /proc/cpuinfo lists for this machine's first processor ("model name", "cpu family", "flags", ...;
+    empty where there is no such file)."""
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists():
-        return frozenset()
-    line = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
-    return frozenset(line.split(":", 1)[-1].split())
+        return {}
+    fields: dict[str, str] = {}
+    for line in cpuinfo.read_text().splitlines():
+        key, _, value = line.partition(":")
+        if not key.strip():
+            break  # the blank line after the first processor
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where there is no such file)."""
+    return frozenset(cpu_fields().get("flags", "").split())
 
 
 def has_native_bf16() -> bool:
