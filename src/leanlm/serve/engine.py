@@ -221,12 +221,13 @@ class Engine:
             budget = self.chunk  # prompt tokens this round still reads; the oldest reader's piece always fits
             for request in list(self._active):
                 piece = 0 if request.cancelled.is_set() else self._piece_end(request) - request.fed
+                read = piece <= budget
+                if read:
+                    budget -= piece
                 try:
-                    step = self._step(request, read=piece <= budget)
+                    step = self._step(request, read)
                 except Exception as error:  # one request's failure ends it, never the engine or the others
                     step = self._fail(request, error)
-                if piece <= budget:
-                    budget -= piece
                 if isinstance(step, str):
                     self._end(request, step)
                 elif step is not None:
@@ -362,7 +363,7 @@ class Engine:
         `fed` once the prompt is read)."""
         return min(len(request.prompt), (request.fed // self.chunk + 1) * self.chunk)
 
-    def _step(self, request: Request, read: bool = True) -> str | int | None:
+    def _step(self, request: Request, read: bool) -> str | int | None:
         """One step of `request`: its next prompt piece if `read` (None), or its next token (to be fed with the
         round's batch), or its finish reason when it is done."""
         if request.cancelled.is_set():
