@@ -14,6 +14,7 @@ from leanlm.kernels.kbit_gemm import (
     SparseRows,
     avx2_available,
     code_table,
+    compiled_kernels,
     dequantize_weight,
     int8_kernel_isas,
     int8_table,
@@ -165,6 +166,40 @@ def test_double_quantized_constants_decoded_in_the_kernel_equal_the_float_ones(r
         rtol=1e-5,
         atol=1e-4,
     )
+
+
+@needs_avx2
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("with_offsets", [False, True])
+def test_tiles_decoded_into_bfloat16_are_the_float32_tiles_rounded_to_nearest_even(bits, double_quant, with_offsets):
+    """The large-M path decodes straight into the GEMM's dtype: a bfloat16 tile is the float32 tile (offsets
+    included) as PyTorch rounds it, bit for bit, halfway cases going to the even neighbour."""
+    torch.manual_seed(3)
+    weight = torch.randn(40, 256)
+    book = codebook("int", bits)
+    quantized = quantize_blockwise(weight, book, 64, double_quant=double_quant)
+    table = code_table(book.values) if bits == 4 else book.values.float()
+    if bits == 4:  # exact ties of bfloat16 (1 + 2^-8 lies halfway between 1 and 1 + 2^-7), up and down
+        table[:4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2 - 2**-9])
+    constants = (
+        BlockConstants(quantized.absmax, quantized.absmax_scale, DYNAMIC8.values, quantized.absmax_offset.item())
+        if double_quant
+        else BlockConstants(torch.where(torch.rand(40 * 4) < 0.3, torch.ones(()), quantized.absmax))
+    )
+    offsets = torch.randn(40, 4) if with_offsets else None
+    extension = compiled_kernels()
+    tiles = {dtype: torch.empty(24, 256, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+    for tile in tiles.values():
+        extension.dequantize_rows(
+            pack(quantized.codes, bits), constants.absmax, table, 64, 16, tile,
+            **constants.kernel_arguments(), bits=bits, block_offsets=offsets,
+        )  # fmt: skip
+    expected = (table[quantized.codes.long()].reshape(-1, 64) * constants.dense()[:, None]).reshape(40, 256)
+    if with_offsets:
+        expected = (expected.reshape(40, 4, 64) + offsets[:, :, None]).reshape(40, 256)
+    assert torch.equal(tiles[torch.float32], expected[16:])
+    assert torch.equal(tiles[torch.bfloat16].view(torch.int16), tiles[torch.float32].bfloat16().view(torch.int16))
 
 
 @needs_avx2

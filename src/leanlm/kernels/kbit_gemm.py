@@ -5,7 +5,8 @@ layouts the kernels do not read. `avx2` is leanlm's C++ kernel (`csrc/kbit4_gemm
 first use with the system's C++ compiler into leanlm's cache: for small M (decode) it decodes 4-bit codes in
 registers and never writes a float weight (memory-bound: 4.5 bits moved per weight instead of 32), with an
 AVX-512 variant chosen at run time where the CPU has it (`KernelIsa`); for large M it decodes tiles of output
-rows and hands them to PyTorch's SGEMM, so the decoding is amortised over M.
+rows straight into the GEMM's dtype (float32 or bfloat16) and hands them to PyTorch's GEMM, so the decoding is
+amortised over M.
 
 PyTorch's own CPU ops were the first choice and do not fit: `_weight_int4pack_mm_for_cpu` is affine int4 (no
 code book, so no NF4/FP4), `_weight_int8pack_mm` is 8-bit per-channel only.
@@ -38,7 +39,7 @@ KernelIsa = Literal["auto", "avx512", "avx2", "in-order", "avx512-vnni-int8", "a
 INT8_ISAS = {"avx512-vnni-int8": "avx512", "avx2-int8": "avx2"}
 INT8_CHUNK = 64  # activations are quantized per chunk of this many values; the int8 kernel's blocks are multiples
 SMALL_M = 16  # up to this many rows the register-decoding GEMV wins; above, decode tiles + SGEMM
-TILE_ROWS = 512  # output rows decoded at once on the large-M path (TILE_ROWS x K float32 of scratch)
+TILE_ROWS = 512  # output rows decoded at once on the large-M path (TILE_ROWS x K of scratch in the GEMM's dtype)
 _SOURCE = Path(__file__).parent / "csrc" / "kbit4_gemm.cpp"
 _log = logging.getLogger(__name__)
 
@@ -291,7 +292,7 @@ def prefill_dtype(activations: torch.dtype) -> torch.dtype:
 
 
 def kbit_linear(
-    x: torch.Tensor,  # (M, K) float32
+    x: torch.Tensor,  # (M, K) float32, or (read only by the large-M path's GEMM) in compute_dtype
     packed: torch.Tensor,  # uint8, two codes per byte, first code in the high nibble
     absmax: torch.Tensor | BlockConstants,  # (N * K / block,) float32, or double-quantized
     table: torch.Tensor,  # the code book as float32: (16,) for 3 or 4 bits (`code_table`), (256,) for 8
@@ -310,6 +311,7 @@ def kbit_linear(
     in_features = x.shape[1]
     constants = absmax if isinstance(absmax, BlockConstants) else BlockConstants(absmax)
     if backend == "reference":
+        x = x.float()
         codes = unpack(packed, 4, out_features * in_features).long()
         weight = table[codes].reshape(-1, block_size) * constants.dense()[:, None]
         if block_offsets is not None:
@@ -325,7 +327,6 @@ def kbit_linear(
     extension = compiled_kernels()
     if extension is None:
         raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
-    x = x.contiguous()
     int8 = isa in INT8_ISAS or (
         isa == "auto"
         and int8_activations
@@ -334,6 +335,7 @@ def kbit_linear(
     )
     # 3- and 8-bit codes have no float-activation GEMV: outside the int8 kernel they take the tiles at any M
     small = int8 or bits == 4 and x.shape[0] <= SMALL_M
+    x = x.float().contiguous() if small else x
     if int8:
         values, inverse = int8_kernel_table(table, bits)
         out = extension.kbit_gemv_int8(
@@ -360,29 +362,35 @@ def kbit_linear(
             **constants.kernel_arguments(),
         )
     else:
-        # Computed as out^T = W x^T, so that each tile's result is a contiguous block of rows; the table is the
-        # code book in float32 (3 bits: 8 entries padded to 16; 8 bits: 256). In bfloat16 (a model
-        # computing in bfloat16, on a CPU with bfloat16 products) each decoded tile is rounded to bfloat16 for
-        # oneDNN's bfloat16 GEMM, faster than float32's SGEMM where the CPU has bfloat16 products
-        # (benchmarks/kbit_speed.py): the weights bitsandbytes computes with at compute_dtype=bfloat16. Block offsets go into the tile before it is rounded,
-        # so the operand is centred as a float model's weight is (s * (q - z), not s * q rounded and then shifted).
+        # A tile of output rows of W at a time is decoded into the GEMM's dtype and multiplied into its own columns
+        # of out. The table is the code book in float32 (3 bits: 8 entries padded to 16; 8 bits: 256). In bfloat16
+        # (a model computing in bfloat16, on a CPU with bfloat16 products) the decoded weights are rounded to
+        # bfloat16 for oneDNN's bfloat16 GEMM, faster than float32's SGEMM where the CPU has bfloat16 products
+        # (benchmarks/kbit_speed.py): the weights bitsandbytes computes with at compute_dtype=bfloat16. Block
+        # offsets and sparse outliers go into the weight before it is rounded, so the operand is centred as a float
+        # model's weight is (s * (q - z), not s * q rounded and then shifted).
         x = x.to(compute_dtype)
-        out_t = torch.empty(out_features, x.shape[0], dtype=compute_dtype)
-        scratch = torch.empty(min(TILE_ROWS, out_features), in_features, dtype=torch.float32)
-        rounded = scratch if compute_dtype == torch.float32 else torch.empty_like(scratch, dtype=compute_dtype)
+        out = torch.empty(x.shape[0], out_features, dtype=compute_dtype)
+        decoded_dtype = torch.float32 if sparse is not None else compute_dtype  # outliers are added in float32
+        decoded = torch.empty(min(TILE_ROWS, out_features), in_features, dtype=decoded_dtype)
+        rounded = decoded if decoded_dtype == compute_dtype else torch.empty_like(decoded, dtype=compute_dtype)
         for first in range(0, out_features, TILE_ROWS):
-            tile = scratch[: min(TILE_ROWS, out_features - first)]
+            tile = decoded[: min(TILE_ROWS, out_features - first)]
             extension.dequantize_rows(
-                packed, constants.absmax, table, block_size, first, tile, **constants.kernel_arguments(), bits=bits
+                packed,
+                constants.absmax,
+                table,
+                block_size,
+                first,
+                tile,
+                **constants.kernel_arguments(),
+                bits=bits,
+                block_offsets=block_offsets,
             )
-            if block_offsets is not None:
-                blocks = tile.view(tile.shape[0], -1, block_size)
-                blocks += block_offsets[first : first + tile.shape[0], :, None]
             if sparse is not None:
                 sparse.add_to(tile, first)
-            operand = tile if rounded is scratch else rounded[: tile.shape[0]].copy_(tile)
-            torch.mm(operand, x.T, out=out_t[first : first + tile.shape[0]])
-        out = out_t.T.contiguous()
+            operand = tile if rounded is decoded else rounded[: tile.shape[0]].copy_(tile)
+            torch.mm(x, operand.T, out=out[:, first : first + tile.shape[0]])
     if small and block_offsets is not None:  # sum over a block of (offset * x) = offset * (the block's sum of x)
         out.addmm_(x.reshape(x.shape[0], -1, block_size).sum(dim=2), block_offsets.T)
     if small and sparse is not None:

@@ -263,7 +263,7 @@ class KbitLinear(QuantizedModule):
         compute_dtype = chosen if chosen is not None else prefill_dtype(x.dtype)
         absmax, table = self._kernel_state()
         out = kbit_linear(
-            rows.float(),
+            rows,
             self.packed,
             absmax,
             table,

@@ -20,8 +20,8 @@
 // Threads: at::parallel_for splits output rows; it is OpenMP in ATen's headers, so the extension must be built
 // with -fopenmp or every call runs on one thread (it did, until the speed benchmark showed 2 cores = 1).
 //
-// `dequantize_rows` decodes a range of output rows (3-, 4- or 8-bit codes) into a float32 scratch tile, in order,
-// for the large-M path (decode a tile, then an ordinary SGEMM) that Python drives.
+// `dequantize_rows` decodes a range of output rows (3-, 4- or 8-bit codes) into a float32 or bfloat16 tile, in
+// order, for the large-M path (decode a tile, then an ordinary GEMM) that Python drives.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -516,10 +516,32 @@ void round_to_int8_codes(torch::Tensor x, torch::Tensor out, torch::Tensor scale
   });
 }
 
+// 16 floats rounded to bfloat16 (to nearest, ties to even, as PyTorch rounds finite values) and stored in order.
+inline void store16_bf16(at::BFloat16* out, __m256 first, __m256 second) {
+  const auto round = [](__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  };
+  // packus works within 128-bit halves (first 0-3, second 0-3, first 4-7, second 4-7): the permute restores order
+  const __m256i packed = _mm256_packus_epi32(round(first), round(second));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(packed, 0xD8));
+}
+
+inline void store16(float* out, __m256 first, __m256 second) {
+  _mm256_storeu_ps(out, first);
+  _mm256_storeu_ps(out + 8, second);
+}
+
+inline void store16(at::BFloat16* out, __m256 first, __m256 second) { store16_bf16(out, first, second); }
+
 void dequantize_rows(torch::Tensor packed, torch::Tensor absmax, torch::Tensor table, int64_t block,
                      int64_t first_row, torch::Tensor out, c10::optional<torch::Tensor> dq_scales,
-                     c10::optional<torch::Tensor> dq_values, double dq_offset, int64_t dq_group, int64_t bits) {
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.is_contiguous(), "out: contiguous float32");
+                     c10::optional<torch::Tensor> dq_values, double dq_offset, int64_t dq_group, int64_t bits,
+                     c10::optional<torch::Tensor> block_offsets) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() &&
+                  (out.scalar_type() == torch::kFloat || out.scalar_type() == torch::kBFloat16),
+              "out: contiguous float32 or bfloat16");
   TORCH_CHECK(bits == 3 || bits == 4 || bits == 8, "dequantize_rows reads 3-, 4- or 8-bit codes, got ", bits);
   const int64_t in_features = out.size(1), rows = out.size(0);
   TORCH_CHECK(block % 16 == 0 && in_features % block == 0, "block must be a multiple of 16 dividing in_features");
@@ -531,36 +553,53 @@ void dequantize_rows(torch::Tensor packed, torch::Tensor absmax, torch::Tensor t
   TORCH_CHECK(packed.numel() >= packed_end, "rows beyond the packed weight");
   const int64_t blocks_per_row = in_features / block;
   TORCH_CHECK(absmax.numel() >= (first_row + rows) * blocks_per_row, "rows beyond the block constants");
+  const float* offsets = nullptr;
+  if (block_offsets.has_value()) {
+    TORCH_CHECK(block_offsets->scalar_type() == torch::kFloat && block_offsets->is_contiguous() &&
+                    block_offsets->numel() >= (first_row + rows) * blocks_per_row,
+                "block_offsets: contiguous float32, one per block of every row");
+    offsets = block_offsets->data_ptr<float>();
+  }
   const BlockConstants constants = constants_of(absmax, dq_scales, dq_values, dq_offset, dq_group, blocks_per_row);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* tp = table.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 8, [&](int64_t first, int64_t last) {
-    const __m256 low_table = _mm256_loadu_ps(tp);
-    const __m256 high_table = _mm256_loadu_ps(tp + 8);
-    std::vector<float> scratch(blocks_per_row);
-    for (int64_t i = first; i < last; ++i) {
-      const int64_t n = first_row + i;
-      float* row_out = op + i * in_features;
-      const float* row_absmax = constants.row(n, scratch.data());
-      for (int64_t b = 0; b < blocks_per_row; ++b) {
-        const __m256 scale = _mm256_set1_ps(row_absmax[b]);
-        for (int64_t k = b * block; k < (b + 1) * block; k += 16) {
-          const int64_t code = n * in_features + k;  // the first of these 16 codes, in the whole weight
-          __m256 w0, w1;
-          if (bits == 4) {
-            decode16(pp + code / 2, low_table, high_table, w0, w1);
-          } else if (bits == 3) {
-            decode16_planes(pp + code / 64 * 24, code % 64 / 16, low_table, w0, w1);
-          } else {
-            decode16_bytes(pp + code, tp, w0, w1);
+  // Each weight is code value * block constant (+ block offset), rounded once per operation as the reference
+  // computes it in float32, then (bfloat16 out) rounded to bfloat16.
+  const auto run = [&](auto* op) {
+    at::parallel_for(0, rows, 8, [&](int64_t first, int64_t last) {
+      const __m256 low_table = _mm256_loadu_ps(tp);
+      const __m256 high_table = _mm256_loadu_ps(tp + 8);
+      std::vector<float> scratch(blocks_per_row);
+      for (int64_t i = first; i < last; ++i) {
+        const int64_t n = first_row + i;
+        auto* row_out = op + i * in_features;
+        const float* row_absmax = constants.row(n, scratch.data());
+        for (int64_t b = 0; b < blocks_per_row; ++b) {
+          const __m256 scale = _mm256_set1_ps(row_absmax[b]);
+          const __m256 shift = _mm256_set1_ps(offsets != nullptr ? offsets[n * blocks_per_row + b] : 0.0f);
+          for (int64_t k = b * block; k < (b + 1) * block; k += 16) {
+            const int64_t code = n * in_features + k;  // the first of these 16 codes, in the whole weight
+            __m256 w0, w1;
+            if (bits == 4) {
+              decode16(pp + code / 2, low_table, high_table, w0, w1);
+            } else if (bits == 3) {
+              decode16_planes(pp + code / 64 * 24, code % 64 / 16, low_table, w0, w1);
+            } else {
+              decode16_bytes(pp + code, tp, w0, w1);
+            }
+            w0 = _mm256_mul_ps(w0, scale);
+            w1 = _mm256_mul_ps(w1, scale);
+            if (offsets != nullptr) w0 = _mm256_add_ps(w0, shift), w1 = _mm256_add_ps(w1, shift);
+            store16(row_out + k, w0, w1);
           }
-          _mm256_storeu_ps(row_out + k, _mm256_mul_ps(w0, scale));
-          _mm256_storeu_ps(row_out + k + 8, _mm256_mul_ps(w1, scale));
         }
       }
-    }
-  });
+    });
+  };
+  if (out.scalar_type() == torch::kFloat)
+    run(out.data_ptr<float>());
+  else
+    run(out.data_ptr<at::BFloat16>());
 }
 
 // y = x @ W^T for M <= 8 rows of x (float32) and W float32 or bfloat16: see float_gemv.inc.
@@ -655,8 +694,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x's int8 activation codes into out (round half to even, clamp), per-tensor codes times their scale",
         py::arg("x"), py::arg("out"), py::arg("scale"), py::arg("zero_point"), py::arg("rescale"));
   m.def("dequantize_rows", &dequantize_rows,
-        "3-, 4- or 8-bit weights of out.size(0) output rows from first_row into out (AVX2)",
+        "3-, 4- or 8-bit weights of out.size(0) output rows from first_row into out (float32 or bfloat16; AVX2)",
         py::arg("packed"), py::arg("absmax"), py::arg("table"), py::arg("block"), py::arg("first_row"), py::arg("out"),
         py::arg("dq_scales") = py::none(), py::arg("dq_values") = py::none(), py::arg("dq_offset") = 0.0,
-        py::arg("dq_group") = 256, py::arg("bits") = 4);
+        py::arg("dq_group") = 256, py::arg("bits") = 4, py::arg("block_offsets") = py::none());
 }
