@@ -717,6 +717,34 @@ def test_finetune_checkpoints_gradients_and_returns_freed_memory_by_default(argv
 
 
 @pytest.mark.parametrize(
+    "command, argv, keep",
+    [
+        ("serve", [], True),
+        ("serve", ["--no-keep-freed-memory"], False),
+        ("serve", ["--keep-freed-memory"], True),
+        ("chat", ["--no-keep-freed-memory"], False),
+        ("eval", [], False),
+        ("eval", ["--keep-freed-memory"], True),
+    ],
+)
+def test_chat_and_serve_keep_freed_memory_by_default_and_a_flag_gives_it_back(command, argv, keep):
+    """The interactive commands read prompts again and again, so they keep freed memory for reuse; the batch ones
+    keep resident memory to the live tensors `leanlm plan` counts."""
+    from dataclasses import asdict
+
+    from leanlm.cli.main import build_parser
+    from leanlm.cli.options import settings_from_args
+    from leanlm.models import INTERACTIVE_LOADING, LoadSettings
+
+    args = build_parser().parse_args([command, "m", *argv])
+    defaults = asdict(INTERACTIVE_LOADING) if command in ("chat", "serve") else None
+    assert settings_from_args(LoadSettings, args, defaults).keep_freed_memory is keep
+    if command == "eval":
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "m", "--no-keep-freed-memory"])
+
+
+@pytest.mark.parametrize(
     "argv",
     [["quantize", "m", "--method", "smoothquant", "--out", "o"], ["finetune", "m", "--data", "d", "--out", "o"]],
 )

@@ -39,6 +39,11 @@ def flag_of(item: Field) -> str:
     return prefix + item.name.replace("_", "-")
 
 
+def opposite_flag(flag: str) -> str:
+    """The switch that undoes `flag`: --x for --no-x, --no-x for --x."""
+    return "--" + flag[len("--no-") :] if flag.startswith("--no-") else "--no-" + flag[2:]
+
+
 @cache
 def _type_of(config_type: type, name: str):
     return typing.get_type_hints(config_type)[name]
@@ -117,8 +122,7 @@ def _opposite_flags() -> dict[str, tuple[Field, list[str]]]:
         for method, _, item in uses:
             recipe = RECIPES.get(method)
             if item.type in (bool, "bool") and recipe is not None and _default(recipe, item) != item.default:
-                opposite = "--" + flag[len("--no-") :] if flag.startswith("--no-") else "--no-" + flag[2:]
-                opposites.setdefault(opposite, (item, []))[1].append(method)
+                opposites.setdefault(opposite_flag(flag), (item, []))[1].append(method)
     return opposites
 
 
@@ -130,6 +134,15 @@ def add_settings_options(parser: argparse.ArgumentParser, *settings_types: type,
         for item in command_line_fields(settings_type):
             default = defaults.get(item.name, item.default)
             _add_flag(parser, settings_type, item, _help_line(default, item))
+            if item.type in (bool, "bool") and default != item.default:  # this command turns the switch the other way
+                parser.add_argument(
+                    opposite_flag(flag_of(item)),
+                    dest=option_dest(flag_of(item)),
+                    action="store_const",
+                    const=item.default,
+                    default=argparse.SUPPRESS,
+                    help=(item.metadata["help"] if item.default else item.metadata["off"]).replace("%", "%%"),
+                )
 
 
 def settings_from_args(settings_type: type, args: argparse.Namespace, defaults: dict | None = None):

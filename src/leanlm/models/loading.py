@@ -96,8 +96,11 @@ class LoadSettings:
     )
     keep_freed_memory: bool = option(
         False,
-        "let the C library keep freed memory for reuse: a slightly faster prefill, but resident memory then holds "
-        "freed activations and tiles, by an amount that varies from run to run",
+        "let the C library keep freed memory for reuse: a faster prefill (no fresh, zeroed mapping for each large "
+        "activation), but resident memory then holds freed activations and tiles, by an amount that varies from "
+        "run to run",
+        off="give freed memory back to the system at once: resident memory is the live tensors, as leanlm plan "
+        "counts them, and a prefill is slower",
     )
 
     def __post_init__(self):
@@ -115,8 +118,9 @@ class LoadSettings:
         return self.adapter[0] if self.adapter else None
 
 
-# `leanlm chat` and `leanlm serve` take the fastest float path this CPU has; eval and stream keep the reference.
-INTERACTIVE_LOADING = LoadSettings(dtype="auto")
+# `leanlm chat` and `leanlm serve` take the fastest float path this CPU has and keep freed memory for reuse (they
+# read prompts again and again; benchmarks/serve.py); eval and stream keep the reference and the planned memory.
+INTERACTIVE_LOADING = LoadSettings(dtype="auto", keep_freed_memory=True)
 
 
 def cache_root() -> Path:
