@@ -56,28 +56,32 @@ def test_a_bfloat16_checkpoint_holds_its_embedding_and_head_in_bfloat16_and_comp
             assert (got - expected).abs().max() < 0.02 * expected.abs().max()
 
 
-@pytest.mark.parametrize("method", ["kbit", "gptq", "gptq-3bit"])
+@pytest.mark.parametrize("method", ["kbit", "gptq", "gptq-3bit", "gptq-q4_0"])
 def test_a_bfloat16_load_of_a_kbit_checkpoint_runs_its_prefill_gemms_in_bfloat16_where_the_cpu_does(
     tiny_llama_dir, tmp_path, method
 ):
-    """With bfloat16 tables the k-bit and GPTQ layers' prefill GEMMs take bfloat16 too, on a CPU that multiplies it
-    in hardware (their inputs rounded to it, as a bfloat16 model's are); decode sizes and float32 loads are as
-    before."""
+    """With bfloat16 tables the k-bit, GPTQ and GGUF-block layers' prefill GEMMs take bfloat16 too, on a CPU that
+    multiplies it in hardware (their inputs rounded to it, as a bfloat16 model's are); decode sizes and float32
+    loads are as before."""
     from leanlm.kernels.kbit_gemm import prefill_dtype
     from leanlm.methods import GPTQConfig, KbitConfig
-    from leanlm.nn import KbitLinear, SpQRLinear
+    from leanlm.nn import GGUFLinear, KbitLinear, SpQRLinear
 
-    config = {"kbit": KbitConfig(), "gptq": GPTQConfig(group_size=32), "gptq-3bit": GPTQConfig(bits=3, group_size=32)}[
-        method
-    ]
+    config = {
+        "kbit": KbitConfig(),
+        "gptq": GPTQConfig(group_size=32),
+        "gptq-3bit": GPTQConfig(bits=3, group_size=32),
+        "gptq-q4_0": GPTQConfig(gguf_type="q4_0"),
+    }[method]
     loaded = load_model(tiny_llama_dir)
     ids = token_ids(4, 32, vocab_size=1000)
     record = quantize_(loaded.model, config, calibration=Calibration(token_ids=ids))
     out = save_quantized(loaded, loaded.model, record, tmp_path / "q")
     reference, fast = load_any(out).model, load_any(out, "bfloat16").model
-    kinds = (KbitLinear, SpQRLinear)
+    kinds = (KbitLinear, SpQRLinear, GGUFLinear)
     layers = [module for module in fast.modules() if isinstance(module, kinds)]
     assert layers and all(module.gemm_dtype == prefill_dtype(torch.bfloat16) for module in layers)
+    assert (method == "gptq-q4_0") == any(isinstance(module, GGUFLinear) for module in layers)
     assert all(module.gemm_dtype is None for module in reference.modules() if isinstance(module, kinds))
     with torch.inference_mode():
         for length in (4, 40):
@@ -93,9 +97,9 @@ def test_a_bfloat16_load_of_a_kbit_checkpoint_runs_its_prefill_gemms_in_bfloat16
             assert (got - float32_gemms).abs().max() < 0.02 * expected.abs().max()  # the GEMMs' own share
     if prefill_dtype(torch.bfloat16) == torch.bfloat16:  # the GEMM is bfloat16's: the operands rounded to it
         layer, x = layers[0], torch.randn(40, layers[0].in_features)
-        weight = layer.dequantized_weight() if method == "kbit" else layer.dense_weight()
+        weight = layer.dense_weight() if isinstance(layer, SpQRLinear) else layer.dequantized_weight()
         expected = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float()
-        if method != "kbit" and layer.permutation is not None:
+        if isinstance(layer, SpQRLinear) and layer.permutation is not None:
             expected = torch.nn.functional.linear(x[:, layer.permutation.long()].bfloat16(), weight.bfloat16()).float()
         with torch.inference_mode():
             assert torch.allclose(layer(x), expected, rtol=1e-2, atol=1e-2)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from leanlm.formats.gguf_blocks import BLOCK_TYPES, codes_for, fit_statistics
-from leanlm.kernels.kbit_gemm import avx2_available
+from leanlm.kernels.kbit_gemm import avx2_available, prefill_dtype
 from leanlm.nn import GGUFLinear
 
 
@@ -40,3 +40,28 @@ def test_the_other_types_run_the_reference(name):
     assert module._resolve_backend() == "reference"
     x = torch.randn(3, 512)
     torch.testing.assert_close(module(x), torch.nn.functional.linear(x, module.dequantized_weight(), module.bias))
+
+
+@pytest.mark.skipif(not avx2_available(), reason="the k-bit kernel needs AVX2")
+def test_a_bfloat16_input_reaches_the_kernel_as_it_is(monkeypatch):
+    """A bfloat16 model's rows go to the kernel in bfloat16, and its prompt GEMM is `prefill_dtype`'s (bfloat16 where
+    the CPU multiplies it in hardware); the output is the reference's to bfloat16 rounding."""
+    import leanlm.nn.gguf_linear as gguf_linear
+
+    module = _module("q4_0")
+    seen = []
+    kernel = gguf_linear.kbit_linear
+
+    def spy(rows, *args, **kwargs):
+        seen.append((rows.dtype, kwargs["compute_dtype"]))
+        return kernel(rows, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_linear, "kbit_linear", spy)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with torch.inference_mode():
+        got = module(x)
+        module.backend = "reference"
+        expected = module(x.float())
+    assert seen == [(torch.bfloat16, prefill_dtype(torch.bfloat16))]
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=0, atol=1e-2 * expected.abs().max().item())

@@ -21,7 +21,7 @@ from torch import nn
 
 from leanlm.formats import gguf_blocks
 from leanlm.formats.packing import pack
-from leanlm.kernels.kbit_gemm import avx2_available, kbit_linear, supports_fast_path
+from leanlm.kernels.kbit_gemm import avx2_available, kbit_linear, prefill_dtype, supports_fast_path
 from leanlm.nn.base import QuantizedModule
 from leanlm.nn.spqr_linear import IDENTITY_TABLE
 
@@ -40,6 +40,7 @@ class GGUFLinear(QuantizedModule):
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self.backend: str | None = None  # "reference" or "kernel"; None: the kernel where it applies
         self._kernel_inputs = None  # (packed codes, scales, offsets), until `forget_runtime_forms`
+        self.gemm_dtype: torch.dtype | None = None  # the large-M GEMM's dtype, as KbitLinear.gemm_dtype
 
     def forget_runtime_forms(self) -> None:
         self._kernel_inputs = None
@@ -112,7 +113,7 @@ class GGUFLinear(QuantizedModule):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), bias)
         codes, scales, offsets = self.kernel_inputs()
-        rows = x.reshape(-1, self.in_features).float().contiguous()
+        rows = x.reshape(-1, self.in_features)
         out = kbit_linear(
             rows,
             codes,
@@ -123,6 +124,7 @@ class GGUFLinear(QuantizedModule):
             self.bias,
             "avx2",
             bits=4,
+            compute_dtype=prefill_dtype(x.dtype, self.gemm_dtype),
             block_offsets=offsets,
         )
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

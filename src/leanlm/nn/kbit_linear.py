@@ -259,8 +259,7 @@ class KbitLinear(QuantizedModule):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), bias)
         # Under autograd (int8_activations False) the forward stays the function the backward differentiates.
-        chosen = self.gemm_dtype if int8_activations else None
-        compute_dtype = chosen if chosen is not None else prefill_dtype(x.dtype)
+        compute_dtype = prefill_dtype(x.dtype, self.gemm_dtype if int8_activations else None)
         absmax, table = self._kernel_state()
         out = kbit_linear(
             rows,

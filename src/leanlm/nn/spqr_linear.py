@@ -42,6 +42,7 @@ from leanlm.kernels.kbit_gemm import (
     compiled_kernels,
     int8_kernel_table,
     kbit_linear,
+    prefill_dtype,
     supports_fast_path,
     supports_int8_activations,
 )
@@ -333,12 +334,13 @@ class SpQRLinear(QuantizedModule):
         return self._kernel_inputs
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
-        large = rows.shape[0] > SMALL_M
-        gemm = self.gemm_dtype if large and self.gemm_dtype is not None else torch.float32
+        """rows (M, K) in the model's dtype times the weight: (M, N) in the large-M GEMM's dtype or float32."""
+        gemm = prefill_dtype(rows.dtype, self.gemm_dtype)
         if self._resolve_backend() == "dense_sparse":
+            gemm = gemm if rows.shape[0] > SMALL_M else torch.float32
             out = nn.functional.linear(rows.to(gemm), self.dense_weight().to(gemm)).float()
             if self.outlier_count:
-                out += self._outliers().product(rows)
+                out += self._outliers().product(rows.float())
             return out.add_(self.bias) if self.bias is not None else out
         # Codes 0..2^b - 1 times each block's scale, plus its offset (-scale * zero); at prefill sizes decoded a
         # tile of rows at a time, offsets included (centred as a float model's weight is), into the GEMM's dtype
@@ -356,14 +358,14 @@ class SpQRLinear(QuantizedModule):
             compute_dtype=gemm,
             block_offsets=offset,
             sparse=self._outliers(),
-        ).float()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"SpQRLinear expects {self.in_features} input features, got shape {tuple(x.shape)}")
         if self._resolve_backend() == "reference":
             return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
-        rows = x.reshape(-1, self.in_features).float()
+        rows = x.reshape(-1, self.in_features)
         if self.permutation is not None:
             rows = rows[:, self.permutation.long()]
         return self._product(rows.contiguous()).reshape(*x.shape[:-1], self.out_features).to(x.dtype)

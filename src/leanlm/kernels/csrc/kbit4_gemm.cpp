@@ -155,13 +155,9 @@ inline void decode16_bytes(const uint8_t* bytes, const float* table, __m256& fir
   second = _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)), 4);
 }
 
-// Batch-1 kernels read each weight once, in order, and do a few instructions per byte: the hardware prefetcher
-// alone kept the 4-bit int8 kernel at 59% of the read bandwidth (NF4 + DQ, Llama-3-8B's down projection, AMD
-// EPYC), waiting on its weight loads. Asking for the line `kPrefetchBytes` ahead as each step starts raised it to
-// 72% (float32 constants 70% -> 85%; 8-bit codes, twice the bytes per instruction, stayed at 91%), measured in one
-// process with both builds called in interleaved rounds; with the order swapped (the build without the prefetch
-// second, the place that favours a build by 2-12% in that harness) 61% -> 74% and 71% -> 90%. 2 and 4 KB ahead
-// did the same; 1 KB less.
+// Batch-1 kernels read each weight once, in order, and do a few instructions per byte: with the hardware
+// prefetcher alone the 4-bit int8 kernel waits on its weight loads. Each step asks for the line `kPrefetchBytes`
+// ahead as it starts (benchmarks/kbit_speed.py's streaming part compares the share of the read bandwidth reached).
 constexpr int64_t kPrefetchBytes = 2048;
 
 // Prefetches what a step reading `bytes` bytes from `p` will read `kPrefetchBytes` later (one request per line).
@@ -516,8 +512,14 @@ void round_to_int8_codes(torch::Tensor x, torch::Tensor out, torch::Tensor scale
   });
 }
 
+// 16 floats stored in order.
+inline void store16(float* out, __m256 first, __m256 second) {
+  _mm256_storeu_ps(out, first);
+  _mm256_storeu_ps(out + 8, second);
+}
+
 // 16 floats rounded to bfloat16 (to nearest, ties to even, as PyTorch rounds finite values) and stored in order.
-inline void store16_bf16(at::BFloat16* out, __m256 first, __m256 second) {
+inline void store16(at::BFloat16* out, __m256 first, __m256 second) {
   const auto round = [](__m256 v) {
     const __m256i bits = _mm256_castps_si256(v);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -527,13 +529,6 @@ inline void store16_bf16(at::BFloat16* out, __m256 first, __m256 second) {
   const __m256i packed = _mm256_packus_epi32(round(first), round(second));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(packed, 0xD8));
 }
-
-inline void store16(float* out, __m256 first, __m256 second) {
-  _mm256_storeu_ps(out, first);
-  _mm256_storeu_ps(out + 8, second);
-}
-
-inline void store16(at::BFloat16* out, __m256 first, __m256 second) { store16_bf16(out, first, second); }
 
 void dequantize_rows(torch::Tensor packed, torch::Tensor absmax, torch::Tensor table, int64_t block,
                      int64_t first_row, torch::Tensor out, c10::optional<torch::Tensor> dq_scales,
