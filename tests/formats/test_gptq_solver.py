@@ -209,7 +209,7 @@ def test_stored_form_reproduces_the_solver_and_counts_every_bit(settings):
     torch.testing.assert_close(module.dequantized_weight(), solved.weight, rtol=0, atol=0)
     module.backend = "reference"
     for m in (1, 7, 40):  # the kernel's register path (M <= 16) and its tile path
-        x = torch.randn(m, 256)
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
         reference = module(x)
         # 3 bits: the int8 kernel at decode sizes (SpQR's blocks of 16 too), the de-quantized weight above them
         for backend in ("dense_sparse", "kernel") if module.bits in (3, 4) and avx2_available() else ("dense_sparse",):
@@ -230,7 +230,7 @@ def test_rows_that_end_on_a_partial_group_still_run_the_kernel():
     module = SpQRLinear.from_solved(solve(weight, hessian, settings), settings, torch.randn(96))
     assert module.kernel_block == 64 and module._resolve_backend() == "kernel"
     for m in (1, 7, 40):
-        x = torch.randn(m, 320)
+        x = torch.randn(m, 320, generator=torch.Generator().manual_seed(m))
         _assert_kernel_close(module(x), x @ module.dequantized_weight().T + module.bias, int8_activations=m <= SMALL_M)
 
 

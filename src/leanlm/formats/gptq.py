@@ -150,7 +150,10 @@ def _leave_one_out_outliers(group: torch.Tensor, diagonal: torch.Tensor, bits: i
     base = ((group - round_trip_minmax(group, bits)) / diagonal).square().sum(dim=1, keepdim=True)
     keep = torch.tensor([[c for c in range(columns) if c != left_out] for left_out in range(columns)])
     subsets = group[:, keep]  # (rows, columns, columns - 1)
-    loo = ((subsets - round_trip_minmax(subsets, bits)) / diagonal[keep]).square().sum(dim=2)
+    # The same arithmetic as `base`'s, in place: the subsets are columns - 1 times the group's size
+    scale, zero = fit_minmax(subsets, bits)
+    error = quantize_minmax(subsets, scale, zero, bits).sub_(zero[..., None]).mul_(scale[..., None]).sub_(subsets)
+    loo = error.div_(diagonal[keep]).square_().sum(dim=2)
     return (base - loo) > threshold
 
 
@@ -326,6 +329,7 @@ def solve(
         # same, so the result is too.
         lazy = W[:, start:end].T.contiguous()
         errors = torch.empty(end - start, rows)
+        feedback = torch.empty(end - start, rows)  # each column's update of the block's later columns, in place
         block_codes = torch.empty(end - start, rows, dtype=torch.uint8)
         for j in range(start, end):
             local = j - start
@@ -352,7 +356,8 @@ def solve(
                 kept = torch.where(outliers[:, j], kept + residuals[:, j], kept)
             error = torch.div(w - kept, diagonal[j], out=errors[local])
             lazy[local] = kept
-            lazy[local + 1 :] -= U[j, j + 1 : end][:, None] * error[None, :]
+            later = feedback[: end - j - 1]
+            lazy[local + 1 :] -= torch.mul(U[j, j + 1 : end][:, None], error[None, :], out=later)
         W[:, start:end] = lazy.T
         codes[:, start:end] = block_codes.T
         W[:, end:] -= errors.T.contiguous() @ U[start:end, end:]

@@ -324,6 +324,7 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
             counts["weights"] += weight.numel()
             counts["stored_bits"] += quantized.bits_per_weight() * weight.numel()
             counts["outliers"] += int(solved.outlier_mask.sum())
+            del linear, weight, solved  # the float weight and the solver's result, before the next linear's solve
         hessians.clear()
         return counts
 

@@ -367,18 +367,20 @@ def quantize_checkpoint(
     table_dtype: str = "float32",
     say=print,
 ) -> tuple[Path, QuantRecord]:
-    """What `leanlm quantize` does: out of core, or in memory (saying why) for a method that needs the whole model."""
+    """What `leanlm quantize` does: out of core, or in memory (saying why) for a method that needs the whole model.
+    Either way freed memory goes back to the system at once (`return_freed_memory_at_once`), so that the peak is
+    the live tensors' (`leanlm plan`): the solvers' many temporaries otherwise stay resident in glibc's heap."""
     from leanlm.errors import NeedsWholeModelError
     from leanlm.methods.checkpoint import save_quantized
     from leanlm.models import load_model
 
+    return_freed_memory_at_once()
     try:  # block by block from disk: resident memory holds one float block, whatever the model's size
         return quantize_out_of_core(
             source, configs, out, calibration=calibration, resume=resume, table_dtype=table_dtype
         )
     except NeedsWholeModelError as reason:
         say(f"quantizing in memory: {reason}")
-        return_freed_memory_at_once()  # what the passes over the whole model free leaves no resident heap behind
         loaded = load_model(source)
         calibration = replace(calibration or Calibration(), tokenizer=loaded.tokenizer)
         record = quantize_(loaded.model, configs, calibration=calibration)
