@@ -378,6 +378,22 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load(tmp_path):
 
 
 @needs_avx2
+@pytest.mark.parametrize("bits, dtype", [(4, "nf"), (8, "int")])
+def test_a_batch_over_many_cache_tiles_of_weight_rows_is_each_rows_product(bits, dtype):
+    """Output rows are taken a cache-sized tile at a time (rows of 4096 inputs: tens of rows a tile), every group of
+    rows of x over each tile: the product is the oracle's for every row of x, across tile edges and the 4-row
+    groups' remainder."""
+    torch.manual_seed(5)
+    layer = KbitLinear.from_float(torch.randn(600, 4096), torch.randn(600), dtype, bits, 64)
+    constants, table = layer._kernel_state()
+    x = torch.randn(9, 4096)
+    expected = reference_int8_activations(x, layer.packed, constants, table if bits == 4 else None, 600, 64, bits=bits)
+    for isa in int8_kernel_isas():
+        got = kbit_linear(x, layer.packed, constants, table, 600, 64, layer.bias, "avx2", isa, bits=bits)
+        torch.testing.assert_close(got, expected + layer.bias, rtol=1e-5, atol=1e-3, msg=lambda m: f"{isa}: {m}")
+
+
+@needs_avx2
 @pytest.mark.parametrize("rows", [1, 4, 5])
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_8_bit_int_codes_run_the_int8_kernel_as_stored(rows, double_quant):
