@@ -30,7 +30,6 @@ from leanlm.formats.minmax import (
     dequantize_minmax,
     fit_minmax,
     quantize_minmax,
-    round_trip_minmax,
     search_symmetric,
 )
 
@@ -147,13 +146,17 @@ def _leave_one_out_outliers(group: torch.Tensor, diagonal: torch.Tensor, bits: i
     columns = group.shape[1]
     if columns < 3:
         return torch.zeros_like(group, dtype=torch.bool)
-    base = ((group - round_trip_minmax(group, bits)) / diagonal).square().sum(dim=1, keepdim=True)
+
+    def scaled_errors(values: torch.Tensor, divisors: torch.Tensor) -> torch.Tensor:
+        """((x_hat - x) / divisor)^2 of min-max round trips along the last dimension, worked in place (the
+        leave-one-out subsets are columns - 1 times the group's size)."""
+        scale, zero = fit_minmax(values, bits)
+        error = quantize_minmax(values, scale, zero, bits).sub_(zero[..., None]).mul_(scale[..., None]).sub_(values)
+        return error.div_(divisors).square_()
+
+    base = scaled_errors(group, diagonal).sum(dim=1, keepdim=True)
     keep = torch.tensor([[c for c in range(columns) if c != left_out] for left_out in range(columns)])
-    subsets = group[:, keep]  # (rows, columns, columns - 1)
-    # The same arithmetic as `base`'s, in place: the subsets are columns - 1 times the group's size
-    scale, zero = fit_minmax(subsets, bits)
-    error = quantize_minmax(subsets, scale, zero, bits).sub_(zero[..., None]).mul_(scale[..., None]).sub_(subsets)
-    loo = error.div_(diagonal[keep]).square_().sum(dim=2)
+    loo = scaled_errors(group[:, keep], diagonal[keep]).sum(dim=2)  # subsets: (rows, columns, columns - 1)
     return (base - loo) > threshold
 
 

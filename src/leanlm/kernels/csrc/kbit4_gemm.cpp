@@ -459,15 +459,8 @@ torch::Tensor kbit_gemv_int8(torch::Tensor x, torch::Tensor packed, torch::Tenso
   float* op = out.data_ptr<float>();
   const float inverse = static_cast<float>(table_inverse);
   at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
-    over_weight_tiles(first, last, K * bits / 8, [&](int64_t tile_first, int64_t tile_last) {
-      int64_t r = 0;
-      for (; r + 4 <= rows; r += 4)
-        gemv_int8_rows<4>(isa == kAvx512, bits, quantized.row(r), pp, constants, tp, inverse, K, block,
-                          op + r * out_features, out_features, tile_first, tile_last);
-      for (; r < rows; ++r)
-        gemv_int8_rows<1>(isa == kAvx512, bits, quantized.row(r), pp, constants, tp, inverse, K, block,
-                          op + r * out_features, out_features, tile_first, tile_last);
-    });
+    gemv_int8_batch(isa == kAvx512, bits, quantized, rows, pp, constants, tp, inverse, K, block, op, out_features,
+                    first, last);
   });
   return out;
 }
