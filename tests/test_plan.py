@@ -90,7 +90,7 @@ def test_a_model_stored_in_bfloat16_runs_in_place_in_bfloat16_and_converts_for_f
 def test_settings_that_need_the_whole_model_are_planned_in_memory(tiny_llama_dir, configs):
     facts = plan.model_facts(str(tiny_llama_dir))
     row = plan.plan_row(facts, "x", "", configs, plan.PlanSettings(), 0)
-    assert row.quantizing_path == "in memory" and row.quantizing.parts["float weights"] == 4 * facts.total_parameters
+    assert row.quantizing_path == "in memory" and row.quantizing.parts["float model"] == 4 * facts.total_parameters
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text", "gpt2"])
@@ -113,12 +113,17 @@ def test_the_gradient_pass_on_fake_tensors_holds_what_the_real_one_holds(family)
 
 def test_a_budget_ranked_by_gradients_plans_the_gradient_pass(tiny_llama_dir):
     facts = plan.model_facts(str(tiny_llama_dir))
-    rows = {}
+    rows, phases = {}, {}
     for allocation in ("block", "fisher"):
         config = m.GPTQConfig(target_bits=4.5, allocation=allocation, calibration_samples=4)
         rows[allocation] = plan.plan_row(facts, "x", "", (config,), plan.PlanSettings(), 0)
-    assert rows["block"].quantizing_path == "out of core" and rows["block"].quantizing.parts["gradient pass"] == 0
-    assert rows["fisher"].quantizing_path == "in memory" and rows["fisher"].quantizing.parts["gradient pass"] > 0
+        stored = plan.stored_estimate(facts, (config,))[0]
+        phases[allocation] = plan.quantizing_phases(facts, (config,), stored, 0)
+    assert rows["block"].quantizing_path == "out of core" and set(phases["block"]) == {"tables", "blocks"}
+    assert (
+        rows["fisher"].quantizing_path == "in memory" and phases["fisher"]["gradient pass"].parts["gradient pass"] > 0
+    )
+    assert rows["fisher"].quantizing.total == max(phase.total for phase in phases["fisher"].values())
     assert "gptq-mix" in [name for name, _, _ in plan.method_rows()]
 
 

@@ -44,8 +44,10 @@ PREFILL_CHUNK = 512  # tokens per prefill forward (`leanlm serve`, `leanlm chat`
 # SpQR's outliers depend on the weights: the share its default threshold keeps on the real models
 # (benchmarks/plan_accuracy.py reports the stored bytes they take)
 SPQR_OUTLIER_SHARE = 0.024
-# What tokenizing the calibration text takes beside the windows it makes (a constant, measured by the same script).
+# What tokenizing the calibration text takes beside the windows it makes, and a loaded fast tokenizer's bytes per
+# vocabulary entry (constants, measured by the same script).
 CALIBRATION_TEXT = 96 * 2**20
+TOKENIZER_BYTES_PER_TOKEN = 900
 
 
 def parse_bytes(text: str) -> int:
@@ -369,6 +371,7 @@ class RowPlan:
     running: Estimate
     quantizing: Estimate | None  # None: nothing to quantize
     quantizing_path: str | None  # "out of core" or "in memory"
+    quantizing_phase: str | None = None  # the phase of quantizing that peaks (`quantizing_estimate`)
 
     def as_dict(self, memory: int) -> dict:
         peak = max(self.running.total, self.quantizing.total if self.quantizing else 0)
@@ -379,6 +382,7 @@ class RowPlan:
             "running_bytes": self.running.total,
             "quantizing_bytes": self.quantizing.total if self.quantizing else None,
             "quantizing_path": self.quantizing_path,
+            "quantizing_phase": self.quantizing_phase,
             "fits": peak <= memory,
             "parts": {
                 "stored": self.stored.parts,
@@ -452,8 +456,6 @@ def _needs_whole_model(configs: tuple) -> bool:
 def plan_row(
     facts: ModelFacts, name: str, description: str, configs: tuple, settings: PlanSettings, baseline: int
 ) -> RowPlan:
-    from leanlm.methods.cushion import CushionConfig
-    from leanlm.methods.gptq import GPTQConfig, SpQRConfig, ranks_by_gradients
 
     configs = settings.applied(configs)
     compute_bytes = 2 if name == "bf16" else 4
@@ -488,41 +490,87 @@ def plan_row(
         running.parts.update(extra)
     if not configs:
         return RowPlan(name, description, stored, running, None, None)
-    windows, seq_len = _calibration(configs)
-    hidden_states = 2 * windows * seq_len * facts.hidden * 4  # entering and leaving the block
-    per_window = prefill_workspace(facts, seq_len)
-    quantizer = _weight_quantizer(configs)
-    statistics = 0
-    if isinstance(quantizer, (GPTQConfig, SpQRConfig)):
-        first_block = facts.linears[: len(facts.linears) // facts.layers]
-        statistics = sum(i * i * 4 for _, i, _, _ in first_block)  # one float32 Hessian per linear
-    whole = _needs_whole_model(configs)
-    gradient_pass = 0
-    quantized_block = stored.parts["linears"] // facts.layers
-    if ranks_by_gradients(quantizer):  # before the blocks are quantized, the float model's forward and backward
-        blocks_phase = hidden_states + per_window + statistics + quantized_block
-        gradient_pass = max(0, gradient_pass_bytes(read_config(facts.name), seq_len) - blocks_phase)
-    search = 0
-    cushion = next((c for c in configs if isinstance(c, CushionConfig)), None)
-    if cushion is not None:  # one search batch's inputs of every layer's hidden-wide linears (q/k/v, o, gate/up)
-        tokens = cushion.batch_size * cushion.search_samples * cushion.sample_tokens
-        search = 3 * tokens * facts.layers * facts.hidden * 4
-    quantizing = Estimate(
-        {
-            "process": baseline,
-            # out of core: one table at a time (read before the blocks and written after them) or one block in
-            # between, whichever is larger, each read as its stored tensor's mapped pages beside its float32 copy
-            "float weights": facts.total_parameters * 4
-            if whole
-            else max(facts.block_parameters, facts.vocab * facts.hidden) * (4 + stored_bytes),
-            "quantized block": quantized_block,
-            "calibration": hidden_states + (per_window + CALIBRATION_TEXT if windows else 0),
-            "statistics": statistics,
-            "cushion search": search,
-            "gradient pass": gradient_pass,  # what it holds beyond the blocks' phase, which comes after it
-        }
+    phases = quantizing_phases(facts, configs, stored, baseline)
+    phase = max(phases, key=lambda each: phases[each].total)
+    return RowPlan(
+        name,
+        description,
+        stored,
+        running,
+        phases[phase],
+        "in memory" if _needs_whole_model(configs) else "out of core",
+        phase,
     )
-    return RowPlan(name, description, stored, running, quantizing, "in memory" if whole else "out of core")
+
+
+def solver_peak(facts: ModelFacts) -> int:
+    """The most GPTQ's and SpQR's solves of one block hold beyond the block's float weights: the linears are solved
+    in order, each taking its Hessian from those still held, and each solve holds about one and a half more of its
+    Hessian's size (the Cholesky factor, the inverse built in place) and two copies of its weight."""
+    block = facts.linears[: len(facts.linears) // facts.layers]
+    held = sum(i * i * 4 for _, i, _, _ in block)  # one float32 Hessian per linear, observed before the solves
+    peak = 0
+    for _, in_features, out_features, _ in block:
+        peak = max(peak, held + (3 * in_features * in_features // 2 + 2 * in_features * out_features) * 4)
+        held -= in_features * in_features * 4
+    return peak
+
+
+def quantizing_phases(facts: ModelFacts, configs: tuple, stored: Estimate, baseline: int) -> dict[str, Estimate]:
+    """What each phase of `leanlm quantize` holds at its peak; the largest is the job's. The phases come one after
+    the other, each
+    holding the process, the tokenizer and (calibrated methods) what tokenizing the calibration text left:
+    - out of core, "tables": the largest table (token embedding or output head) as read (its stored tensor) and
+      as copied to float32, and the calibration windows' hidden states it makes (before the blocks; after them the
+      tables are read again, one at a time, to be written);
+    - out of core, "blocks": one float32 block (its largest tensor also as read), its quantized form, the windows'
+      hidden states entering and leaving it, one window's activations, and GPTQ's and SpQR's Hessians and solves
+      (the other quantizers: a float32 working copy of the largest weight);
+    - in memory, the whole float32 model and then, as the blocks are quantized, the whole quantized model, with
+      the "blocks" parts above; before them a CushionCache search (one forward of a batch of candidates, and the
+      quantization error it measures on each linear's input) or a bit budget ranked by the loss's gradients (one
+      window's forward and backward through the float model, counted on fake tensors)."""
+    from leanlm.methods.cushion import CushionConfig
+    from leanlm.methods.gptq import GPTQConfig, SpQRConfig, ranks_by_gradients
+
+    windows, seq_len = _calibration(configs)
+    quantizer = _weight_quantizer(configs)
+    solves = isinstance(quantizer, (GPTQConfig, SpQRConfig))
+    common = {"process": baseline, "tokenizer": facts.vocab * TOKENIZER_BYTES_PER_TOKEN}
+    if windows:
+        common["calibration text"] = CALIBRATION_TEXT
+    inputs = windows * seq_len * facts.hidden * 4  # the windows' hidden states entering (or leaving) a block
+    largest = max(i * o for _, i, o, _ in facts.linears)
+    blocks = {
+        "hidden states": 2 * inputs,
+        "one window": prefill_workspace(facts, seq_len) if windows else 0,
+        # GPTQ's and SpQR's solves; the other quantizers' working copy of a weight in float32
+        "solves": solver_peak(facts) if solves and windows else largest * 4,
+    }
+    phases: dict[str, dict[str, int]] = {}
+    if _needs_whole_model(configs):
+        common["float model"] = facts.total_parameters * 4
+        phases["blocks"] = {**common, "quantized model": stored.parts["linears"], **blocks}
+        cushion = next((c for c in configs if isinstance(c, CushionConfig)), None)
+        if cushion is not None:
+            tokens = cushion.batch_size * (cushion.sample_tokens + cushion.max_length)
+            forward = tokens * (6 * facts.hidden + 3 * facts.intermediate) * 4
+            probe = 3 * tokens * max(i for _, i, _, _ in facts.linears) * 4  # the input's round trip and its error
+            phases["cushion search"] = {**common, "search forward": forward + probe}
+        if ranks_by_gradients(quantizer):
+            phases["gradient pass"] = {**common, "gradient pass": gradient_pass_bytes(read_config(facts.name), seq_len)}
+    else:
+        stored_bytes = facts.stored_dtype.itemsize
+        phases["tables"] = {**common, "largest table": facts.vocab * facts.hidden * (4 + stored_bytes)}
+        if windows:
+            phases["tables"]["hidden states"] = inputs
+        phases["blocks"] = {
+            **common,
+            "float block": facts.block_parameters * 4 + largest * stored_bytes,
+            "quantized block": stored.parts["linears"] // facts.layers,
+            **blocks,
+        }
+    return {name: Estimate({key: value for key, value in parts.items() if value}) for name, parts in phases.items()}
 
 
 def method_rows() -> list[tuple[str, str, tuple]]:
