@@ -106,6 +106,22 @@ def _block_output(output) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
+def _run_block(block: nn.Module, hidden: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+    """`block` on one window, as the model would run it. A prefix cache the model passes its blocks (a CushionCache
+    cushion) is left holding the prefix alone: the keys and values the block adds for the window are dropped once
+    it has run, so that a second pass over the block (error feedback) attends to the prefix only, and no window's
+    keys stay resident after the walk moves on."""
+    cache = kwargs.get("past_key_values")
+    kept = [dict(vars(layer)) for layer in cache.layers] if cache is not None else None
+    try:
+        return _block_output(block(hidden, *args, **kwargs))
+    finally:
+        if kept is not None:
+            del cache.layers[len(kept) :]
+            for layer, state in zip(cache.layers, kept):
+                vars(layer).update(state)
+
+
 class ResidentBlocks:
     """Where `walk_blocks` finds the blocks of a model held in memory: the model's own, kept after the walk.
     A source of blocks read from disk (`leanlm.methods.out_of_core`) has the same methods."""
@@ -167,7 +183,7 @@ def walk_blocks(
             if hidden is not None:
                 with observe(index, block) if observe is not None else nullcontext():
                     for window, (args, kwargs) in enumerate(arguments[index]):
-                        output = _block_output(block(hidden[window], *args, **kwargs))
+                        output = _run_block(block, hidden[window], args, kwargs)
                         if not feed_quantized and not last:
                             hidden[window] = output
             result = None
@@ -175,7 +191,7 @@ def walk_blocks(
                 result = quantize_block(index, block)
                 if feed_quantized and hidden is not None and not last:
                     for window, (args, kwargs) in enumerate(arguments[index]):
-                        hidden[window] = _block_output(block(hidden[window], *args, **kwargs))
+                        hidden[window] = _run_block(block, hidden[window], args, kwargs)
             source.release(index, block, None if last else hidden, result)
             results.append(result)
     return results
