@@ -44,8 +44,8 @@ PREFILL_CHUNK = 512  # tokens per prefill forward (`leanlm serve`, `leanlm chat`
 # SpQR's outliers depend on the weights: the share its default threshold keeps on the real models
 # (benchmarks/plan_accuracy.py reports the stored bytes they take)
 SPQR_OUTLIER_SHARE = 0.024
-# What tokenizing the calibration text takes beside the windows it makes, and a loaded fast tokenizer's bytes per
-# vocabulary entry (constants, measured by the same script).
+# What tokenizing the calibration text leaves resident beside the windows it makes, and a loaded fast tokenizer's
+# bytes per vocabulary entry (constants; benchmarks/plan_accuracy.py checks the peaks they are part of).
 CALIBRATION_TEXT = 96 * 2**20
 TOKENIZER_BYTES_PER_TOKEN = 900
 
@@ -518,8 +518,8 @@ def solver_peak(facts: ModelFacts) -> int:
 
 def quantizing_phases(facts: ModelFacts, configs: tuple, stored: Estimate, baseline: int) -> dict[str, Estimate]:
     """What each phase of `leanlm quantize` holds at its peak; the largest is the job's. The phases come one after
-    the other, each
-    holding the process, the tokenizer and (calibrated methods) what tokenizing the calibration text left:
+    the other, each holding the process, the tokenizer and (calibrated methods) what tokenizing the calibration
+    text left:
     - out of core, "tables": the largest table (token embedding or output head) as read (its stored tensor) and
       as copied to float32, and the calibration windows' hidden states it makes (before the blocks; after them the
       tables are read again, one at a time, to be written);
@@ -544,9 +544,11 @@ def quantizing_phases(facts: ModelFacts, configs: tuple, stored: Estimate, basel
     blocks = {
         "hidden states": 2 * inputs,
         "one window": prefill_workspace(facts, seq_len) if windows else 0,
-        # GPTQ's and SpQR's solves; the other quantizers' working copy of a weight in float32
-        "solves": solver_peak(facts) if solves and windows else largest * 4,
     }
+    if solves and windows:
+        blocks["solves"] = solver_peak(facts)
+    else:  # the other quantizers' float32 working copy of a weight
+        blocks["working copy"] = largest * 4
     phases: dict[str, dict[str, int]] = {}
     if _needs_whole_model(configs):
         common["float model"] = facts.total_parameters * 4

@@ -69,7 +69,8 @@ def test_smoothquant_on_the_pipeline_equals_calibrating_once_by_hand():
     assert all(torch.equal(a, b) for a, b in zip(by_verb.state_dict().values(), by_hand.state_dict().values()))
 
 
-def test_a_cushioned_walk_runs_each_window_after_the_cushion_alone_and_keeps_no_window_keys():
+@pytest.mark.parametrize("feed_quantized", [False, True])
+def test_a_cushioned_walk_runs_each_window_after_the_cushion_alone_and_keeps_no_window_keys(feed_quantized):
     """A prefix cache the model passes each block (a CushionCache cushion) holds the cushion only, whichever pass
     over a block a window is in: the error-feedback pass after the observing one, and every later block."""
     from leanlm.cache.prefix import Cushion, attach_cushion, cushion_keys_values
@@ -78,18 +79,23 @@ def test_a_cushioned_walk_runs_each_window_after_the_cushion_alone_and_keeps_no_
     prefix = [5, 17, 3]
     attach_cushion(model, Cushion(prefix, *cushion_keys_values(model, prefix)))
     windows = _windows(2)
-    _, arguments = capture_block_inputs(model, windows)
-    last = []
+    last, caches = [], []
+    first = model.model.layers[0]
+    grab = first.register_forward_pre_hook(lambda m, a, k: caches.append(k["past_key_values"]), with_kwargs=True)
 
     def observe(index, block):
         return observe_inputs([(index, block.mlp.down_proj)], lambda i, x: last.append(x.clone()))
 
-    walk_blocks(model, windows, observe=observe, quantize_block=lambda index, block: None, feed_quantized=True)
+    walk_blocks(
+        model, windows, observe=observe, quantize_block=lambda index, block: None, feed_quantized=feed_quantized
+    )
+    grab.remove()
     reference = []
     down = model.model.layers[-1].mlp.down_proj
     with observe_inputs([(0, down)], lambda i, x: reference.append(x.clone())), torch.inference_mode():
         for sample in windows:
             model(input_ids=sample[None], use_cache=False)
     assert all(torch.equal(a, b) for a, b in zip(last[-2:], reference))
-    caches = [kwargs["past_key_values"] for _, kwargs in arguments[0]]
-    assert all(layer.keys.shape[-2] == len(prefix) for cache in caches for layer in cache.layers)
+    walked = {id(cache): cache for cache in caches}.values()  # one per window, made when the windows were read
+    assert len(walked) == len(windows)
+    assert all(layer.keys.shape[-2] == len(prefix) for cache in walked for layer in cache.layers)
