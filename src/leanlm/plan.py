@@ -503,14 +503,18 @@ def plan_row(
     )
 
 
+def _block_hessians(facts: ModelFacts) -> int:
+    """GPTQ's and SpQR's statistics of one block: a float32 Hessian per linear."""
+    return sum(i * i * 4 for _, i, _, _ in facts.linears[: len(facts.linears) // facts.layers])
+
+
 def solver_peak(facts: ModelFacts) -> int:
     """The most GPTQ's and SpQR's solves of one block hold beyond the block's float weights: the linears are solved
     in order, each taking its Hessian from those still held, and each solve holds about one and a half more of its
     Hessian's size (the Cholesky factor, the inverse built in place) and two copies of its weight."""
-    block = facts.linears[: len(facts.linears) // facts.layers]
-    held = sum(i * i * 4 for _, i, _, _ in block)  # one float32 Hessian per linear, observed before the solves
+    held = _block_hessians(facts)
     peak = 0
-    for _, in_features, out_features, _ in block:
+    for _, in_features, out_features, _ in facts.linears[: len(facts.linears) // facts.layers]:
         peak = max(peak, held + (3 * in_features * in_features // 2 + 2 * in_features * out_features) * 4)
         held -= in_features * in_features * 4
     return peak
@@ -524,8 +528,8 @@ def quantizing_phases(facts: ModelFacts, configs: tuple, stored: Estimate, basel
       as copied to float32, and the calibration windows' hidden states it makes (before the blocks; after them the
       tables are read again, one at a time, to be written);
     - out of core, "blocks": one float32 block (its largest tensor also as read), its quantized form, the windows'
-      hidden states entering and leaving it, one window's activations, and GPTQ's and SpQR's Hessians and solves
-      (the other quantizers: a float32 working copy of the largest weight);
+      hidden states entering and leaving it, and the larger of one window's activations (with GPTQ's and SpQR's
+      Hessians) and the quantizing that follows (their solves; the other quantizers' float32 copy of a weight);
     - in memory, the whole float32 model and then, as the blocks are quantized, the whole quantized model, with
       the "blocks" parts above; before them a CushionCache search (one forward of a batch of candidates, and the
       quantization error it measures on each linear's input) or a bit budget ranked by the loss's gradients (one
@@ -541,14 +545,15 @@ def quantizing_phases(facts: ModelFacts, configs: tuple, stored: Estimate, basel
         common["calibration text"] = CALIBRATION_TEXT
     inputs = windows * seq_len * facts.hidden * 4  # the windows' hidden states entering (or leaving) a block
     largest = max(i * o for _, i, o, _ in facts.linears)
-    blocks = {
-        "hidden states": 2 * inputs,
-        "one window": prefill_workspace(facts, seq_len) if windows else 0,
-    }
+    # A block first runs the windows (one window's activations at a time, GPTQ's and SpQR's Hessians growing), then
+    # is quantized (their solves; the other quantizers work on a float32 copy of a weight): the larger is its peak.
+    observing = {"one window": prefill_workspace(facts, seq_len) if windows else 0}
     if solves and windows:
-        blocks["solves"] = solver_peak(facts)
-    else:  # the other quantizers' float32 working copy of a weight
-        blocks["working copy"] = largest * 4
+        observing["Hessians"] = _block_hessians(facts)
+        quantizing = {"solves": solver_peak(facts)}
+    else:
+        quantizing = {"working copy": largest * 4}
+    blocks = {"hidden states": 2 * inputs, **max(observing, quantizing, key=lambda parts: sum(parts.values()))}
     phases: dict[str, dict[str, int]] = {}
     if _needs_whole_model(configs):
         common["float model"] = facts.total_parameters * 4
