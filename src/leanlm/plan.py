@@ -371,7 +371,7 @@ class RowPlan:
     running: Estimate
     quantizing: Estimate | None  # None: nothing to quantize
     quantizing_path: str | None  # "out of core" or "in memory"
-    quantizing_phase: str | None = None  # the phase of quantizing that peaks (`quantizing_estimate`)
+    quantizing_phase: str | None = None  # the phase of quantizing that peaks (`quantizing_phases`)
 
     def as_dict(self, memory: int) -> dict:
         peak = max(self.running.total, self.quantizing.total if self.quantizing else 0)
@@ -400,9 +400,14 @@ def prefill_workspace(facts: ModelFacts, context: int, dtype_bytes: int = 4) -> 
     """One prefill chunk's activations: its hidden states and MLP intermediates, and the attention scores of the
     chunk over the whole context."""
     chunk = min(PREFILL_CHUNK, context)
-    hidden = chunk * (6 * facts.hidden + 3 * facts.intermediate) * dtype_bytes
     scores = 3 * facts.heads * chunk * context * 4  # the scores, their softmax and the masked copy, in float32
-    return hidden + scores
+    return token_activations(facts, chunk, dtype_bytes) + scores
+
+
+def token_activations(facts: ModelFacts, tokens: int, dtype_bytes: int = 4) -> int:
+    """What a forward of `tokens` tokens holds at once besides attention scores: hidden states and MLP
+    intermediates."""
+    return tokens * (6 * facts.hidden + 3 * facts.intermediate) * dtype_bytes
 
 
 def stored_estimate(facts: ModelFacts, configs: tuple, table_bytes: int = 4) -> tuple[Estimate, dict[str, int], int]:
@@ -456,7 +461,6 @@ def _needs_whole_model(configs: tuple) -> bool:
 def plan_row(
     facts: ModelFacts, name: str, description: str, configs: tuple, settings: PlanSettings, baseline: int
 ) -> RowPlan:
-
     configs = settings.applied(configs)
     compute_bytes = 2 if name == "bf16" else 4
     stored_bytes = facts.stored_dtype.itemsize
@@ -503,9 +507,14 @@ def plan_row(
     )
 
 
+def _first_block(facts: ModelFacts) -> list[tuple[str, int, int, bool]]:
+    """The quantizable linears of one decoder block, in the order they are quantized."""
+    return facts.linears[: len(facts.linears) // facts.layers]
+
+
 def _block_hessians(facts: ModelFacts) -> int:
     """GPTQ's and SpQR's statistics of one block: a float32 Hessian per linear."""
-    return sum(i * i * 4 for _, i, _, _ in facts.linears[: len(facts.linears) // facts.layers])
+    return sum(i * i * 4 for _, i, _, _ in _first_block(facts))
 
 
 def solver_peak(facts: ModelFacts) -> int:
@@ -514,7 +523,7 @@ def solver_peak(facts: ModelFacts) -> int:
     Hessian's size (the Cholesky factor, the inverse built in place) and two copies of its weight."""
     held = _block_hessians(facts)
     peak = 0
-    for _, in_features, out_features, _ in facts.linears[: len(facts.linears) // facts.layers]:
+    for _, in_features, out_features, _ in _first_block(facts):
         peak = max(peak, held + (3 * in_features * in_features // 2 + 2 * in_features * out_features) * 4)
         held -= in_features * in_features * 4
     return peak
@@ -561,9 +570,8 @@ def quantizing_phases(facts: ModelFacts, configs: tuple, stored: Estimate, basel
         cushion = next((c for c in configs if isinstance(c, CushionConfig)), None)
         if cushion is not None:
             tokens = cushion.batch_size * (cushion.sample_tokens + cushion.max_length)
-            forward = tokens * (6 * facts.hidden + 3 * facts.intermediate) * 4
             probe = 3 * tokens * max(i for _, i, _, _ in facts.linears) * 4  # the input's round trip and its error
-            phases["cushion search"] = {**common, "search forward": forward + probe}
+            phases["cushion search"] = {**common, "search forward": token_activations(facts, tokens) + probe}
         if ranks_by_gradients(quantizer):
             phases["gradient pass"] = {**common, "gradient pass": gradient_pass_bytes(read_config(facts.name), seq_len)}
     else:
