@@ -285,32 +285,34 @@ def report(payload: dict) -> str:
     """The linear's speed on this CPU and as a CPU without AVX512-BF16 runs it, and the model's decode: ms, and
     in brackets the speed-up over the best float path at that M (bf16 where the CPU has bf16 instructions)."""
     out = []
-    if "linear_4096" in payload:
-        entries = payload["linear_4096"]
-        out += [
-            f"4096 x 4096 linear on {entries.get('cpu', 'this CPU')}, ms (speed-up over the best float path, "
-            "or over fp32 where no bf16 was measured):",
-            speed_table(
-                {m: entries[m] for m in map(str, ROWS)},
-                NAMES,
-                extra={
-                    "leanlm nf4+dq / bitsandbytes": lambda row: (
-                        f"{row['leanlm nf4+dq']['speedup_vs_bitsandbytes']:.2f}x"
-                    )
-                },
-            ),
-        ]
-    if "linear_4096_without_avx512bf16" in payload:
-        entries = payload["linear_4096_without_avx512bf16"]
-        out += [
-            "",
+    linears = (
+        ("linear_4096", NAMES, "leanlm nf4+dq", None),
+        (
+            "linear_4096_without_avx512bf16",
+            AVX2_NAMES,
+            "leanlm nf4+dq avx2",
             "without AVX512-BF16 (bitsandbytes with the feature hidden; leanlm's AVX2 kernel):",
+        ),
+    )
+    for part, names, leanlm, title in linears:
+        if part not in payload:
+            continue
+        entries = payload[part]
+        if title is None:
+            title = (
+                f"4096 x 4096 linear on {entries.get('cpu', 'this CPU')}, ms (speed-up over the best float path, "
+                "or over fp32 where no bf16 was measured):"
+            )
+        else:
+            out.append("")
+        out += [
+            title,
             speed_table(
                 {m: entries[m] for m in map(str, ROWS)},
-                AVX2_NAMES,
+                names,
                 extra={
-                    "leanlm nf4+dq avx2 / bitsandbytes": lambda row: (
-                        f"{row['leanlm nf4+dq avx2']['speedup_vs_bitsandbytes']:.2f}x"
+                    f"{leanlm} / bitsandbytes": lambda row, leanlm=leanlm: (
+                        f"{row[leanlm]['speedup_vs_bitsandbytes']:.2f}x"
                     )
                 },
             ),
