@@ -8,7 +8,9 @@ import torch
 from tiny import tiny_model
 
 from leanlm.kernels.kbit_gemm import avx2_available
+from leanlm.methods import KbitConfig, quantize_
 from leanlm.methods.streaming import StreamingConfig, sink_cache
+from leanlm.nn import use_gemv_
 from leanlm.serve.conversations import Conversation, ConversationStore, cache_bytes
 from leanlm.serve.engine import Engine, Request, Sampling, forward_batch, held_back
 
@@ -148,17 +150,33 @@ def test_penalties_and_bias_follow_openais_definitions():
     assert adjusted_logits(plain, [1], Sampling(max_tokens=1)) is plain
 
 
+def _served_model(tokenizer, seed: int, dtype: torch.dtype, packed: bool):
+    """A tiny Llama as the engine gets it: transformers' linears, or (`packed`) leanlm's as its loaders leave them
+    (NF4 block linears, the head a GemvLinear), whose prompt pieces the engine reads packed."""
+    model = tiny_model("llama", vocab_size=len(tokenizer), seed=seed).to(dtype)
+    if packed:
+        quantize_(model, KbitConfig(double_quant=True))
+        use_gemv_(model)
+    return model
+
+
+needs_kernels = pytest.mark.skipif(not avx2_available(), reason="leanlm's kernels cannot be built here")
+PACKED = [pytest.param(False, id="alone"), pytest.param(True, id="packed", marks=needs_kernels)]
+
+
+@pytest.mark.parametrize("packed", PACKED)
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "transformers"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_an_answer_does_not_depend_on_what_the_store_held(smollm2_tokenizer, fused, dtype):
+def test_an_answer_does_not_depend_on_what_the_store_held(smollm2_tokenizer, fused, dtype, packed):
     """The second turn of a conversation, continued from the stored first turn or read fresh by another engine:
     the same greedy tokens, in bfloat16 too (the store shares only whole prompt chunks, computed alike)."""
     if fused and not avx2_available():
         pytest.skip("leanlm's kernels cannot be built here")
-    model = tiny_model("llama", vocab_size=len(smollm2_tokenizer), seed=4).to(dtype)
+    model = _served_model(smollm2_tokenizer, 4, dtype, packed)
     streaming = StreamingConfig(sinks=4, window=120)  # prompts read in chunks of 30
     first = [(7 * i) % 5000 + 3 for i in range(60)]
     stored = Engine(model, smollm2_tokenizer, streaming, max_batch=2, fused=fused)
+    assert stored.packs == packed
     answer = _serve_turns(stored, [first], max_tokens=10)[0]
     second = first + answer + [11, 12, 13]
     requests = []
@@ -167,6 +185,32 @@ def test_an_answer_does_not_depend_on_what_the_store_held(smollm2_tokenizer, fus
     _serve_turns(Engine(model, smollm2_tokenizer, streaming, max_batch=2, fused=fused), [second], 20, requests)
     continued, fresh = ([(e.token, e.logprob) for e in request.logprobs] for request in requests)
     assert continued == fresh  # the same tokens, and logits equal to the last bit
+
+
+@needs_kernels
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "transformers"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_an_answer_does_not_depend_on_what_arrives_beside_it(smollm2_tokenizer, fused, dtype):
+    """Prompts of 3, 17 and 45 tokens (pieces of 30 and 15) arriving together, their pieces read packed, or each
+    alone: the same tokens, the first one's log-probabilities equal to the last bit (the prompt's read alone:
+    tests/decoding/test_packed.py); the later ones come from decode steps of three rows or one, whose float
+    kernels may sum in another order."""
+    model = _served_model(smollm2_tokenizer, 5, dtype, packed=True)
+    streaming = StreamingConfig(sinks=4, window=120)
+    prompts = [[(11 * i + 7 * n) % 5000 + 3 for i in range(n)] for n in (3, 17, 45)]
+    together: list[Request] = []
+    engine = Engine(model, smollm2_tokenizer, streaming, max_batch=3, fused=fused)
+    assert engine.packs
+    _serve_turns(engine, prompts, max_tokens=8, requests_out=together)
+    alone: list[Request] = []
+    for prompt in prompts:
+        _serve_turns(Engine(model, smollm2_tokenizer, streaming, max_batch=3, fused=fused), [prompt], 8, alone)
+    for a, b in zip(together, alone):
+        assert a.generated == b.generated
+        assert (a.logprobs[0].token, a.logprobs[0].logprob) == (b.logprobs[0].token, b.logprobs[0].logprob)
+        torch.testing.assert_close(
+            [e.logprob for e in a.logprobs], [e.logprob for e in b.logprobs], rtol=1e-4, atol=1e-4
+        )
 
 
 def test_prompts_are_read_first_come_first_served_within_a_chunk_a_round(smollm2_tokenizer):

@@ -23,6 +23,7 @@ from tiny import tiny_model
 
 from leanlm.kernels.kbit_gemm import avx2_available
 from leanlm.methods.streaming import StreamingConfig
+from leanlm.nn import use_gemv_
 from leanlm.serve import ServeSettings, build_app
 from leanlm.serve.conversations import cache_bytes
 from leanlm.serve.server import uvicorn_config
@@ -39,8 +40,10 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module", params=[True, False], ids=["fused", "transformers"])
 def server(smollm2_tokenizer, request):
-    """The server generating through the fused step (the default), then through transformers' batched forward."""
+    """The server generating through the fused step (the default), then through transformers' batched forward; its
+    float linears leanlm's, as its loaders leave them, so prompts are read packed where the kernels are built."""
     model = tiny_model("llama", vocab_size=len(smollm2_tokenizer), seed=1)
+    use_gemv_(model)
     settings = ServeSettings(
         streaming=StreamingConfig(sinks=4, window=WINDOW),
         max_batch=8,
@@ -52,6 +55,7 @@ def server(smollm2_tokenizer, request):
     )
     app = build_app(model, smollm2_tokenizer, MODEL, settings)
     assert (app.state.engine.fused is not None) == (request.param and avx2_available())
+    assert app.state.engine.packs
     with running(app) as url:
         yield url, app
 

@@ -1,4 +1,5 @@
-"""Decoding runtimes beside transformers' eager forward: `fused` runs a whole batch-1 decode step in one C++ call."""
+"""Decoding runtimes beside transformers' eager forward: `fused` runs a whole batch-1 decode step in one C++ call;
+`packed` reads several sequences' prompt pieces in one forward."""
 
 from leanlm.decoding.fused import (
     FusedCache,
@@ -9,6 +10,7 @@ from leanlm.decoding.fused import (
     new_cache,
     read_in_chunks,
 )
+from leanlm.decoding.packed import packing_problem, read_pieces
 
 __all__ = [
     "FusedCache",
@@ -17,5 +19,7 @@ __all__ = [
     "greedy_stream",
     "greedy_tokens",
     "new_cache",
+    "packing_problem",
     "read_in_chunks",
+    "read_pieces",
 ]

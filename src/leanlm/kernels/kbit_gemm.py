@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -284,6 +285,18 @@ class SparseRows:
         )
 
 
+def per_group(groups: Sequence[int] | None, x: torch.Tensor, out: torch.Tensor, product: Callable) -> None:
+    """`product(rows of x, rows of out)` for each group of consecutive rows in turn (a GEMM whose rounding could
+    depend on its row count, run on the rows a group has alone), or once for all rows without groups."""
+    if groups is None:
+        product(x, out)
+        return
+    start = 0
+    for length in groups:
+        product(x[start : start + length], out[start : start + length])
+        start += length
+
+
 def prefill_dtype(activations: torch.dtype, chosen: torch.dtype | None = None) -> torch.dtype:
     """The GEMM dtype of the large-M path for a model computing in `activations`: `chosen` when set (a module's
     `gemm_dtype`), else bfloat16 where the model computes in it and the CPU multiplies bfloat16 in hardware
@@ -309,6 +322,9 @@ def kbit_linear(
     # (N, K / block) float32 added to every weight of its block: an asymmetric grid's -scale * zero (GPTQ / SpQR)
     block_offsets: torch.Tensor | None = None,
     sparse: SparseRows | None = None,  # a sparse part added to the weight (SpQR's outliers)
+    # rows in groups of consecutive rows, each computed exactly as those rows alone (`leanlm.nn.rows`); every group
+    # must select the same path (the caller splits them): its largest decides
+    groups: Sequence[int] | None = None,
 ) -> torch.Tensor:
     in_features = x.shape[1]
     constants = absmax if isinstance(absmax, BlockConstants) else BlockConstants(absmax)
@@ -329,15 +345,26 @@ def kbit_linear(
     extension = compiled_kernels()
     if extension is None:
         raise ConfigError("the avx2 k-bit kernel is not available on this machine (see the warning logged)")
+    rows_alone = x.shape[0] if groups is None else max(groups)
     int8 = isa in INT8_ISAS or (
         isa == "auto"
         and int8_activations
-        and x.shape[0] <= SMALL_M
+        and rows_alone <= SMALL_M
         and supports_int8_activations(block_size, in_features, bits)
     )
     # 3- and 8-bit codes have no float-activation GEMV: outside the int8 kernel they take the tiles at any M
-    small = int8 or bits == 4 and x.shape[0] <= SMALL_M
+    small = int8 or bits == 4 and rows_alone <= SMALL_M
     x = x.float().contiguous() if small else x
+    if small and not int8 and groups is not None:  # the float GEMV reads a call's rows together: one call a group
+        arguments = (packed, absmax, table, out_features, block_size, bias, backend, isa, int8_activations, bits)
+        out = torch.empty(x.shape[0], out_features)
+        per_group(
+            groups,
+            x,
+            out,
+            lambda rows, into: into.copy_(kbit_linear(rows, *arguments, compute_dtype, block_offsets, sparse)),
+        )
+        return out
     if int8:
         values, inverse = int8_kernel_table(table, bits)
         out = extension.kbit_gemv_int8(
@@ -392,11 +419,17 @@ def kbit_linear(
             if sparse is not None:
                 sparse.add_to(tile, first)
             operand = tile if rounded is decoded else rounded[: tile.shape[0]].copy_(tile)
-            torch.mm(x, operand.T, out=out[:, first : first + tile.shape[0]])
+            columns = out[:, first : first + tile.shape[0]]
+            per_group(groups, x, columns, lambda rows, into: torch.mm(rows, operand.T, out=into))
     if small and block_offsets is not None:  # sum over a block of (offset * x) = offset * (the block's sum of x)
-        out.addmm_(x.reshape(x.shape[0], -1, block_size).sum(dim=2), block_offsets.T)
+        per_group(
+            groups,
+            x,
+            out,
+            lambda rows, into: into.addmm_(rows.reshape(rows.shape[0], -1, block_size).sum(dim=2), block_offsets.T),
+        )
     if small and sparse is not None:
-        out += sparse.product(x)
+        per_group(groups, x, out, lambda rows, into: into.add_(sparse.product(rows)))
     return out.add_(bias) if bias is not None else out
 
 

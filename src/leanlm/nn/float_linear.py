@@ -14,10 +14,22 @@ import torch
 from torch import nn
 
 from leanlm.kernels.float_gemv import small_m_linear
+from leanlm.kernels.kbit_gemm import per_group
+from leanlm.nn.rows import groups_of
 
 
 class GemvLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        groups = groups_of(x.numel() // x.shape[-1]) if x.numel() else None
+        if groups is None:
+            return self._forward_alone(x)
+        # packed sequences (nn/rows.py): each group's rows as a call of its own, (1, rows, in) as a sequence is read
+        rows = x.reshape(-1, self.in_features)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+        per_group(groups, rows, out, lambda part, into: into.copy_(self._forward_alone(part[None])[0]))
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _forward_alone(self, x: torch.Tensor) -> torch.Tensor:
         out = small_m_linear(x, self.weight, self.bias)
         if out is not None:
             return out

@@ -20,6 +20,7 @@ from leanlm.formats.codebooks import DYNAMIC8, Codebook, codebook
 from leanlm.formats.packing import CodeLayout, pack, packed_bytes, preferred_layout, unpack
 from leanlm.kernels.kbit_gemm import (
     INT8_CODE_BIAS,
+    SMALL_M,
     BlockConstants,
     KbitBackend,
     KernelIsa,
@@ -30,11 +31,13 @@ from leanlm.kernels.kbit_gemm import (
     int8_kernel_table,
     is_int8_code_book,
     kbit_linear,
+    per_group,
     prefill_dtype,
     supports_fast_path,
     supports_int8_activations,
 )
 from leanlm.nn.base import QuantizedModule
+from leanlm.nn.rows import by_path, groups_of
 
 
 class KbitLinear(QuantizedModule):
@@ -255,29 +258,43 @@ class KbitLinear(QuantizedModule):
 
     def _forward_frozen(self, x: torch.Tensor, int8_activations: bool = True) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        groups = groups_of(rows.shape[0]) if int8_activations else None  # packed sequences (nn/rows.py)
         if self._resolve_backend() == "reference":
             bias = None if self.bias is None else self.bias.to(x.dtype)
-            return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), bias)
+            weight = self.dequantized_weight().to(x.dtype)
+            if groups is None:
+                return nn.functional.linear(x, weight, bias)
+            out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+            per_group(groups, rows, out, lambda part, into: into.copy_(nn.functional.linear(part, weight, bias)))
+            return out.reshape(*x.shape[:-1], self.out_features)
         # Under autograd (int8_activations False) the forward stays the function the backward differentiates.
         compute_dtype = prefill_dtype(x.dtype, self.gemm_dtype if int8_activations else None)
         absmax, table = self._kernel_state()
-        out = kbit_linear(
-            rows,
-            self.packed,
-            absmax,
-            table,
-            self.out_features,
-            self.block_size,
-            self.bias,
-            self.backend,
-            self.kernel_isa,
-            int8_activations,
-            self.bits,
-            compute_dtype,
-        )
-        if self.proxy_columns is not None:
-            out.addmm_(rows[:, self.proxy_columns.long()].to(out.dtype), self.proxy_weight.to(out.dtype).T)
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+        def compute(part: torch.Tensor, part_groups: tuple[int, ...] | None) -> torch.Tensor:
+            out = kbit_linear(
+                part,
+                self.packed,
+                absmax,
+                table,
+                self.out_features,
+                self.block_size,
+                self.bias,
+                self.backend,
+                self.kernel_isa,
+                int8_activations,
+                self.bits,
+                compute_dtype,
+                groups=part_groups,
+            )
+            if self.proxy_columns is not None:
+                proxy = self.proxy_weight.to(out.dtype).T
+                columns = self.proxy_columns.long()
+                per_group(part_groups, part, out, lambda rows, into: into.addmm_(rows[:, columns].to(out.dtype), proxy))
+            return out.to(x.dtype)
+
+        out = compute(rows, None) if groups is None else by_path(rows, groups, lambda rows: rows <= SMALL_M, compute)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def weight_rows(self, index: slice | torch.Tensor) -> torch.Tensor:
         """Output rows `index` of a layer the int8 kernel reads, de-quantized (float32, (rows, in_features)): a

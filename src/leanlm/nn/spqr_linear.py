@@ -42,11 +42,13 @@ from leanlm.kernels.kbit_gemm import (
     compiled_kernels,
     int8_kernel_table,
     kbit_linear,
+    per_group,
     prefill_dtype,
     supports_fast_path,
     supports_int8_activations,
 )
 from leanlm.nn.base import QuantizedModule
+from leanlm.nn.rows import by_path, groups_of
 
 SpQRBackend = Literal["reference", "dense_sparse", "kernel"]
 IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 3- and 4-bit codes are the integers themselves
@@ -333,9 +335,14 @@ class SpQRLinear(QuantizedModule):
             self._kernel_inputs = (scale.reshape(-1).contiguous(), offset.contiguous())
         return self._kernel_inputs
 
-    def _product(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows (M, K) in the model's dtype times the weight: (M, N) in the large-M GEMM's dtype or float32."""
+    def _product(self, rows: torch.Tensor, groups: tuple[int, ...] | None = None) -> torch.Tensor:
+        """rows (M, K) in the model's dtype times the weight: (M, N) in the large-M GEMM's dtype or float32;
+        `groups`: packed sequences' rows (nn/rows.py), each group taking the path its row count takes alone."""
         gemm = prefill_dtype(rows.dtype, self.gemm_dtype)
+        if groups is not None and self._resolve_backend() == "dense_sparse":
+            out = torch.empty(rows.shape[0], self.out_features, dtype=gemm if max(groups) > SMALL_M else torch.float32)
+            per_group(groups, rows, out, lambda part, into: into.copy_(self._product(part)))
+            return out
         if self._resolve_backend() == "dense_sparse":
             gemm = gemm if rows.shape[0] > SMALL_M else torch.float32
             out = nn.functional.linear(rows.to(gemm), self.dense_weight().to(gemm)).float()
@@ -358,17 +365,30 @@ class SpQRLinear(QuantizedModule):
             compute_dtype=gemm,
             block_offsets=offset,
             sparse=self._outliers(),
+            groups=groups,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"SpQRLinear expects {self.in_features} input features, got shape {tuple(x.shape)}")
+        groups = groups_of(x.numel() // self.in_features)  # packed sequences (nn/rows.py)
         if self._resolve_backend() == "reference":
-            return nn.functional.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+            weight = self.dequantized_weight().to(x.dtype)
+            if groups is None:
+                return nn.functional.linear(x, weight, self.bias)
+            rows = x.reshape(-1, self.in_features)
+            out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+            per_group(groups, rows, out, lambda part, into: into.copy_(nn.functional.linear(part, weight, self.bias)))
+            return out.reshape(*x.shape[:-1], self.out_features)
         rows = x.reshape(-1, self.in_features)
         if self.permutation is not None:
             rows = rows[:, self.permutation.long()]
-        return self._product(rows.contiguous()).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        rows = rows.contiguous()
+        if groups is None:
+            out = self._product(rows).to(x.dtype)
+        else:
+            out = by_path(rows, groups, lambda n: n <= SMALL_M, lambda part, own: self._product(part, own).to(x.dtype))
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         stats = (

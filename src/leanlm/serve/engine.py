@@ -20,6 +20,10 @@ decode step instead (`FusedDecoder.step_batch`: every weight read once for the w
 to its own cache, without the GIL): a request's cache moves into the step's layout once its prompt is read
 (`FusedDecoder.adopt`) and back when it finishes (`release`), so prompts are still read by the batched forward
 and the conversation store keeps transformers' caches.
+
+The prompt pieces a round reads are read together, packed into one forward (`leanlm.decoding.packed`), where the
+model allows it (`packing_problem`): every weight is read once for all of them, and each piece computes exactly
+what it computes read alone. So a request's answer never depends on what arrives beside it.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from leanlm.cache.prefix import attached_cushion
 from leanlm.cache.sink_cache import SinkCache
 from leanlm.chat import sample_token, stop_token_ids
-from leanlm.decoding import FusedCache, FusedDecoder
+from leanlm.decoding import FusedCache, FusedDecoder, packing_problem, read_pieces
 from leanlm.methods.streaming import StreamingConfig, sink_cache
 from leanlm.nn.lora import adapter_rows
 from leanlm.serve.conversations import Conversation, ConversationStore
@@ -184,6 +189,10 @@ class Engine:
         self.stop_ids = stop_token_ids(tokenizer)
         sink_cache(model, streaming)  # refuses a model or sizes the sink cache cannot serve, before any request
         self.fused = FusedDecoder.build(model, streaming=streaming) if fused else None
+        cushion = attached_cushion(model)
+        longest = streaming.cache_size + self.chunk + (cushion.length if cushion is not None else 0)
+        self.packs = packing_problem(model, longest) is None  # prompt pieces read together (module docstring)
+        self._reads: list[tuple[Request, int]] = []  # the round's prompt pieces, read after its requests' steps
         self._waiting: queue.Queue[Request] = queue.Queue()
         self._calls: queue.Queue[tuple[Callable, Callable]] = queue.Queue()
         self._grammar_tokenizer = self._grammar_mask = None
@@ -232,6 +241,7 @@ class Engine:
                     self._end(request, step)
                 elif step is not None:
                     decoding.append((request, step))
+            self._read_packed()
             if not decoding:
                 continue
             if self.fused is not None:
@@ -298,7 +308,7 @@ class Engine:
             request.matcher = llguidance.LLMatcher(self.grammar_tokenizer(), request.sampling.grammar)
 
     def _feed(self, request: Request, ids: list[int]) -> None:
-        """Read `ids` into the request's cache; with echo, each token's log-probability given what precedes it."""
+        """Read `ids` into the request's cache (alone: with a LoRA adapter, or after a packed read failed)."""
         echo = request.sampling.echo
         with torch.inference_mode(), adapter_rows((request.adapter,)):
             out = self.model(
@@ -307,14 +317,48 @@ class Engine:
                 use_cache=True,
                 logits_to_keep=0 if echo else 1,
             )
+        self._read(request, ids, out.logits[0] if echo else out.logits[0, -1])
+
+    def _read(self, request: Request, ids: list[int], logits: torch.Tensor) -> None:
+        """`ids` are in the request's cache, `logits` after its last token (with echo: after each of them, and
+        each token's log-probability given what precedes it is kept)."""
         request.conversation.ids.extend(ids)
-        if echo:
-            predictors = [request.logits, *out.logits[0, :-1]]
+        if request.sampling.echo:
+            predictors = [request.logits, *logits[:-1]]
             request.prompt_logprobs += [
                 None if before is None else token_logprob(before, token, request.sampling.logprobs or 0)
                 for before, token in zip(predictors, ids, strict=True)
             ]
-        request.logits = out.logits[0, -1].float()
+            logits = logits[-1]
+        request.logits = logits.float()
+
+    def _read_packed(self) -> None:
+        """The round's prompt pieces, read together; if that fails, each alone, so that only the culprit ends."""
+        reads, self._reads = self._reads, []
+        if not reads:
+            return
+        pieces = [request.prompt[request.fed : end] for request, end in reads]
+        try:
+            logits = read_pieces(
+                self.model,
+                [request.conversation.cache for request, _ in reads],
+                pieces,
+                [request.sampling.echo for request, _ in reads],
+            )
+        except Exception:
+            logits = None
+        for index, (request, end) in enumerate(reads):
+            try:
+                if logits is None:
+                    part = read_pieces(
+                        self.model, [request.conversation.cache], [pieces[index]], [request.sampling.echo]
+                    )[0]
+                else:
+                    part = logits[index]
+                self._read(request, pieces[index], part)
+                self._piece_read(request, end)
+            except Exception as error:
+                self._end(request, self._fail(request, error))
 
     def _step_fused(self, decoding: list[tuple[Request, int]]) -> None:
         """One new token for each request through the fused step, as one batch (each row its own sequence: its
@@ -372,12 +416,11 @@ class Engine:
             if not read:
                 return None
             end = self._piece_end(request)
+            if self.packs:
+                self._reads.append((request, end))  # read with the round's other pieces (`_read_packed`)
+                return None
             self._feed(request, request.prompt[request.fed : end])
-            request.fed = end
-            if end % self.chunk == 0:
-                request.conversation.exact = end
-            if request.fed == len(request.prompt) and request.sampling.echo:
-                request.emit(("prompt", request.prompt_logprobs))
+            self._piece_read(request, end)
             return None
         if request.sampling.max_tokens == 0:  # the prompt scored, nothing generated
             return "length"
@@ -403,6 +446,13 @@ class Engine:
             self._show(request, text)
             return "length"
         return token
+
+    def _piece_read(self, request: Request, end: int) -> None:
+        request.fed = end
+        if end % self.chunk == 0:
+            request.conversation.exact = end
+        if request.fed == len(request.prompt) and request.sampling.echo:
+            request.emit(("prompt", request.prompt_logprobs))
 
     def _show(self, request: Request, text: str) -> None:
         if len(text) > len(request.shown):

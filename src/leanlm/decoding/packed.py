@@ -1,0 +1,165 @@
+"""Several sequences' prompt pieces read in one forward: packed one after another into a single row of the batch,
+each at its own positions, attending to its own cache alone.
+
+A server's new requests arrive together; read one at a time, each prompt decodes every quantized weight again
+and runs every layer's Python once more. Packed, the weights are read (and de-quantized, for the large-M path)
+once for all pieces. What each piece computes is what it computes read alone, bit for bit:
+
+* every linear computes each piece's rows as a call of their own would (`leanlm.nn.rows.row_groups`: the kernel
+  its row count selects, and every GEMM per piece);
+* attention is per piece (`_packed_attention`): its queries against its own cache's keys and its own, in a
+  causal mask aligned to the end, through PyTorch's scaled_dot_product_attention;
+* everything else (norms, rotary embeddings, activations, residual adds) works row by row.
+
+So a piece read alone is a pack of one, and a server that reads every prompt this way gives each request the
+answer it would give it alone, whatever arrives beside it (tests/decoding/test_packed.py). `packing_problem` says
+why a model cannot be read this way (a layer that computes over all rows at once, such as a per-tensor dynamic
+activation scale, or an attention this module does not reproduce)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+from transformers.masking_utils import AttentionMaskInterface
+
+from leanlm.models.architectures import architecture_for, decoder_blocks, mixes_attention_kinds
+from leanlm.nn import GemvLinear, KbitLinear, SpQRLinear
+from leanlm.nn.rows import row_groups
+
+ATTENTION = "leanlm_packed"
+_KEY_LENGTHS: ContextVar[tuple[tuple[int, ...], tuple[int, ...]] | None] = ContextVar(
+    "leanlm_packed_lengths", default=None
+)
+
+
+class PackedCache(Cache):
+    """The caches of the packed pieces, one per piece: a layer's new keys and values are split by piece and each
+    part goes to its piece's cache; the keys returned are the caches' whole keys one after another."""
+
+    def __init__(self, caches: Sequence[Cache], pieces: Sequence[int]):
+        super().__init__(layers=[])
+        self.caches, self.pieces = list(caches), tuple(pieces)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = [], []
+        for cache, new_keys, new_values in zip(
+            self.caches, key_states.split(self.pieces, -2), value_states.split(self.pieces, -2), strict=True
+        ):
+            layer_keys, layer_values = cache.update(new_keys, new_values, layer_idx)
+            keys.append(layer_keys), values.append(layer_values)
+        _KEY_LENGTHS.set((self.pieces, tuple(k.shape[-2] for k in keys)))
+        return torch.cat(keys, -2), torch.cat(values, -2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions come with the pieces (position_ids); no mask is built (`_no_mask`)
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return 0, 0
+
+
+def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """(1, heads, pieces' tokens, dim) queries against each piece's keys: per piece, bottom-right causal."""
+    pieces, key_lengths = _KEY_LENGTHS.get()
+    outputs = []
+    for q, k, v in zip(query.split(pieces, 2), key.split(key_lengths, 2), value.split(key_lengths, 2), strict=True):
+        new, length = q.shape[2], k.shape[2]
+        mask = torch.ones(new, length, dtype=torch.bool).tril(length - new)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q.contiguous(), k.contiguous(), v.contiguous(), attn_mask=mask, scale=scaling, enable_gqa=True
+            )
+        )
+    return torch.cat(outputs, 2).transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+AttentionInterface.register(ATTENTION, _packed_attention)
+AttentionMaskInterface.register(ATTENTION, _no_mask)
+
+
+@contextlib.contextmanager
+def _packed_attention_of(model: nn.Module) -> Iterator[None]:
+    configs = {id(module.config): module.config for module in model.modules() if hasattr(module, "config")}
+    before = {key: config._attn_implementation for key, config in configs.items()}
+    try:
+        for config in configs.values():
+            config._attn_implementation = ATTENTION
+        yield
+    finally:
+        for key, config in configs.items():
+            config._attn_implementation = before[key]
+
+
+def packing_problem(model: nn.Module, longest_span: int) -> str | None:
+    """Why `model` cannot read packed pieces (attending over at most `longest_span` tokens), or None if it can."""
+    config = model.config
+    if not hasattr(model, "get_decoder") or model.get_output_embeddings() is None:
+        return "it has no decoder and output head of transformers' kind"
+    if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return f"its attention is {config._attn_implementation!r}, not transformers' own"
+    if mixes_attention_kinds(config):
+        return "some layers attend through a sliding window"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < longest_span:
+        return f"its sliding window of {window} tokens is shorter than the {longest_span} it would attend over"
+    for capping in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, capping, None) is not None:
+            return f"{capping} (packed attention has no soft-capping)"
+    table = architecture_for(model)
+    linears = [
+        (f"{table.blocks}.{index}.{path}", block.get_submodule(path))
+        for index, block in enumerate(decoder_blocks(model, table))
+        for path in table.quantizable_linears
+    ]
+    for name, layer in [*linears, ("lm_head", model.get_output_embeddings())]:
+        if type(layer) not in (KbitLinear, SpQRLinear, GemvLinear) or getattr(layer, "proxy_columns", None) is not None:
+            return f"{name} is a {type(layer).__name__}, which computes over all rows of a call at once"
+    return None
+
+
+def read_pieces(
+    model: nn.Module, caches: Sequence[Cache], pieces: Sequence[Sequence[int]], every_logit: Sequence[bool] = ()
+) -> list[torch.Tensor]:
+    """Piece i read into `caches[i]` (each at its cache's next positions), all in one forward. Returns per piece
+    the logits (float32) after its last token, (vocab,), or after each of its tokens, (len, vocab), where
+    `every_logit[i]`. A read that fails leaves every cache as it was."""
+    every_logit = list(every_logit) or [False] * len(pieces)
+    lengths = [len(piece) for piece in pieces]
+    starts = [cache.get_seq_length() for cache in caches]
+    ids = torch.tensor([[token for piece in pieces for token in piece]])
+    positions = torch.tensor([[start + j for start, length in zip(starts, lengths) for j in range(length)]])
+    ends = torch.tensor(lengths).cumsum(0)
+    kept = [
+        range(end - length, end) if every else [end - 1]
+        for end, length, every in zip(ends.tolist(), lengths, every_logit)
+    ]
+    staged = [_staged(cache) for cache in caches]
+    with torch.inference_mode(), _packed_attention_of(model), row_groups(lengths):
+        hidden = model.get_decoder()(
+            input_ids=ids, position_ids=positions, past_key_values=PackedCache(staged, lengths), use_cache=True
+        ).last_hidden_state
+    rows = hidden[:, [row for rows in kept for row in rows]]
+    with torch.inference_mode(), row_groups([len(rows) for rows in kept]):
+        logits = model.get_output_embeddings()(rows)[0].float()
+    for cache, read in zip(caches, staged):
+        cache.__dict__.update(read.__dict__)
+    return [part if every else part[0] for part, every in zip(logits.split([len(r) for r in kept]), every_logit)]
+
+
+def _staged(cache: Cache) -> Cache:
+    """A copy of `cache` that a read updates while `cache` stays as it was until the read has succeeded: its layers
+    are copied, their tensors shared (an update replaces a layer's tensors, it never writes into them)."""
+    staged = copy.copy(cache)
+    staged.layers = [copy.copy(layer) for layer in cache.layers]
+    return staged
