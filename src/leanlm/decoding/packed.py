@@ -30,7 +30,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface
 
-from leanlm.models.architectures import architecture_for, decoder_blocks, mixes_attention_kinds
+from leanlm.models.architectures import iter_quantizable_linears, mixes_attention_kinds
 from leanlm.nn import GemvLinear, KbitLinear, SpQRLinear
 from leanlm.nn.rows import row_groups
 
@@ -116,13 +116,7 @@ def packing_problem(model: nn.Module, longest_span: int) -> str | None:
     for capping in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, capping, None) is not None:
             return f"{capping} (packed attention has no soft-capping)"
-    table = architecture_for(model)
-    linears = [
-        (f"{table.blocks}.{index}.{path}", block.get_submodule(path))
-        for index, block in enumerate(decoder_blocks(model, table))
-        for path in table.quantizable_linears
-    ]
-    for name, layer in [*linears, ("lm_head", model.get_output_embeddings())]:
+    for name, layer in [*iter_quantizable_linears(model), ("lm_head", model.get_output_embeddings())]:
         if type(layer) not in (KbitLinear, SpQRLinear, GemvLinear) or getattr(layer, "proxy_columns", None) is not None:
             return f"{name} is a {type(layer).__name__}, which computes over all rows of a call at once"
     return None

@@ -37,7 +37,7 @@ from leanlm.kernels.kbit_gemm import (
     supports_int8_activations,
 )
 from leanlm.nn.base import QuantizedModule
-from leanlm.nn.rows import by_path, groups_of
+from leanlm.nn.rows import by_path, groups_of, linear_by_group
 
 
 class KbitLinear(QuantizedModule):
@@ -261,12 +261,7 @@ class KbitLinear(QuantizedModule):
         groups = groups_of(rows.shape[0]) if int8_activations else None  # packed sequences (nn/rows.py)
         if self._resolve_backend() == "reference":
             bias = None if self.bias is None else self.bias.to(x.dtype)
-            weight = self.dequantized_weight().to(x.dtype)
-            if groups is None:
-                return nn.functional.linear(x, weight, bias)
-            out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
-            per_group(groups, rows, out, lambda part, into: into.copy_(nn.functional.linear(part, weight, bias)))
-            return out.reshape(*x.shape[:-1], self.out_features)
+            return linear_by_group(x, self.dequantized_weight().to(x.dtype), bias, groups)
         # Under autograd (int8_activations False) the forward stays the function the backward differentiates.
         compute_dtype = prefill_dtype(x.dtype, self.gemm_dtype if int8_activations else None)
         absmax, table = self._kernel_state()

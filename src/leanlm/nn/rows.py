@@ -13,6 +13,8 @@ from contextvars import ContextVar
 
 import torch
 
+from leanlm.kernels.kbit_gemm import per_group
+
 _GROUPS: ContextVar[tuple[int, ...] | None] = ContextVar("leanlm_row_groups", default=None)
 
 
@@ -62,3 +64,13 @@ def by_path(
             out = part.new_empty(rows.shape[0], part.shape[1])
         out[index] = part
     return out
+
+
+def linear_by_group(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, groups) -> torch.Tensor:
+    """`linear(x, weight, bias)`, each group's rows (`groups_of`) a product of their own; one product without."""
+    if groups is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
+    per_group(groups, rows, out, lambda part, into: into.copy_(torch.nn.functional.linear(part, weight, bias)))
+    return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -48,7 +48,7 @@ from leanlm.kernels.kbit_gemm import (
     supports_int8_activations,
 )
 from leanlm.nn.base import QuantizedModule
-from leanlm.nn.rows import by_path, groups_of
+from leanlm.nn.rows import by_path, groups_of, linear_by_group
 
 SpQRBackend = Literal["reference", "dense_sparse", "kernel"]
 IDENTITY_TABLE = torch.arange(16, dtype=torch.float32)  # 3- and 4-bit codes are the integers themselves
@@ -373,13 +373,7 @@ class SpQRLinear(QuantizedModule):
             raise ValueError(f"SpQRLinear expects {self.in_features} input features, got shape {tuple(x.shape)}")
         groups = groups_of(x.numel() // self.in_features)  # packed sequences (nn/rows.py)
         if self._resolve_backend() == "reference":
-            weight = self.dequantized_weight().to(x.dtype)
-            if groups is None:
-                return nn.functional.linear(x, weight, self.bias)
-            rows = x.reshape(-1, self.in_features)
-            out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
-            per_group(groups, rows, out, lambda part, into: into.copy_(nn.functional.linear(part, weight, self.bias)))
-            return out.reshape(*x.shape[:-1], self.out_features)
+            return linear_by_group(x, self.dequantized_weight().to(x.dtype), self.bias, groups)
         rows = x.reshape(-1, self.in_features)
         if self.permutation is not None:
             rows = rows[:, self.permutation.long()]
