@@ -3,6 +3,8 @@ quantized; the command prints a row per method and its JSON; a size it cannot re
 line; `leanlm quantize` warns before a job predicted to exceed the available memory."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -168,3 +170,42 @@ def test_parse_bytes():
     assert plan.parse_bytes("4096") == 4096
     with pytest.raises(ConfigError):
         plan.parse_bytes("-1GiB")
+
+
+_SOLVE_PEAK = """
+import json, sys, types
+import torch
+from leanlm.bench.harness import peak_memory
+from leanlm.formats.gptq import solve
+from leanlm.methods.checkpoint import return_freed_memory_at_once
+from leanlm.methods.gptq import GPTQConfig
+import leanlm.plan as plan
+
+return_freed_memory_at_once()
+rows, columns = int(sys.argv[1]), int(sys.argv[2])
+generator = torch.Generator().manual_seed(0)
+weight = torch.randn(rows, columns, generator=generator) * 0.02
+inputs = torch.randn(2 * columns, columns, generator=generator)
+hessian = inputs.T @ inputs / inputs.shape[0]
+del inputs
+solve(torch.randn(8, 64), torch.eye(64), GPTQConfig().solver())  # the linear algebra libraries' code paged in
+with peak_memory() as peak:
+    solve(weight, hessian, GPTQConfig().solver(), overwrite_hessian=True)
+facts = types.SimpleNamespace(linears=[("proj", columns, rows, False)], layers=1)
+held = columns * columns * 4  # the Hessian, in memory before the solve as it is in the plan's "Hessians"
+print(json.dumps({"measured": peak.added_bytes, "counted": plan.solver_peak(facts) - held}))
+"""
+
+
+@pytest.mark.parametrize("rows, columns", [(512, 3072), (4096, 512)], ids=["factor step", "column loop"])
+def test_a_solve_holds_what_the_plan_counts_for_it(tmp_path, rows, columns):
+    """One GPTQ solve's peak beyond its weight and Hessian, measured in a process of its own, is what
+    `solver_peak` counts for it: a wide linear (a down projection's shape) peaks while its Hessian is factored, a
+    tall one in the column loop."""
+    script = tmp_path / "solve_peak.py"
+    script.write_text(_SOLVE_PEAK)
+    result = subprocess.run(
+        [sys.executable, str(script), str(rows), str(columns)], capture_output=True, text=True, check=True, timeout=300
+    )
+    numbers = json.loads(result.stdout.strip().splitlines()[-1])
+    assert numbers["measured"] == pytest.approx(numbers["counted"], rel=0.05)

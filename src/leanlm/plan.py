@@ -518,14 +518,24 @@ def _block_hessians(facts: ModelFacts) -> int:
 
 
 def solver_peak(facts: ModelFacts) -> int:
-    """The most GPTQ's and SpQR's solves of one block hold beyond the block's float weights: the linears are solved
-    in order, each taking its Hessian from those still held, and each solve holds about one and a half more of its
-    Hessian's size (the Cholesky factor, the inverse built in place) and two copies of its weight."""
+    """The most GPTQ's and SpQR's solves of one block hold beyond the block's float and quantized weights. The
+    linears are solved in order, each taking its Hessian from those still held, and each solved linear's float
+    weight is let go (its quantized form replaces it). A solve has two steps: its Hessian's inverse factor (two more
+    of the Hessian's size beside it, and a float32 copy of the weight), then the column loop (the factor beside the
+    Hessian; the weight's copy, its codes and outlier mask, its residuals, the feedback into the later columns or the
+    copy put back in input order, and four buffers of a lazy batch of columns)."""
+    from leanlm.formats.gptq import SolverSettings
+
+    lazy_columns = SolverSettings().block_size
     held = _block_hessians(facts)
+    freed = 0
     peak = 0
     for _, in_features, out_features, _ in _first_block(facts):
-        peak = max(peak, held + (3 * in_features * in_features // 2 + 2 * in_features * out_features) * 4)
+        factor = 2 * in_features * in_features + in_features * out_features
+        columns = in_features * in_features + 7 * in_features * out_features // 2 + 4 * lazy_columns * out_features
+        peak = max(peak, held + max(factor, columns) * 4 - freed)
         held -= in_features * in_features * 4
+        freed += in_features * out_features * 4
     return peak
 
 
