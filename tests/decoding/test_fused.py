@@ -382,17 +382,18 @@ def test_a_cache_goes_into_the_fused_layout_and_back(window, room, dtype, cushio
 )
 @pytest.mark.parametrize("family", FUSED_FAMILIES)
 def test_a_batched_step_gives_each_sequence_what_stepping_it_alone_gives(family, weights):
-    """Five sequences at different positions stepped together (every weight read once for all five rows: 4 + 1 in
-    the int8 kernels) over three steps: each row's logits and cache are those of stepping that sequence alone (its
-    own int8 activation scales and int8 attention, not shared with the others)."""
+    """Eleven sequences at different positions stepped together (every weight read once for all eleven rows: 8 + 2
+    + 1 in AVX512-VNNI's int8 kernel, 4 + 4 + 2 + 1 in AVX2's) over three steps: each row's logits and cache are
+    those of stepping that sequence alone (its own int8 activation scales and int8 attention, not shared with the
+    others)."""
     model = _model(family, weights)
     decoder = FusedDecoder(model, capacity=48)
     caches = []
-    for length in (3, 9, 17, 4, 30):
+    for length in (3, 9, 17, 4, 30, 12, 7, 22, 2, 15, 26):
         decoder.prefill([(5 * i + length) % 256 for i in range(length)])
         caches.append(decoder.cache)
     alone = copy.deepcopy(caches)
-    tokens = [11, 200, 37, 5, 94]
+    tokens = [11, 200, 37, 5, 94, 63, 150, 8, 240, 71, 19]
     for _ in range(3):
         batched = decoder.step_batch(tokens, caches)
         single = torch.stack([decoder.step(token, cache) for token, cache in zip(tokens, alone)])

@@ -265,7 +265,7 @@ def test_int8_kernels_decode_double_quantized_constants_eight_at_a_time_exactly(
 
 
 @needs_avx2
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 40])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 11, 16, 40])
 @pytest.mark.parametrize(
     "dtype, block, in_features, double_quant",
     [("nf", 64, 512, False), ("fp", 192, 576, False), ("nf", 64, 576, True), ("int", 256, 512, True)],
