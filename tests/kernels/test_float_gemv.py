@@ -27,6 +27,22 @@ def test_every_variant_matches_the_reference(isa, dtype, rows, out_features, in_
     torch.testing.assert_close(float_gemv(x, weight, isa), expected, rtol=1e-5, atol=1e-5 * in_features**0.5)
 
 
+@pytest.mark.skipif(not ISAS, reason="leanlm's kernels cannot be built here")
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [576, 600, 47])  # whole spans; a partial last span; fewer than two spans
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(isa, dtype, in_features):
+    """Every row of x is summed in one order, alone or in a batch of up to 8 (a server's request gets the same
+    logits whatever else is decoding)."""
+    generator = torch.Generator().manual_seed(in_features)
+    weight = torch.randn(70, in_features, generator=generator).to(dtype)
+    x = torch.randn(8, in_features, generator=generator)
+    alone = torch.cat([float_gemv(x[r : r + 1], weight, isa) for r in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(float_gemv(x[:rows], weight, isa), alone[:rows]), rows
+    assert torch.equal(float_gemv(x[3:8], weight, isa), alone[3:8])
+
+
 def test_it_refuses_what_it_cannot_compute():
     if not ISAS:
         pytest.skip("leanlm's kernels cannot be built here")
