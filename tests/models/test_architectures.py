@@ -248,3 +248,23 @@ def test_a_layout_leanlm_cannot_derive_is_one_line(make, message):
     with pytest.raises(UnsupportedArchitectureError, match=message) as error:
         architecture_for(make(hf))
     assert "\n" not in str(error.value)
+
+
+def test_a_config_is_serialized_once_until_it_changes(monkeypatch):
+    """The table of a config is found again without serializing the config (a server asks for it per request); a
+    config changed since, even inside a nested value, is read again."""
+    config = tiny_config("llama")
+    config.extra_settings = {"depth": 1}
+    table = architecture_for(config)
+    serialized = []
+    original = type(config).to_json_string
+
+    def counting(self, *args, **kwargs):
+        serialized.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(config), "to_json_string", counting)
+    assert architecture_for(config) is table and not serialized
+    config.extra_settings["depth"] = 2
+    assert architecture_for(config) == table and len(serialized) == 1
+    assert architecture_for(config) == table and len(serialized) == 1

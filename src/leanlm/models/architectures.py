@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -360,6 +361,9 @@ def _derive(config) -> ArchitectureTable:
 
 
 _TABLES: dict[tuple[type, str], ArchitectureTable] = {}  # by config class and JSON: one derivation per config
+# A config's table while its attributes are what they were (a copy of them beside it): found again without
+# serializing the config, which a server does for every request.
+_BY_CONFIG: dict[int, tuple[weakref.ref, dict, ArchitectureTable]] = {}  # by id(config), while it lives
 
 
 def architecture_for(model_or_config: nn.Module | object) -> ArchitectureTable:
@@ -370,9 +374,15 @@ def architecture_for(model_or_config: nn.Module | object) -> ArchitectureTable:
     problem = FAMILY_FACTS.get(config.model_type, FamilyFacts()).config_problem(config)
     if problem:
         raise UnsupportedArchitectureError(f"{config.model_type}: {problem}")
+    known = _BY_CONFIG.get(id(config))
+    if known is not None and known[0]() is config and known[1] == vars(config):
+        return known[2]
     key = (type(config), config.to_json_string(use_diff=False))
     if key not in _TABLES:
         _TABLES[key] = _derive(config)
+    if known is None:
+        weakref.finalize(config, _BY_CONFIG.pop, id(config), None)
+    _BY_CONFIG[id(config)] = (weakref.ref(config), copy.deepcopy(vars(config)), _TABLES[key])
     return _TABLES[key]
 
 
