@@ -35,18 +35,22 @@ from leanlm.nn import GemvLinear, KbitLinear, SpQRLinear
 from leanlm.nn.rows import row_groups
 
 ATTENTION = "leanlm_packed"
-_KEY_LENGTHS: ContextVar[tuple[tuple[int, ...], tuple[int, ...]] | None] = ContextVar(
-    "leanlm_packed_lengths", default=None
+# The layer's pieces: their query lengths, their keys' lengths and their causal masks (aligned to the end).
+_PIECES: ContextVar[tuple[tuple[int, ...], tuple[int, ...], list[torch.Tensor]] | None] = ContextVar(
+    "leanlm_packed_pieces", default=None
 )
 
 
 class PackedCache(Cache):
     """The caches of the packed pieces, one per piece: a layer's new keys and values are split by piece and each
-    part goes to its piece's cache; the keys returned are the caches' whole keys one after another."""
+    part goes to its piece's cache; the keys returned are the caches' whole keys one after another. The pieces'
+    masks are made once for the layers whose caches hold as many keys as the last one's."""
 
     def __init__(self, caches: Sequence[Cache], pieces: Sequence[int]):
         super().__init__(layers=[])
         self.caches, self.pieces = list(caches), tuple(pieces)
+        self._key_lengths: tuple[int, ...] = ()
+        self._masks: list[torch.Tensor] = []
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = [], []
@@ -55,7 +59,14 @@ class PackedCache(Cache):
         ):
             layer_keys, layer_values = cache.update(new_keys, new_values, layer_idx)
             keys.append(layer_keys), values.append(layer_values)
-        _KEY_LENGTHS.set((self.pieces, tuple(k.shape[-2] for k in keys)))
+        key_lengths = tuple(k.shape[-2] for k in keys)
+        if key_lengths != self._key_lengths:
+            self._key_lengths = key_lengths
+            self._masks = [
+                torch.ones(new, length, dtype=torch.bool).tril(length - new)
+                for new, length in zip(self.pieces, key_lengths, strict=True)
+            ]
+        _PIECES.set((self.pieces, key_lengths, self._masks))
         return torch.cat(keys, -2), torch.cat(values, -2)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -67,11 +78,11 @@ class PackedCache(Cache):
 
 def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """(1, heads, pieces' tokens, dim) queries against each piece's keys: per piece, bottom-right causal."""
-    pieces, key_lengths = _KEY_LENGTHS.get()
+    pieces, key_lengths, masks = _PIECES.get()
     outputs = []
-    for q, k, v in zip(query.split(pieces, 2), key.split(key_lengths, 2), value.split(key_lengths, 2), strict=True):
-        new, length = q.shape[2], k.shape[2]
-        mask = torch.ones(new, length, dtype=torch.bool).tril(length - new)
+    for q, k, v, mask in zip(
+        query.split(pieces, 2), key.split(key_lengths, 2), value.split(key_lengths, 2), masks, strict=True
+    ):
         outputs.append(
             F.scaled_dot_product_attention(
                 q.contiguous(), k.contiguous(), v.contiguous(), attn_mask=mask, scale=scaling, enable_gqa=True
