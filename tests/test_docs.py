@@ -18,6 +18,7 @@ DOCS = ROOT / "docs"
 NO_RESULTS = {"getting-started.md", "references.md", "design.md", "models.md"}
 # Each script in benchmarks/ and the result files the documentation quotes its tables from.
 REPORTED = {
+    "attention": ["attention"],
     "baseline": ["baseline_smollm2-135m", "baseline_qwen2.5-coder-1.5b"],
     "cushion": ["cushion_smollm2-135m"],
     "cushion_ablation": ["cushion_ablation_smollm2-135m"],

@@ -7,7 +7,8 @@ import pytest
 import torch
 from tiny import tiny_model, token_ids
 
-from leanlm.decoding.packed import packing_problem, read_pieces
+from leanlm.decoding import packed
+from leanlm.decoding.packed import attention_oracle, packing_problem, piece_attention, read_pieces
 from leanlm.kernels.kbit_gemm import avx2_available
 from leanlm.methods import Calibration, GPTQConfig, KbitConfig, SmoothQuantConfig, W8A8Config, quantize_
 from leanlm.methods.streaming import StreamingConfig, sink_cache
@@ -119,3 +120,30 @@ def test_a_read_that_fails_leaves_every_cache_as_it_was():
         assert cache.get_seq_length() == kept.get_seq_length()
         for mine, theirs in zip(cache.layers, kept.layers):
             assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+@pytest.mark.parametrize("block", [128, 16, None], ids=["blocks-128", "blocks-16", "masked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(4, 4, 32), (9, 3, 64), (12, 2, 128)], ids=["mha", "smollm2", "qwen2.5-1.5b"]
+)
+@pytest.mark.parametrize(("earlier", "new"), [(0, 1), (0, 77), (5, 1), (300, 40), (64, 200)])
+def test_a_pieces_attention_is_the_oracles(block, dtype, heads, kv_heads, dim, earlier, new):
+    """Both ways of attending (blocks of queries against the earlier keys and their own apart, merged; or one
+    masked attention) give the float64 oracle's values to the dtype's rounding."""
+    generator = torch.Generator().manual_seed(earlier * 1000 + new)
+    length = earlier + new
+    query = torch.randn(1, heads, new, dim, generator=generator).to(dtype)
+    key, value = (torch.randn(1, kv_heads, length, dim, generator=generator).to(dtype) for _ in range(2))
+    mask = torch.ones(new, length, dtype=torch.bool).tril(earlier)
+    with torch.inference_mode():
+        out = piece_attention(query, key, value, mask, dim**-0.5, block)
+    expected = attention_oracle(query, key, value, mask, dim**-0.5)
+    assert out.shape == expected.shape and out.dtype == dtype
+    tolerance = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=tolerance)
+
+
+def test_this_pytorch_has_the_flash_attention_the_blocks_need():
+    """The pinned PyTorch has the kernel; without it reads fall back to one masked attention (tested above)."""
+    assert packed._FLASH is not None

@@ -7,8 +7,8 @@ once for all pieces. What each piece computes is what it computes read alone, bi
 
 * every linear computes each piece's rows as a call of their own would (`leanlm.nn.rows.row_groups`: the kernel
   its row count selects, and every GEMM per piece);
-* attention is per piece (`_packed_attention`): its queries against its own cache's keys and its own, in a
-  causal mask aligned to the end, through PyTorch's scaled_dot_product_attention;
+* attention is per piece (`piece_attention`): its queries against its own cache's keys and its own, in a
+  causal mask aligned to the end, no masked score computed;
 * everything else (norms, rotary embeddings, activations, residual adds) works row by row.
 
 So a piece read alone is a pack of one, and a server that reads every prompt this way gives each request the
@@ -35,6 +35,11 @@ from leanlm.nn import GemvLinear, KbitLinear, SpQRLinear
 from leanlm.nn.rows import row_groups
 
 ATTENTION = "leanlm_packed"
+# PyTorch's CPU flash attention that also returns the log-sum-exp (None where this PyTorch has none).
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# Queries per block of `piece_attention`: smaller blocks compute fewer masked scores in more calls
+# (benchmarks/attention.py).
+QUERY_BLOCK = 128
 # The layer's pieces: their query lengths, their keys' lengths and their causal masks (aligned to the end).
 _PIECES: ContextVar[tuple[tuple[int, ...], tuple[int, ...], list[torch.Tensor]] | None] = ContextVar(
     "leanlm_packed_pieces", default=None
@@ -79,16 +84,67 @@ class PackedCache(Cache):
 def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """(1, heads, pieces' tokens, dim) queries against each piece's keys: per piece, bottom-right causal."""
     pieces, key_lengths, masks = _PIECES.get()
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     outputs = []
     for q, k, v, mask in zip(
         query.split(pieces, 2), key.split(key_lengths, 2), value.split(key_lengths, 2), masks, strict=True
     ):
-        outputs.append(
-            F.scaled_dot_product_attention(
-                q.contiguous(), k.contiguous(), v.contiguous(), attn_mask=mask, scale=scaling, enable_gqa=True
-            )
-        )
+        outputs.append(piece_attention(q, k, v, mask, scale))
     return torch.cat(outputs, 2).transpose(1, 2).contiguous(), None
+
+
+def piece_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    block: int | None = QUERY_BLOCK,
+) -> torch.Tensor:
+    """A piece's (1, heads, new, dim) queries against its (1, kv heads, length, dim) keys and values, the last `new`
+    of them its own: every earlier key, and its own keys causally (`mask`: that pattern, aligned to the end).
+
+    With `block` (and PyTorch's CPU flash attention with log-sum-exp), the queries go in blocks of `block`, each
+    against the keys before the block in full (every query head of a key head as one block of queries) and its own
+    keys causally, the two merged by their log-sum-exps: few masked scores are computed (PyTorch's kernel computes
+    a masked attention's every score, and a causal one's in blocks of hundreds of keys). With None (or without
+    that kernel), one masked attention over all the keys. The result depends on the piece alone; `attention_oracle` is its reference."""
+    new, length = query.shape[2], key.shape[2]
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if block is None or _FLASH is None or query.shape[0] != 1 or length < new or heads % kv_heads:
+        return F.scaled_dot_product_attention(
+            query.contiguous(), key.contiguous(), value.contiguous(), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+    group, earlier = heads // kv_heads, length - new
+    outputs = []
+    for start in range(0, new, block):
+        end = min(new, start + block)
+        before = earlier + start
+        queries = query[:, :, start:end]
+        own_keys, own_values = (t[:, :, before : earlier + end].repeat_interleave(group, 1) for t in (key, value))
+        own, own_lse = _FLASH(queries.contiguous(), own_keys, own_values, is_causal=True, scale=scale)
+        if before == 0:
+            outputs.append(own)
+            continue
+        # Query head h reads key head h // group: a key head's query heads are one block of queries.
+        grouped = queries.reshape(1, kv_heads, group * (end - start), queries.shape[-1])
+        prior, prior_lse = _FLASH(
+            grouped, key[:, :, :before].contiguous(), value[:, :, :before].contiguous(), scale=scale
+        )
+        prior, prior_lse = prior.reshape(own.shape), prior_lse.reshape(own_lse.shape)
+        top = torch.maximum(prior_lse, own_lse)
+        prior_weight, own_weight = ((lse - top).exp().unsqueeze(-1) for lse in (prior_lse, own_lse))
+        merged = (prior.float() * prior_weight + own.float() * own_weight) / (prior_weight + own_weight)
+        outputs.append(merged.to(query.dtype))
+    return torch.cat(outputs, 2)
+
+
+def attention_oracle(query, key, value, mask, scale):
+    """`piece_attention`'s reference: float64 scores, the mask applied, softmax, the values' weighted sum."""
+    group = query.shape[1] // key.shape[1]
+    key, value = (t.double().repeat_interleave(group, 1) for t in (key, value))
+    scores = (query.double() @ key.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ value).to(query.dtype)
 
 
 def _no_mask(*args, **kwargs):
