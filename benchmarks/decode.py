@@ -278,7 +278,7 @@ def prepare(model: str, work: Path, rows: dict[str, tuple[str, str]]) -> None:
         "int8": ["--method", "kbit", "--dtype", "int", "--bits", "8"],  # blocks of 64: Q8_0's kind
         "sq-o3": ["--method", "smoothquant", "--level", "O3", "--no-bmm", "--calib-samples", "64"],
         "llm-int8": ["--method", "llm-int8"],
-        "gptq": ["--method", "gptq", "--calib-samples", "64"],  # groups of 128, act-order
+        "gptq": ["--method", "gptq", "--calib-samples", "64", "--group-size", "128"],  # act-order
         "nf3": ["--method", "kbit", "--bits", "3", "--double-quant"],
         "spqr": ["--method", "spqr", "--calib-samples", "64"],
     }  # 3-bit base, beta1 = beta2 = 16
