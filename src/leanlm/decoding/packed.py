@@ -8,7 +8,7 @@ once for all pieces. What each piece computes is what it computes read alone, bi
 * every linear computes each piece's rows as a call of their own would (`leanlm.nn.rows.row_groups`: the kernel
   its row count selects, and every GEMM per piece);
 * attention is per piece (`piece_attention`): its queries against its own cache's keys and its own, in a
-  causal mask aligned to the end, no masked score computed;
+  causal mask aligned to the end, few masked scores computed;
 * everything else (norms, rotary embeddings, activations, residual adds) works row by row.
 
 So a piece read alone is a pack of one, and a server that reads every prompt this way gives each request the
@@ -108,7 +108,8 @@ def piece_attention(
     against the keys before the block in full (every query head of a key head as one block of queries) and its own
     keys causally, the two merged by their log-sum-exps: few masked scores are computed (PyTorch's kernel computes
     a masked attention's every score, and a causal one's in blocks of hundreds of keys). With None (or without
-    that kernel), one masked attention over all the keys. The result depends on the piece alone; `attention_oracle` is its reference."""
+    that kernel), one masked attention over all the keys. The result depends on the piece alone;
+    `attention_oracle` is its reference."""
     new, length = query.shape[2], key.shape[2]
     heads, kv_heads = query.shape[1], key.shape[1]
     if block is None or _FLASH is None or query.shape[0] != 1 or length < new or heads % kv_heads:
