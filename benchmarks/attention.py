@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import matplotlib
 import torch
@@ -23,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from leanlm.bench import Study, print_report, study_arguments, titled  # noqa: E402
 from leanlm.decoding.packed import QUERY_BLOCK, piece_attention  # noqa: E402
-from leanlm.plan import PREFILL_CHUNK, read_config  # noqa: E402
+from leanlm.plan import PREFILL_CHUNK, model_facts  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 NAME = "attention"
@@ -33,14 +34,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def block_name(block: int | None) -> str:
     return "masked" if block is None else f"blocks of {block}"
-
-
-def shape_of(source: str) -> tuple[int, int, int]:
-    config = read_config(source)
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads, kv_heads, dim
 
 
 def measure(shape: tuple[int, int, int], dtype: torch.dtype, prompt: int, rounds: int) -> dict:
@@ -109,13 +102,14 @@ def main() -> None:
         return print_report(NAME, report)
     settings = {"prompt": args.prompt, "chunk": PREFILL_CHUNK, "rounds": args.rounds, "default_block": QUERY_BLOCK}
     study = Study(NAME, settings, args, plot=plot)
-    keys = {f"{model.rstrip('/').split('/')[-1]}, {dtype}": (model, dtype) for model in args.models for dtype in DTYPES}
+    keys = {f"{Path(model).name}, {dtype}": (model, dtype) for model in args.models for dtype in DTYPES}
     for key in study.todo("shapes", keys):
         model, dtype = keys[key]
+        facts = model_facts(model)
         study.record(
             "shapes",
             key,
-            measure(shape_of(model), DTYPES[dtype], args.prompt, args.rounds),
+            measure((facts.heads, facts.kv_heads, facts.head_dim), DTYPES[dtype], args.prompt, args.rounds),
             summary=lambda r: ", ".join(f"{name} {ms:.1f} ms" for name, ms in r["ms"].items()),
         )
     study.save()
