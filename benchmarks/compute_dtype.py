@@ -1,6 +1,7 @@
 """Compute dtype: what bfloat16 costs in accuracy and gives in speed and memory, beside float32
 (the reference), on this CPU: for the float model (every weight and activation in bfloat16) and for an NF4 + DQ
-checkpoint (its token embedding and output head held in bfloat16; its 4-bit layers compute as before).
+checkpoint (its norms, attention, token embedding and output head in bfloat16, its 4-bit layers' inputs and
+outputs too; their decode-size kernels are the same, their prefill GEMMs bfloat16's).
 `--dtype auto` (the default of `leanlm chat` and `leanlm serve`) picks bfloat16 where the CPU has native bf16
 instructions (AVX512-BF16 or AMX) and float32 elsewhere.
 
@@ -44,10 +45,15 @@ NF4 = ["--method", "kbit", "--double-quant"]
 ROWS = {
     "float32": (False, "float32"),
     "bfloat16": (False, "bfloat16"),
-    "nf4-dq, float32 embedding + head": (True, "float32"),
-    "nf4-dq, bfloat16 embedding + head": (True, "bfloat16"),
+    "nf4-dq, float32": (True, "float32"),
+    "nf4-dq, bfloat16": (True, "bfloat16"),
 }
 PROMPT_TOKENS, PREFILL_TOKENS = 32, 512
+
+
+def float32_row(row: str) -> str:
+    """The float32 row of the same model as `row`: what its accuracy and greedy tokens are compared with."""
+    return next(name for name, spec in ROWS.items() if spec == (ROWS[row][0], "float32"))
 
 
 def target(row: str, args) -> str:
@@ -129,8 +135,8 @@ def speed(args) -> dict:
         repeats=rounds,
     )
     result = {}
-    for row, (quantized, _) in ROWS.items():
-        reference = produced["nf4-dq, float32 embedding + head" if quantized else "float32"]
+    for row in ROWS:
+        reference = produced[float32_row(row)]
         result[row] = {
             "decode_tokens_per_second": decode_tokens / timings[f"decode {row}"].median,
             "decode_ms_per_token": timings[f"decode {row}"].median * 1e3 / decode_tokens,
@@ -147,10 +153,10 @@ def report(payload: dict) -> str:
     rows = []
     accuracy_rows, timed = payload.get("accuracy", {}), payload.get("speed", {})
     timed_rows = timed.get("rows", {})
-    for row, (quantized, _) in ROWS.items():
+    for row in ROWS:
         measured = accuracy_rows.get(row, {})
         wikitext = measured.get("results", {}).get("wikitext2", {})
-        reference = accuracy_rows.get("nf4-dq, float32 embedding + head" if quantized else "float32", {})
+        reference = accuracy_rows.get(float32_row(row), {})
         base = reference.get("results", {}).get("wikitext2", {}).get("perplexity")
         fast = timed_rows.get(row, {})
         rows.append(

@@ -1,6 +1,7 @@
 """Weight-only NF4 linears side by side in one process: the float paths (FP32, and BF16, the fastest float path on
 a CPU with bf16 instructions), leanlm NF4 + double quantization (its kernel as dispatched for this CPU, and forced
-onto the AVX2 kernel, what a CPU without AVX-512 runs), bitsandbytes `Linear4bit` (nf4) and torchao's NF4 tensor, on a
+onto the AVX2 kernel, what a CPU without AVX-512 runs; and with its input in bfloat16, as a model computing in
+bfloat16 runs it), bitsandbytes `Linear4bit` (nf4) and torchao's NF4 tensor, on a
 4096 x 4096 linear at M = 1, 16, 64, 512, all interleaved round by round at every M; plus SmolLM2's batch-1
 decode tokens/s in FP32, BF16 and with every block linear in leanlm NF4 + DQ. Speed-ups are over the best float
 path at each M. NF4 without double quantization is no row of its own: the kernel reads the same float32 block
@@ -35,7 +36,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from leanlm.bench import Study, print_report, study_arguments, time_modules, weight_bytes  # noqa: E402
-from leanlm.bench.harness import add_speedups, cpu_description, float_paths, speed_table  # noqa: E402
+from leanlm.bench.harness import InBfloat16, add_speedups, cpu_description, float_paths, speed_table  # noqa: E402
 from leanlm.formats.int8 import quantize_weight  # noqa: E402
 from leanlm.kernels.int8_gemm import int8_gemv  # noqa: E402
 from leanlm.kernels.kbit_gemm import int8_kernel_isas, kernel_isas  # noqa: E402
@@ -128,6 +129,8 @@ def bench_linear(repeats: int, without_avx512bf16: bool = False) -> dict:
             **float_paths(linear),
             "leanlm nf4+dq": leanlm_nf4(linear),
             "leanlm nf4+dq avx2": leanlm_nf4(linear, "avx2"),
+            # as a model computing in bfloat16 (`--dtype auto` here) runs the layer
+            "leanlm nf4+dq, bf16 model": InBfloat16(leanlm_nf4(linear)),
             "bitsandbytes nf4": bitsandbytes_nf4(linear),
             "torchao nf4": TorchaoNF4Linear(linear),
         }
@@ -277,7 +280,15 @@ def bench_decode(model_name: str, new_tokens: int) -> dict:
     return results
 
 
-NAMES = ["fp32", "bf16", "leanlm nf4+dq", "leanlm nf4+dq avx2", "bitsandbytes nf4", "torchao nf4"]
+NAMES = [
+    "fp32",
+    "bf16",
+    "leanlm nf4+dq",
+    "leanlm nf4+dq avx2",
+    "leanlm nf4+dq, bf16 model",
+    "bitsandbytes nf4",
+    "torchao nf4",
+]
 AVX2_NAMES = ["fp32", "leanlm nf4+dq avx2", "bitsandbytes nf4"]
 
 

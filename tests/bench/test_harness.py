@@ -89,7 +89,7 @@ def test_interleaved_timing_calls_each_function_once_per_round():
 
 
 def test_speed_ups_are_quoted_against_the_faster_float_path():
-    from leanlm.bench.harness import Bf16Linear, add_speedups, float_paths, speed_table
+    from leanlm.bench.harness import InBfloat16, add_speedups, float_paths, speed_table
 
     results = add_speedups({"fp32": {"ms": 4.0}, "bf16": {"ms": 2.0}, "int8": {"ms": 1.0}}, "ms")
     assert results["int8"]["speedup_vs_fp32"] == 4.0 and results["int8"]["speedup_vs_best_float"] == 2.0
@@ -99,7 +99,8 @@ def test_speed_ups_are_quoted_against_the_faster_float_path():
     linear = torch.nn.Linear(64, 32)
     x = torch.randn(3, 64)
     paths = float_paths(linear)
-    assert paths["fp32"] is linear and isinstance(paths["bf16"], Bf16Linear)
+    assert paths["fp32"] is linear and isinstance(paths["bf16"], InBfloat16)
+    assert paths["bf16"].module.weight.dtype == torch.bfloat16
     out = paths["bf16"](x)
     assert out.dtype == torch.float32 and torch.allclose(out, linear(x), atol=0.05)
     entries = {"1": {name: {"median_ms": ms} for name, ms in (("fp32", 4.0), ("bf16", 2.0), ("int8", 1.0))}}

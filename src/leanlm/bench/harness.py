@@ -70,25 +70,25 @@ def cpu_description() -> str:
     return f"{environment_cpu()} ({', '.join(features) or 'no AVX2'}; {os.cpu_count()} cores)"
 
 
-class Bf16Linear(nn.Module):
-    """A float linear computed in bfloat16: oneDNN's AVX512-BF16 / AMX GEMM where the CPU has those instructions
-    (there it is the fastest float path), a slow emulation where it has not. Takes and gives float32, like every
-    other implementation a speed table compares."""
+class InBfloat16(nn.Module):
+    """A module run as a model computing in bfloat16 runs it: its input rounded to bfloat16, its output returned in
+    the input's dtype, so that it takes and gives float32 like every other implementation a speed table compares.
+    Over a float linear held in bfloat16 (`float_paths`) it is oneDNN's AVX512-BF16 / AMX GEMM where the CPU has
+    those instructions (there the fastest float path), a slow emulation where it has not."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, module: nn.Module):
         super().__init__()
-        self.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
-        self.bias = (
-            None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
-        )
+        self.module = module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+        return self.module(x.to(torch.bfloat16)).to(x.dtype)
 
 
 def float_paths(linear: nn.Linear) -> dict[str, nn.Module]:
-    """The float references of a speed table: the float32 linear itself and its bfloat16 version."""
-    return {"fp32": linear, "bf16": Bf16Linear(linear)}
+    """The float references of a speed table: the float32 linear itself and a bfloat16 copy of it."""
+    copy = nn.Linear(linear.in_features, linear.out_features, linear.bias is not None, dtype=torch.bfloat16)
+    copy.load_state_dict(linear.state_dict())
+    return {"fp32": linear, "bf16": InBfloat16(copy.requires_grad_(False))}
 
 
 def add_speedups(results: dict[str, dict], key: str) -> dict[str, dict]:

@@ -311,12 +311,13 @@ def _check_format(directory: Path, config) -> None:
 
 
 def load_quantized(
-    directory: str | os.PathLike, table_dtype: torch.dtype = torch.float32, head: str = "float"
+    directory: str | os.PathLike, dtype: torch.dtype = torch.float32, head: str = "float"
 ) -> tuple[LoadedModel, dict]:
-    """(the rebuilt model, its leanlm_quant.json record). The token embedding and a float output head are held in
-    `table_dtype` (`embeddings_to_`); `head="int8"` makes the head 8-bit int blocks (`quantize_head_`). Both are
-    done as the tables are read, a MiB at a time, so their stored float32 form is never whole in
-    memory."""
+    """(the rebuilt model, its leanlm_quant.json record). The model computes in `dtype` (`float_parts_to_`): its
+    norms and float layers are held in it, the token embedding and a float output head too (`embeddings_to_`),
+    and its quantized layers take and return activations in it. `head="int8"` makes the head 8-bit int blocks
+    (`quantize_head_`). The tables are converted as they are read, a MiB at a time, so their stored float32 form
+    is never whole in memory."""
     directory = Path(directory)
     record = read_record(directory)
     files = weights_files(directory)
@@ -349,7 +350,8 @@ def load_quantized(
             ).unexpected_keys
         except Exception as error:  # safetensors raises its own error types for damaged files
             raise CorruptModelError(f"the weights in {path} cannot be loaded: {error}") from None
-    _load_tables(model, tables, table_dtype, head)
+    float_parts_to_(model, dtype)
+    _load_tables(model, tables, dtype, head)
     left = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
     if unexpected or left:
         raise CorruptModelError(f"the weights in {directory} do not fill the model: {(unexpected or left)[:3]}")
@@ -439,16 +441,34 @@ def retie_embeddings(model: nn.Module) -> None:
         outputs.weight = inputs.weight
 
 
+def float_parts_to_(model: nn.Module, dtype: torch.dtype) -> None:
+    """Hold the float parameters of a quantized model outside its quantized layers (norms, layers left in float)
+    in `dtype`, so that it computes in `dtype` as a float model loaded in it does; the quantized layers take
+    inputs in any float dtype and answer in it. Buffers keep theirs (RoPE's frequencies stay float32, as
+    transformers makes them), and so do parameters still on the meta device (the tables, read later)."""
+    if dtype == torch.float32:
+        return
+    quantized = {id(p) for m in model.modules() if isinstance(m, QuantizedModule) for p in m.parameters()}
+    converted = {}  # id -> its new form: a tied parameter stays one tensor
+    for module in model.modules():
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            if parameter.is_floating_point() and not parameter.is_meta and id(parameter) not in quantized:
+                if id(parameter) not in converted:
+                    converted[id(parameter)] = nn.Parameter(parameter.detach().to(dtype), requires_grad=False)
+                setattr(module, name, converted[id(parameter)])
+
+
 def embeddings_to_(model: nn.Module, dtype: torch.dtype) -> None:
     """Hold a quantized model's token embedding and float output head in `dtype` (bfloat16: half the bytes of
     what are then its largest tensors, SmolLM2's tied 49152 x 576 is 108 MiB in float32). Everything else keeps
-    computing in float32: the embedding's rows are cast back as they are read, and the head's GEMV reads
-    bfloat16 weights with float32 inputs."""
+    computing in what it computes in (`_compute_dtype`): where that differs, the embedding's rows are cast to it
+    as they are read, and the head's GEMV reads `dtype` weights with inputs in the other."""
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
     tied = outputs is not None and outputs.weight is inputs.weight
     compute = _compute_dtype(model)
     inputs.weight = nn.Parameter(inputs.weight.detach().to(dtype), requires_grad=False)
-    inputs.register_forward_hook(lambda module, args, output: output.to(compute))
+    if compute != dtype:
+        inputs.register_forward_hook(lambda module, args, output: output.to(compute))
     if tied:
         outputs.weight = inputs.weight
     elif isinstance(outputs, nn.Linear) and outputs.weight.is_floating_point():
@@ -477,10 +497,9 @@ def load_any(
     keep_freed_memory: bool = False,
 ) -> LoadedModel:
     """A float model (registry name, HF directory, .gguf) computing in `dtype` (see `compute_dtype`), or a leanlm
-    quantized checkpoint, whose quantized layers compute as their kernels do (float32 activations); there
-    `dtype` is that of its embedding and output head (`embeddings_to_`) and of its k-bit layers' GEMMs above
-    decode sizes (`KbitLinear.gemm_dtype`). `head="int8"`: the output head in 8-bit
-    int blocks (`quantize_head_`). `adapter`: a LoRA adapter directory (`leanlm finetune`'s output) applied over
+    quantized checkpoint computing in it too, its quantized layers through their kernels (`load_quantized`: the
+    k-bit layers' GEMMs above decode sizes in `dtype` where the CPU multiplies it in hardware, `prefill_dtype`).
+    `head="int8"`: the output head in 8-bit int blocks (`quantize_head_`). `adapter`: a LoRA adapter directory (`leanlm finetune`'s output) applied over
     the model as it was trained (its base quantized as then, the adapters beside it, in float32), or several over
     one base, each `NAME=DIR` or a directory named by its last component (`LoadedModel.adapters`; the first is
     the model's own, the others are chosen per batch row with `leanlm.nn.lora.adapter_rows`).
@@ -504,16 +523,11 @@ def load_any(
         storage = compute_dtype(dtype)
         loaded = load_quantized(source, storage, head)[0]
         if storage != torch.float32:
-            # What a model computing in bfloat16 would do, where the time is: the k-bit layers' prefill GEMMs
-            # (oneDNN's bfloat16 GEMM where the CPU has bfloat16 products; benchmarks/compute_dtype.py); decode is
-            # the int8 kernels'.
-            gemm = prefill_dtype(storage)  # float32 where the CPU would only emulate bfloat16 products
-            for module in loaded.model.modules():
-                if isinstance(module, QuantizedModule) and hasattr(module, "gemm_dtype"):  # the k-bit kernels'
-                    module.gemm_dtype = gemm
+            # The large-M GEMMs of k-bit / GPTQ layers take the activations' dtype where the CPU multiplies it in
+            # hardware (`prefill_dtype`); decode sizes are the int8 kernels'.
             loaded.dtype = (
-                f"float32, embedding and output head in {dtype_name(storage)}, k-bit / GPTQ prefill GEMMs "
-                f"in {dtype_name(gemm)}"
+                f"{dtype_name(storage)}, quantized layers through their kernels (prefill GEMMs in "
+                f"{dtype_name(prefill_dtype(storage))})"
             )
     else:
         loaded = load_model(source, dtype=dtype)

@@ -75,10 +75,10 @@ HEAD_FORMATS = ("float", "int8")
 class LoadSettings:
     dtype: str = option(
         "float32",
-        "compute dtype of a float model: float32 (the reference), bfloat16, or auto "
+        "compute dtype: float32 (the reference), bfloat16, or auto "
         "(bfloat16 where this CPU has native bf16 instructions: AVX512-BF16 or AMX; "
-        "float32 elsewhere). A quantized checkpoint's layers compute as their kernels "
-        "do; this is the dtype of its token embedding and output head",
+        "float32 elsewhere). A quantized checkpoint computes in it too (norms, attention, "
+        "its token embedding and output head), its quantized layers through their kernels",
         choices=("auto", *COMPUTE_DTYPES),
     )
     head: str = option(

@@ -33,7 +33,7 @@ class GemvLinear(nn.Linear):
         out = small_m_linear(x, self.weight, self.bias)
         if out is not None:
             return out
-        if x.dtype != self.weight.dtype:  # a bfloat16 head over float32 activations (`embeddings_to_`)
+        if x.dtype != self.weight.dtype:  # a head in another dtype than its inputs (`embeddings_to_`)
             return self._mixed_dtype_forward(x)
         return super().forward(x)
 
