@@ -145,7 +145,12 @@ class ModelFacts:
 def model_facts(source: str) -> ModelFacts:
     """`source`'s facts from its config alone (no weight is read)."""
     from leanlm.methods.out_of_core import model_skeleton
-    from leanlm.models.architectures import architecture_for, decoder_blocks, iter_quantizable_linears
+    from leanlm.models.architectures import (
+        architecture_for,
+        attention_shape,
+        decoder_blocks,
+        iter_quantizable_linears,
+    )
 
     config = read_config(source)
     model = model_skeleton(config)
@@ -158,16 +163,15 @@ def model_facts(source: str) -> ModelFacts:
     blocks = decoder_blocks(model, table)
     block_sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
     total = sum(p.numel() for p in model.parameters())
-    text = config.get_text_config()
-    heads = text.num_attention_heads
+    text, shape = config.get_text_config(), attention_shape(config)
     return ModelFacts(
         name=str(source),
         layers=len(blocks),
         hidden=text.hidden_size,
         intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
-        heads=heads,
-        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
         vocab=text.vocab_size,
         linears=linears,
         block_parameters=max(block_sizes),

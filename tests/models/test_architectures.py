@@ -268,3 +268,21 @@ def test_a_config_is_serialized_once_until_it_changes(monkeypatch):
     config.extra_settings["depth"] = 2
     assert architecture_for(config) == table and len(serialized) == 1
     assert architecture_for(config) == table and len(serialized) == 1
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"])
+def test_the_attention_shape_is_what_the_family_s_attention_computes_with(model_type):
+    """attention_shape gives the widths of a tiny model's query and key projections in every family with GQA or
+    its own head size; a config without key-value heads or head size has as many as query heads and hidden /
+    heads, as transformers reads it."""
+    from types import SimpleNamespace
+
+    from leanlm.models.architectures import attention_shape
+
+    model = tiny_model(model_type)
+    shape = attention_shape(model.config)
+    attention = model.model.layers[0].self_attn
+    assert attention.q_proj.out_features == shape.heads * shape.head_dim
+    assert attention.k_proj.out_features == shape.kv_heads * shape.head_dim
+    bare = attention_shape(SimpleNamespace(num_attention_heads=4, hidden_size=64))
+    assert (bare.heads, bare.kv_heads, bare.head_dim) == (4, 4, 16)

@@ -30,7 +30,7 @@ through the step: `leanlm chat` and `leanlm serve` decode this way.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from leanlm.cache.prefix import attached_cushion, prefix_cache
 from leanlm.errors import ConfigError, LeanLMError
 from leanlm.kernels.kbit_gemm import compiled_kernels
 from leanlm.methods.streaming import StreamingConfig, sink_cache
-from leanlm.models.architectures import FAMILY_FACTS, architecture_for, decoder_blocks
+from leanlm.models.architectures import FAMILY_FACTS, architecture_for, attention_shape, decoder_blocks
 from leanlm.nn.attention import ATTENTION_NAME
 from leanlm.nn.base import QuantizedModule
 from leanlm.nn.kbit_linear import KbitEmbedding
@@ -160,9 +160,7 @@ class FusedDecoder:
         table, config = architecture_for(model), model.config
         blocks = decoder_blocks(model, table)
         attention = blocks[0].get_submodule(table.attention_module)
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        heads, kv_heads, head_dim = astuple(attention_shape(config))
         embedding = model.get_input_embeddings()
         if isinstance(embedding, KbitEmbedding):  # rows read from the 8-bit head's codes (`--head int8`)
             table_rows = embedding.head.packed.reshape(embedding.num_embeddings, -1)

@@ -34,7 +34,7 @@ from torch import nn
 from leanlm.errors import ConfigError, CorruptModelError, first_line
 from leanlm.export.exactness import require_exact
 from leanlm.formats.gguf_header import read_gguf_header
-from leanlm.models.architectures import gguf_tensor_names
+from leanlm.models.architectures import attention_shape, gguf_tensor_names
 from leanlm.nn import QUANTIZED_MODULES
 from leanlm.storage import QUANT_FILE, check_output_file, staged_file
 
@@ -151,22 +151,21 @@ def metadata_from_transformers(writer: gguf.GGUFWriter, config, tokenizer, vocab
     tokenizer and its `_bpe_vocabulary` (what llama.cpp's convert_hf_to_gguf.py writes for these families).
     Returns the pre-tokenizer name written."""
     rope = getattr(config, "rope_parameters", None) or {}
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    shape = attention_shape(config)
     writer.add_name(name)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(config.vocab_size)
-    writer.add_rope_dimension_count(head_dim)
-    if head_dim != config.hidden_size // heads:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(shape.head_dim)
+    if shape.head_dim != config.hidden_size // shape.heads:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
     pre, tokens, types, merges = vocabulary
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
@@ -312,9 +311,9 @@ def export_gguf(
                 if table.norm_weight_offset and "norm" in target:  # the file holds what the norm multiplies by
                     data = data + np.float32(table.norm_weight_offset)
                 if table.gguf_interleaved_qk and target.endswith("attn_q"):  # whole rows move, blocks with them
-                    data = _gguf_order(data, config.num_attention_heads)
+                    data = _gguf_order(data, attention_shape(config).heads)
                 elif table.gguf_interleaved_qk and target.endswith("attn_k"):
-                    data = _gguf_order(data, config.num_key_value_heads)
+                    data = _gguf_order(data, attention_shape(config).kv_heads)
                 writer.write_tensor_data(np.ascontiguousarray(data))
         finally:
             writer.close()

@@ -24,7 +24,13 @@ from leanlm.cache.prefix import follow_value_smoothing_
 from leanlm.errors import ConfigError
 from leanlm.methods.quantize import BlockPlan, QuantRun, quantize_, register_method
 from leanlm.methods.w8a8 import CalibrationStats, int8_observation, int8_statistics
-from leanlm.models.architectures import ArchitectureTable, architecture_for, decoder_blocks, linear_weight_out_in
+from leanlm.models.architectures import (
+    ArchitectureTable,
+    architecture_for,
+    attention_shape,
+    decoder_blocks,
+    linear_weight_out_in,
+)
 from leanlm.models.scoring import next_token_nll
 from leanlm.settings import option
 
@@ -99,7 +105,7 @@ def consumer_to_producer_channels(config, produced: int, consumed: int) -> torch
     for v_proj -> o_proj under grouped-query attention, the key/value head that serves each query head."""
     if produced == consumed:
         return torch.arange(consumed)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = attention_shape(config).head_dim
     groups = consumed // produced
     channel = torch.arange(consumed)
     return (channel // head_dim // groups) * head_dim + channel % head_dim

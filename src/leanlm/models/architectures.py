@@ -467,9 +467,27 @@ def proxy_source_weights(model: nn.Module, table: ArchitectureTable | None = Non
     return sources
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    heads: int  # query heads
+    kv_heads: int  # key-value heads (fewer under grouped-query attention)
+    head_dim: int
+
+
+def attention_shape(config) -> AttentionShape:
+    """A model config's attention heads, as transformers reads them: the text config's where the model has one;
+    as many key-value heads as query heads and a head size of hidden / heads where the config leaves them out."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    return AttentionShape(
+        heads,
+        getattr(text, "num_key_value_heads", None) or heads,
+        getattr(text, "head_dim", None) or text.hidden_size // heads,
+    )
+
+
 def _repeat_kv_heads(value_weight: torch.Tensor, groups: int, config) -> torch.Tensor:
     """Grouped-query attention: each key/value head serves `groups` query heads, so the value projection's rows,
     head by head, repeated `groups` times line up with the output projection's input dimensions."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    heads = value_weight.reshape(-1, head_dim, value_weight.shape[1])
+    heads = value_weight.reshape(-1, attention_shape(config).head_dim, value_weight.shape[1])
     return heads.repeat_interleave(groups, dim=0).reshape(-1, value_weight.shape[1])
