@@ -230,7 +230,7 @@ def export_gguf(
             "KV cache, and without it the int8 activations it protects break"
         )
     config = loaded.model.config
-    table = loaded.table
+    table, attention = loaded.table, attention_shape(config)
     architecture = original.fields["general.architecture"].contents() if original else table.gguf_architecture
     if table.gguf_architecture != architecture or architecture is None:
         raise ConfigError(
@@ -311,9 +311,9 @@ def export_gguf(
                 if table.norm_weight_offset and "norm" in target:  # the file holds what the norm multiplies by
                     data = data + np.float32(table.norm_weight_offset)
                 if table.gguf_interleaved_qk and target.endswith("attn_q"):  # whole rows move, blocks with them
-                    data = _gguf_order(data, attention_shape(config).heads)
+                    data = _gguf_order(data, attention.heads)
                 elif table.gguf_interleaved_qk and target.endswith("attn_k"):
-                    data = _gguf_order(data, attention_shape(config).kv_heads)
+                    data = _gguf_order(data, attention.kv_heads)
                 writer.write_tensor_data(np.ascontiguousarray(data))
         finally:
             writer.close()

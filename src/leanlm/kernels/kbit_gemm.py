@@ -297,12 +297,10 @@ def per_group(groups: Sequence[int] | None, x: torch.Tensor, out: torch.Tensor, 
         start += length
 
 
-def prefill_dtype(activations: torch.dtype, chosen: torch.dtype | None = None) -> torch.dtype:
-    """The GEMM dtype of the large-M path for a model computing in `activations`: `chosen` when set (a module's
-    `gemm_dtype`), else bfloat16 where the model computes in it and the CPU multiplies bfloat16 in hardware
-    (elsewhere PyTorch emulates it, slower than float32), else float32."""
-    if chosen is not None:
-        return chosen
+def prefill_dtype(activations: torch.dtype) -> torch.dtype:
+    """The GEMM dtype of the large-M path for a model computing in `activations`: bfloat16 where the model computes
+    in it and the CPU multiplies bfloat16 in hardware (elsewhere PyTorch emulates it, slower than float32), else
+    float32."""
     return torch.bfloat16 if activations == torch.bfloat16 and has_native_bf16() else torch.float32
 
 

@@ -40,7 +40,6 @@ class GGUFLinear(QuantizedModule):
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self.backend: str | None = None  # "reference" or "kernel"; None: the kernel where it applies
         self._kernel_inputs = None  # (packed codes, scales, offsets), until `forget_runtime_forms`
-        self.gemm_dtype: torch.dtype | None = None  # the large-M GEMM's dtype, as KbitLinear.gemm_dtype
 
     def forget_runtime_forms(self) -> None:
         self._kernel_inputs = None
@@ -124,7 +123,7 @@ class GGUFLinear(QuantizedModule):
             self.bias,
             "avx2",
             bits=4,
-            compute_dtype=prefill_dtype(x.dtype, self.gemm_dtype),
+            compute_dtype=prefill_dtype(x.dtype),
             block_offsets=offsets,
         )
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -60,10 +60,6 @@ class KbitLinear(QuantizedModule):
         super().__init__()
         self.backend = backend
         self.kernel_isa: KernelIsa = "auto"  # which small-M kernel (benchmarks name one; "auto" = the best here)
-        # The large-M GEMM's dtype at inference, when set (a checkpoint loaded with --dtype auto on a CPU with
-        # bfloat16 products: its inputs are then rounded to it, as a model computing in it rounds them); None: the
-        # inputs' own (`prefill_dtype`).
-        self.gemm_dtype: torch.dtype | None = None
         self._kernel_inputs = None  # (float absmax, code table), until `forget_runtime_forms`
         self.in_features, self.out_features = in_features, out_features
         self.dtype, self.bits, self.double_quant, self.exponent_bits = dtype, bits, double_quant, exponent_bits
@@ -263,7 +259,7 @@ class KbitLinear(QuantizedModule):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return linear_by_group(x, self.dequantized_weight().to(x.dtype), bias, groups)
         # Under autograd (int8_activations False) the forward stays the function the backward differentiates.
-        compute_dtype = prefill_dtype(x.dtype, self.gemm_dtype if int8_activations else None)
+        compute_dtype = prefill_dtype(x.dtype)
         absmax, table = self._kernel_state()
 
         def compute(part: torch.Tensor, part_groups: tuple[int, ...] | None) -> torch.Tensor:

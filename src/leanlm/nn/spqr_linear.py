@@ -80,7 +80,6 @@ class SpQRLinear(QuantizedModule):
         self.backend: SpQRBackend | None = None  # None: the kernel where it applies, chosen at the first forward
         self._kernel_inputs = None  # (float32 scales flat, offsets (rows, groups)), until `forget_runtime_forms`
         self._sparse: SparseRows | None = None  # the outliers, until `forget_runtime_forms`
-        self.gemm_dtype: torch.dtype | None = None  # the large-M GEMM's dtype, as KbitLinear.gemm_dtype
         groups = -(-in_features // self.group_size)
         self.register_buffer(
             "codes", torch.zeros(packed_bytes(out_features * in_features, bits, code_layout), dtype=torch.uint8)
@@ -338,7 +337,7 @@ class SpQRLinear(QuantizedModule):
     def _product(self, rows: torch.Tensor, groups: tuple[int, ...] | None = None) -> torch.Tensor:
         """rows (M, K) in the model's dtype times the weight: (M, N) in the large-M GEMM's dtype or float32;
         `groups`: packed sequences' rows (nn/rows.py), each group taking the path its row count takes alone."""
-        gemm = prefill_dtype(rows.dtype, self.gemm_dtype)
+        gemm = prefill_dtype(rows.dtype)
         if groups is not None and self._resolve_backend() == "dense_sparse":
             out = torch.empty(rows.shape[0], self.out_features, dtype=gemm if max(groups) > SMALL_M else torch.float32)
             per_group(groups, rows, out, lambda part, into: into.copy_(self._product(part)))
