@@ -394,6 +394,31 @@ def test_a_batch_over_many_cache_tiles_of_weight_rows_is_each_rows_product(bits,
 
 
 @needs_avx2
+@pytest.mark.parametrize("bits, dtype, block", [(4, "nf", 64), (4, "fp", 128), (8, "int", 64), (8, "int", 192)])
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("out_features", [16, 40, 7])  # whole groups of 16 output rows, and a part of one
+def test_a_rows_product_is_the_same_whatever_rows_share_its_pass(bits, dtype, block, double_quant, out_features):
+    """The int8 kernels take rows of x alone, in twos, fours and eights: every row of a batch of 15 is bit for bit
+    that row's product taken alone, and the oracle's within float rounding."""
+    torch.manual_seed(6)
+    layer = KbitLinear.from_float(torch.randn(out_features, 768), None, dtype, bits, block, double_quant)
+    constants, table = layer._kernel_state()
+    x = torch.randn(15, 768) * torch.rand(768) * 4
+    expected = reference_int8_activations(
+        x, layer.packed, constants, table if bits == 4 else None, out_features, block, bits=bits
+    )
+    for isa in int8_kernel_isas():
+
+        def run(rows, isa=isa):
+            return kbit_linear(rows, layer.packed, constants, table, out_features, block, None, "avx2", isa, bits=bits)
+
+        batch = run(x)
+        for r in range(x.shape[0]):
+            assert torch.equal(batch[r], run(x[r : r + 1])[0]), (isa, r)
+        torch.testing.assert_close(batch, expected, rtol=1e-5, atol=1e-4, msg=lambda m: f"{isa}: {m}")
+
+
+@needs_avx2
 @pytest.mark.parametrize("rows", [1, 4, 5])
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_8_bit_int_codes_run_the_int8_kernel_as_stored(rows, double_quant):
