@@ -19,7 +19,7 @@ tokens read per turn and the server's resident memory, turn by turn. Writes benc
     make llama-server                                   # builds llama-server and llama-quantize (15-35 min)
     python benchmarks/serve.py                          # SmolLM2; llama.cpp's rows skipped without the build
     python benchmarks/serve.py --model qwen2.5-coder-1.5b --rounds 2
-    python benchmarks/serve.py --resume --only 16       # one client count again (each count is a row)
+    python benchmarks/serve.py --clients 16             # one client count again (the others are kept)
     python benchmarks/serve.py --report
 
 The servers: leanlm's bf16 float model, its 8-bit int blocks of 64 and its NF4 + DQ checkpoint (both with the
