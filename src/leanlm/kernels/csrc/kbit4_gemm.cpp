@@ -170,11 +170,17 @@ inline void over_weight_tiles(int64_t first, int64_t last, int64_t row_bytes, Bo
   for (int64_t start = first; start < last; start += tile) body(start, std::min(last, start + tile));
 }
 
-// Prefetches what a step reading `bytes` bytes from `p` will read `kPrefetchBytes` later (one request per line).
+// Asks for the BYTES bytes from `p` (one request per line) into the cache level HINT names.
+template <int64_t BYTES, int HINT = _MM_HINT_T0>
+inline void prefetch_lines(const void* p) {
+  for (int64_t offset = 0; offset < BYTES; offset += 64)
+    _mm_prefetch(static_cast<const char*>(p) + offset, static_cast<_mm_hint>(HINT));
+}
+
+// Prefetches what a step reading `bytes` bytes from `p` will read `kPrefetchBytes` later.
 template <int64_t BYTES>
 inline void prefetch_ahead(const void* p) {
-  for (int64_t offset = 0; offset < BYTES; offset += 64)
-    _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes + offset, _MM_HINT_T0);
+  prefetch_lines<BYTES>(static_cast<const char*>(p) + kPrefetchBytes);
 }
 
 inline float horizontal_sum(__m256 v) {
