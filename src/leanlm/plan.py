@@ -204,8 +204,9 @@ def read_config(source: str):
     """The config of a registry name, model directory, leanlm checkpoint or .gguf file, converting nothing."""
     from leanlm.methods.checkpoint import is_quantized_checkpoint
     from leanlm.models.gguf_conversion import gguf_config
-    from leanlm.models.loading import cache_root, cached_float_directory, read_model_config
+    from leanlm.models.loading import cached_float_directory, read_model_config
     from leanlm.models.registry import REGISTRY, gguf_path_of
+    from leanlm.storage import cache_root
 
     if source in REGISTRY:
         registered = REGISTRY[source]

@@ -41,6 +41,12 @@ def _staging_path(out: Path, pid: int) -> Path:
     return out.with_name(f".{out.name}{_STAGING_TAG}{pid}")
 
 
+def cache_root() -> Path:
+    """Where leanlm keeps what it makes once per machine (converted models, compiled kernels, CPU probes):
+    `$LEANLM_CACHE`, else ~/.cache/leanlm."""
+    return Path(os.environ.get("LEANLM_CACHE", Path.home() / ".cache" / "leanlm"))
+
+
 def partial_path(path: Path) -> Path:
     """Where a file is written before it is renamed into `path` (rename(2) is atomic: a reader sees the old file
     or the whole new one)."""

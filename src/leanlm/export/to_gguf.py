@@ -53,8 +53,8 @@ def source_gguf(source: str | os.PathLike, *, follow: bool = True) -> Path | Non
     the GGUF of the model it was quantized from (its record's `source_model`, followed once: a record naming
     another checkpoint, or itself, leads nowhere); None for a model that came from a transformers directory."""
     from leanlm.methods.checkpoint import read_record
-    from leanlm.models.loading import cache_root
     from leanlm.models.registry import REGISTRY, gguf_path_of
+    from leanlm.storage import cache_root
 
     name = str(source)
     if name in REGISTRY:

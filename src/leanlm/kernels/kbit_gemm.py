@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ import torch
 from leanlm.errors import ConfigError
 from leanlm.formats.packing import preferred_layout, unpack
 from leanlm.kernels.cpu import has_native_bf16
-from leanlm.storage import exclusive_lock
+from leanlm.storage import cache_root, exclusive_lock
 
 KbitBackend = Literal["reference", "avx2"]
 # The small-M kernel: "auto" = the fastest this CPU runs (int8 activations where the layout allows); the others
@@ -48,10 +47,9 @@ _log = logging.getLogger(__name__)
 def _cache_dir() -> Path:
     """One build directory per (kernel source, torch install): two checkouts or venvs never rebuild over each
     other's objects, and an edited source never loads a stale library."""
-    root = Path(os.environ.get("LEANLM_CACHE", Path.home() / ".cache" / "leanlm"))
     sources = b"".join(path.read_bytes() for path in sorted(_SOURCE.parent.iterdir()))  # the .cpp and what it includes
     key = hashlib.sha256(sources + str(Path(torch.__file__).parent).encode()).hexdigest()[:16]
-    return root / "kernels" / f"torch-{torch.__version__}-{key}"
+    return cache_root() / "kernels" / f"torch-{torch.__version__}-{key}"
 
 
 @lru_cache(maxsize=1)

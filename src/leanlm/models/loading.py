@@ -33,7 +33,7 @@ from leanlm.models.untrusted import (
 )
 from leanlm.nn.float_linear import use_gemv_
 from leanlm.settings import option
-from leanlm.storage import QUANT_FILE, exclusive_lock, quantized_weights_file, staged_directory
+from leanlm.storage import QUANT_FILE, cache_root, exclusive_lock, quantized_weights_file, staged_directory
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +121,6 @@ class LoadSettings:
 # `leanlm chat` and `leanlm serve` take the fastest float path this CPU has and keep freed memory for reuse (they
 # read prompts again and again; benchmarks/serve.py); eval and stream keep the reference and the planned memory.
 INTERACTIVE_LOADING = LoadSettings(dtype="auto", keep_freed_memory=True)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LEANLM_CACHE", Path.home() / ".cache" / "leanlm"))
 
 
 def load_model(
