@@ -5,7 +5,8 @@ A GGUF is de-quantized once (about half a minute) and cached as a float safetens
 loads in seconds.
 
 The compute dtype is float32 (the reference every method and test is measured against) unless asked otherwise;
-`auto` picks bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), decided at run time.
+`auto` picks bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX, `kernels.cpu.has_native_bf16`),
+decided at run time.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ class LoadSettings:
     dtype: str = option(
         "float32",
         "compute dtype: float32 (the reference), bfloat16, or auto "
-        "(bfloat16 where this CPU has native bf16 instructions: AVX512-BF16 or AMX; "
-        "float32 elsewhere). A quantized checkpoint computes in it too (norms, attention, "
+        "(bfloat16 where this CPU has native bf16 instructions, AVX512-BF16 or AMX, and a "
+        "probe product runs on them; float32 elsewhere). A quantized checkpoint computes in it too (norms, attention, "
         "its token embedding and output head), its quantized layers through their kernels",
         choices=("auto", *COMPUTE_DTYPES),
     )
