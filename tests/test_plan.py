@@ -188,7 +188,9 @@ weight = torch.randn(rows, columns, generator=generator) * 0.02
 inputs = torch.randn(2 * columns, columns, generator=generator)
 hessian = inputs.T @ inputs / inputs.shape[0]
 del inputs
-solve(torch.randn(8, 64), torch.eye(64), GPTQConfig().solver())  # the linear algebra libraries' code paged in
+# a first solve of the same shapes pages in the code the libraries run at these sizes (their code is not the
+# solve's memory; a smaller solve leaves some of it to be paged in during the measured one)
+solve(weight.clone(), hessian.clone(), GPTQConfig().solver())
 with peak_memory() as peak:
     solve(weight, hessian, GPTQConfig().solver(), overwrite_hessian=True)
 facts = types.SimpleNamespace(linears=[("proj", columns, rows, False)], layers=1)
