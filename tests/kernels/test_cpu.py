@@ -42,6 +42,14 @@ def test_a_probe_runs_once_per_machine(fresh):
     assert cpu.probe("fails", SIGILL) is True
 
 
+def test_a_cache_that_cannot_be_written_still_gives_the_answer(monkeypatch, tmp_path):
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    monkeypatch.setenv("LEANLM_CACHE", str(blocked / "cache"))
+    assert cpu.probe("passes", "pass") is True
+    assert cpu.probe("fails", SIGILL) is False
+
+
 def test_a_probe_that_hangs_fails(fresh):
     assert cpu.probe("hangs", "import time; time.sleep(60)", timeout=1) is False
 

@@ -77,8 +77,11 @@ def probe(name: str, code: str, timeout: float = 120.0) -> bool:
     if status != 0:
         reason = "timed out" if status is None else f"exit status {status}"
         _log.warning("CPU probe %s failed (%s): leanlm will not use that instruction path", name, reason)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(path, json.dumps({"ok": status == 0, "status": status}))
+    try:  # a cache that cannot be written (a read-only home) only means the probe runs again next time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(path, json.dumps({"ok": status == 0, "status": status}))
+    except OSError as error:
+        _log.info("CPU probe %s: answer not kept (%s)", name, error)
     return status == 0
 
 
