@@ -6,8 +6,10 @@ the bytes of its safetensors files) and the model running: loaded with `load_any
 512 into its cache (the sink cache's 256 tokens for the streaming row), then 8 tokens decoded greedily (the
 process' peak resident memory). Writes benchmarks/results/plan_accuracy_<model>.json + .png.
 
-A row the plan says does not fit this machine's available memory is not run (the table says so). The
-Llama-3-8B-shaped model of benchmarks/out_of_core.py (random bfloat16 weights, 14.8 GB) is written once under DIR:
+A row the plan says does not fit this machine's available memory is not run (the table says so). With --resume,
+a row whose out-of-core quantization was killed continues from the blocks it wrote; its quantizing peak is the
+highest of its processes' (each one's high-water mark is saved every few seconds beside the staging directory).
+The Llama-3-8B-shaped model of benchmarks/out_of_core.py (random bfloat16 weights, 14.8 GB) is written once under DIR:
 
     python benchmarks/plan_accuracy.py [--model smollm2-135m] [--context 2048]
     python benchmarks/plan_accuracy.py --llama3-8b-shape DIR --context 512 --only bf16 nf4 w8a8 llm-int8
@@ -22,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import matplotlib
@@ -35,6 +38,7 @@ from leanlm.report import format_table, save_figure  # noqa: E402
 
 DECODE_TOKENS = 8
 ESTIMATES = (("stored", "stored_bytes"), ("running", "running_bytes"), ("quantizing", "quantizing_bytes"))
+PEAK_EVERY_SECONDS = 2.0
 
 
 def _steps(row: str, calibration_samples: int) -> tuple:
@@ -44,13 +48,27 @@ def _steps(row: str, calibration_samples: int) -> tuple:
     return PlanSettings(calibration_samples=calibration_samples).applied(steps)
 
 
-def quantize_worker(model: str, row: str, out: str, calibration_samples: str) -> dict:
+def _keep_peak(path: Path, attempt: int) -> None:
+    """Every few seconds, this process' high-water mark as `attempt`'s entry of the JSON list at `path`."""
+    from leanlm.storage import write_text_atomically
+
+    while True:
+        peaks = json.loads(path.read_text()) if path.is_file() else []
+        peaks[attempt:] = [process_peak_rss_bytes()]
+        write_text_atomically(path, json.dumps(peaks) + "\n")
+        threading.Event().wait(PEAK_EVERY_SECONDS)
+
+
+def quantize_worker(model: str, row: str, out: str, calibration_samples: str, peaks: str) -> dict:
     from leanlm.methods.out_of_core import quantize_checkpoint
     from leanlm.methods.quantize import Calibration
 
+    peaks_path = Path(peaks)
+    attempt = len(json.loads(peaks_path.read_text())) if peaks_path.is_file() else 0
+    threading.Thread(target=_keep_peak, args=(peaks_path, attempt), daemon=True).start()
     steps = _steps(row, int(calibration_samples))
-    quantize_checkpoint(model, steps, out, calibration=Calibration(), say=lambda line: None)
-    return {"peak_rss_bytes": process_peak_rss_bytes()}
+    quantize_checkpoint(model, steps, out, calibration=Calibration(), resume=True, say=lambda line: None)
+    return {"peak_rss_bytes": process_peak_rss_bytes(), "attempts": attempt + 1}
 
 
 def run_worker(source: str, context: int, dtype: str, streaming: bool) -> dict:
@@ -78,11 +96,18 @@ def measure(row: dict, args, workdir: Path) -> dict:
     source = args.model
     if row["quantizing_bytes"] is not None:
         out = workdir / row["row"]
-        for left in (out, workdir / f".{out.name}.partial-resumable"):  # a killed run's checkpoint or staging
-            shutil.rmtree(left, ignore_errors=True)
-        measured["quantizing_bytes"] = worker_result(
-            __file__, "quantize", args.model, row["row"], str(out), str(args.calib_samples)
-        )["peak_rss_bytes"]
+        staging, peaks = workdir / f".{out.name}.partial-resumable", workdir / f".{out.name}.peaks.json"
+        shutil.rmtree(out, ignore_errors=True)
+        if not (args.resume and staging.is_dir()):  # a killed run's blocks are kept only to resume them
+            shutil.rmtree(staging, ignore_errors=True)
+            peaks.unlink(missing_ok=True)
+        result = worker_result(
+            __file__, "quantize", args.model, row["row"], str(out), str(args.calib_samples), str(peaks)
+        )
+        earlier = json.loads(peaks.read_text()) if peaks.is_file() else []
+        measured["quantizing_bytes"] = max([result["peak_rss_bytes"], *earlier])
+        measured["quantizing_processes"] = result["attempts"]
+        peaks.unlink(missing_ok=True)
         measured["stored_bytes"] = checkpoint_bytes(out)
         source = str(out)
     dtype = "bfloat16" if row["row"] == "bf16" else "float32"
@@ -134,11 +159,17 @@ def report(payload: dict) -> str:
         headers += [f"{label} predicted MiB", "measured MiB", "error"]
     errors = [abs(e) for v in payload.get("rows", {}).values() for _, k in ESTIMATES if (e := _error(v, k)) is not None]
     worst = f"\nlargest error: {100 * max(errors):.1f}%" if errors else ""
+    resumed = [
+        f"\n{name}: quantized by {n} processes, each resuming the one killed before it"
+        for name, value in payload.get("rows", {}).items()
+        if (n := value["measured"].get("quantizing_processes", 1)) > 1
+    ]
     return (
         f"{payload.get('model')}, context {payload['settings']['context']} tokens, "
         f"{payload['settings']['calibration_samples']} calibration windows\n"
         + format_table(headers, rows, markdown=True)
         + worst
+        + "".join(resumed)
     )
 
 
