@@ -45,6 +45,40 @@ def test_stored_bytes_are_the_bytes_the_quantized_layers_hold(tiny_llama_dir, me
         assert kernel_forms == sum(t.numel() * t.element_size() for t in held) > 0
 
 
+GGUF_CONFIGS = {
+    "q4_0": m.RTNConfig(gguf_type="q4_0"),
+    "q8_0, down q4_0": m.RTNConfig(gguf_type="q8_0", tensor_types=("mlp.down_proj=q4_0",)),
+}
+
+
+@pytest.mark.parametrize("name", GGUF_CONFIGS)
+def test_gguf_blocks_are_planned_in_their_types(tiny_llama_dir, name):
+    config = GGUF_CONFIGS[name]
+    facts = plan.model_facts(str(tiny_llama_dir))
+    predicted, _, kernel_forms = plan.stored_estimate(facts, (config,))
+    loaded = load_any(tiny_llama_dir)
+    m.quantize_(loaded.model, (config,))
+    modules = [module for _, module in iter_quantizable_linears(loaded.model)]
+    assert predicted.parts["linears"] == sum(weight_bytes(module) for module in modules)
+    if avx2_available():  # the 4-bit blocks' kernel form, derived at the first forward; Q8_0 has none
+        with torch.inference_mode():
+            loaded.model(torch.randint(0, 100, (1, 8)))
+        held = [t for module in modules if module.runtime_bytes() for t in module.kernel_inputs()]
+        assert kernel_forms == sum(t.numel() * t.element_size() for t in held) > 0
+
+
+def test_a_budget_is_planned_as_the_two_types_that_spend_it(tiny_llama_dir):
+    facts = plan.model_facts(str(tiny_llama_dir))
+    weights = sum(i * o for _, i, o, _ in facts.linears)
+    for target, types in ((5.0, {"q4_0", "q5_0"}), (4.5, {"q4_0"})):
+        config = m.GPTQConfig(target_bits=target, allocation="block")
+        planned = {t for name, i, _, _ in facts.linears for t, _ in plan._block_types(config, name, i)}
+        assert planned == types
+        linears = plan.stored_estimate(facts, (config,))[0].parts["linears"]
+        biases = sum(o for _, _, o, b in facts.linears if b) * 4
+        assert 8 * (linears - biases) / weights == pytest.approx(target, abs=1e-3)
+
+
 def test_facts_come_from_the_config_alone(tiny_llama_dir):
     facts = plan.model_facts(str(tiny_llama_dir))
     model = load_any(tiny_llama_dir).model

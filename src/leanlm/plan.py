@@ -140,6 +140,7 @@ class ModelFacts:
     total_parameters: int
     tied_embeddings: bool  # the output head is the token embedding
     stored_dtype: torch.dtype = torch.float32  # of a float model's weights as loading reads them
+    block_prefix: str = ""  # what a linear's name starts with before BLOCK.PATH, as tensor-type patterns name it
 
 
 def model_facts(source: str) -> ModelFacts:
@@ -179,6 +180,7 @@ def model_facts(source: str) -> ModelFacts:
         total_parameters=total,
         tied_embeddings=bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))),
         stored_dtype=stored_float_dtype(source),
+        block_prefix=f"{table.blocks}.",
     )
 
 
@@ -304,17 +306,21 @@ def gradient_pass_bytes(config, tokens: int) -> int:
     return live.peak
 
 
-def empty_linear(config, in_features: int, out_features: int, bias: bool) -> nn.Module:
-    """The module `config`'s method writes for a linear of this shape, empty, on the meta device."""
+def empty_linear(config, in_features: int, out_features: int, bias: bool, block_type: str | None = None) -> nn.Module:
+    """The module `config`'s method writes for a linear of this shape (in GGUF blocks of `block_type`, if given),
+    empty, on the meta device."""
     from leanlm.formats.packing import preferred_layout
     from leanlm.methods.gptq import GPTQConfig, RTNConfig, SpQRConfig
     from leanlm.methods.kbit import KbitConfig
     from leanlm.methods.w8a8 import LEVELS, LLMInt8Config, W8A8Config
+    from leanlm.nn.gguf_linear import GGUFLinear
     from leanlm.nn.kbit_linear import KbitLinear
     from leanlm.nn.spqr_linear import SpQRLinear
     from leanlm.nn.w8a8_linear import W8A8Linear
 
     with torch.device("meta"):
+        if block_type is not None:
+            return GGUFLinear(in_features, out_features, bias, block_type)
         if isinstance(config, LLMInt8Config):
             config = config.w8a8()
         if isinstance(config, W8A8Config):
@@ -424,18 +430,58 @@ def stored_estimate(facts: ModelFacts, configs: tuple, table_bytes: int = 4) -> 
     if quantizer is None:
         parts["linears"] = sum(i * o + (o if b else 0) for _, i, o, b in facts.linears) * table_bytes
         return Estimate(parts), by_type, 0
-    shapes: dict[tuple[int, int, bool], int] = {}
-    for _, in_features, out_features, bias in facts.linears:
-        key = (in_features, out_features, bias)
-        shapes[key] = shapes.get(key, 0) + 1
-    runtime = 0
-    for (in_features, out_features, bias), count in shapes.items():
-        module = empty_linear(quantizer, in_features, out_features, bias)
+    shapes: dict[tuple, int] = {}
+    for name, in_features, out_features, bias in facts.linears:
+        for block_type, share in _block_types(quantizer, name.removeprefix(facts.block_prefix), in_features):
+            key = (in_features, out_features, bias, block_type)
+            shapes[key] = shapes.get(key, 0) + share
+    runtime = 0.0
+    for (in_features, out_features, bias, block_type), count in shapes.items():
+        module = empty_linear(quantizer, in_features, out_features, bias, block_type)
         kind = type(module).__name__
-        by_type[kind] = by_type.get(kind, 0) + count * module_bytes(module)
+        by_type[kind] = by_type.get(kind, 0) + round(count * module_bytes(module))
         runtime += count * module.runtime_bytes()
     parts["linears"] = sum(by_type.values())
-    return Estimate(parts), by_type, runtime
+    return Estimate(parts), by_type, round(runtime)
+
+
+def _dequantized_per_call(facts: ModelFacts, configs: tuple) -> int:
+    """The float32 bytes of the largest linear planned in GGUF blocks that no kernel reads (it de-quantizes its
+    whole weight at each forward), or 0."""
+    quantizer = _weight_quantizer(configs)
+    largest = 0
+    for name, in_features, out_features, bias in facts.linears:
+        for block_type, _ in _block_types(quantizer, name.removeprefix(facts.block_prefix), in_features):
+            if (
+                block_type is not None
+                and not empty_linear(quantizer, in_features, out_features, bias, block_type).runtime_bytes()
+            ):
+                largest = max(largest, in_features * out_features * 4)
+    return largest
+
+
+def _block_types(config, name: str, in_features: int) -> list[tuple[str | None, float]]:
+    """The GGUF block types (None: the method's own layout) a linear BLOCK.PATH is planned in, each with the share of
+    it: the user's pattern's type, else a budget's, else --gguf-type's. The types a budget gives are chosen from the
+    data, after the plan: it is planned as the two candidate types whose bits per weight enclose the budget, in the
+    shares that spend it exactly."""
+    from leanlm.formats.gguf_blocks import BLOCK_TYPES
+    from leanlm.methods import bit_allocation
+
+    patterns = bit_allocation.parse_tensor_types(getattr(config, "tensor_types", ()))
+    fixed = bit_allocation.fixed_types([name], patterns)
+    if name in fixed:
+        return [(fixed[name], 1.0)]
+    target = getattr(config, "target_bits", None)
+    if target is None:
+        return [(getattr(config, "gguf_type", None), 1.0)]
+    bits = {t: BLOCK_TYPES[t].bits_per_weight for t in bit_allocation.candidates_for(in_features)}
+    below = max((t for t in bits if bits[t] <= target), key=bits.get, default=None)
+    above = min((t for t in bits if bits[t] >= target), key=bits.get, default=None)
+    if below is None or above is None or bits[above] == bits[below]:
+        return [(below or above, 1.0)]
+    share = (target - bits[below]) / (bits[above] - bits[below])
+    return [(below, 1 - share), (above, share)]
 
 
 def _weight_quantizer(configs: tuple):
@@ -486,7 +532,9 @@ def plan_row(
     else:
         weights = stored.total  # the tables are copied in from their file a MiB at a time
         if by_type.keys() - {"W8A8Linear"}:  # the k-bit kernels' prefill GEMM de-quantizes a tile of rows at a time
-            extra["kernel tile"] = TILE_ROWS * max(i for _, i, _, _ in facts.linears) * 4
+            tile = TILE_ROWS * max(i for _, i, _, _ in facts.linears) * 4
+            whole = _dequantized_per_call(facts, configs)
+            extra.update({"de-quantized weight": whole} if whole > tile else {"kernel tile": tile})
             loading = 0
         else:  # packing a shared-input group of two of the largest linears: its plain, stacked and packed copies
             loading = 3 * 2 * max(i * o for _, i, o, _ in facts.linears)

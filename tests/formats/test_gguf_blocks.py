@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from leanlm.errors import ConfigError
+from leanlm.formats import gguf_blocks
 from leanlm.formats.gguf_blocks import (
     BLOCK_TYPES,
     codes_for,
@@ -41,6 +42,22 @@ def test_any_block_bytes_decode_as_the_gguf_package_decodes_them_and_pack_back_t
     assert int(codes.max()) < 2**kind.bits
     assert np.array_equal(pack(kind, codes, statistics).numpy(), raw)
     assert kind.bytes == gguf.GGML_QUANT_SIZES[kind.ggml][1] and kind.block == gguf.GGML_QUANT_SIZES[kind.ggml][0]
+
+
+@pytest.mark.parametrize("name", list(BLOCK_TYPES))
+def test_a_weight_unpacked_a_few_rows_at_a_time_is_the_weight_unpacked_at_once(name, monkeypatch):
+    kind = BLOCK_TYPES[name]
+    raw, columns = torch.from_numpy(_random_blocks(kind, rows=5)), 4 * kind.block
+    codes, statistics = unpack(kind, raw, columns)
+    weight = dequantize(kind, raw, columns)
+    monkeypatch.setattr(gguf_blocks, "UNPACK_WEIGHTS", 2 * columns)  # rows 2, 2 and 1
+    assert len(gguf_blocks._row_chunks(5, columns)) == 3
+    chunked_codes, chunked = unpack(kind, raw, columns)
+    assert torch.equal(chunked_codes, codes)
+    for field in ("d", "dmin", "scales", "mins"):  # no NaN among the random float16 fields (_random_blocks)
+        ours, whole = getattr(chunked, field), getattr(statistics, field)
+        assert (ours is None and whole is None) or torch.equal(ours, whole)
+    assert torch.equal(dequantize(kind, raw, columns).view(torch.int32), weight.view(torch.int32))
 
 
 def _weight(rows=64, columns=512, seed=0):

@@ -42,6 +42,7 @@ from leanlm.formats.codebooks import Codebook
 from leanlm.formats.minmax import search_symmetric
 
 SUPER_BLOCK = 256  # weights per K-quant block (QK_K)
+UNPACK_WEIGHTS = 1 << 20  # weights unpacked at a time (`unpack`, `dequantize`)
 # IQ4_NL's and IQ4_XS's sixteen levels, code 0 to 15 (llama.cpp's kvalues_iq4nl): part of the file format
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
@@ -344,8 +345,28 @@ def pack(kind: BlockType, codes: torch.Tensor, statistics: BlockStatistics) -> t
     return out.reshape(rows, blocks * kind.bytes)
 
 
+def _row_chunks(rows: int, columns: int) -> list[slice]:
+    """Slices of rows holding about UNPACK_WEIGHTS weights each: unpacking widens every byte to int32 and every
+    code to float32 several times over, so a whole weight at once would hold several float32 copies of it."""
+    step = max(1, UNPACK_WEIGHTS // max(columns, 1))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
 def unpack(kind: BlockType, raw: torch.Tensor, columns: int) -> tuple[torch.Tensor, BlockStatistics]:
     """The codes (rows, columns) uint8 and statistics held in GGUF blocks (rows, blocks * bytes) uint8."""
+    chunks = [_unpack_rows(kind, raw[rows], columns) for rows in _row_chunks(raw.shape[0], columns)]
+    if len(chunks) == 1:
+        return chunks[0]
+    codes = torch.cat([chunk[0] for chunk in chunks])
+    joined = {
+        name: torch.cat([getattr(chunk[1], name) for chunk in chunks])
+        for name in ("d", "dmin", "scales", "mins")
+        if getattr(chunks[0][1], name) is not None
+    }
+    return codes, BlockStatistics(**joined)
+
+
+def _unpack_rows(kind: BlockType, raw: torch.Tensor, columns: int) -> tuple[torch.Tensor, BlockStatistics]:
     rows = raw.shape[0]
     blocks = columns // kind.block
     flat = raw.reshape(rows * blocks, kind.bytes)
@@ -369,8 +390,12 @@ def unpack(kind: BlockType, raw: torch.Tensor, columns: int) -> tuple[torch.Tens
 
 
 def dequantize(kind: BlockType, raw: torch.Tensor, columns: int) -> torch.Tensor:
-    """(rows, columns) float32 weights held in GGUF blocks (rows, blocks * bytes) uint8."""
-    return decode(kind, *unpack(kind, raw, columns))
+    """(rows, columns) float32 weights held in GGUF blocks (rows, blocks * bytes) uint8, decoded a few rows at a
+    time into the result."""
+    weight = torch.empty(raw.shape[0], columns)
+    for rows in _row_chunks(raw.shape[0], columns):
+        weight[rows] = decode(kind, *_unpack_rows(kind, raw[rows], columns))
+    return weight
 
 
 def _affine_search(x: torch.Tensor, weights: torch.Tensor, top: int, nonpositive_offset: bool, steps: int = 10):
