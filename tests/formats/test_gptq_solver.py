@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from leanlm.errors import ConfigError
-from leanlm.formats.gptq import SolverSettings, solve
+from leanlm.formats.gptq import SolverSettings, _leave_one_out_outliers, solve
 from leanlm.formats.minmax import (
     dequantize_minmax,
     fit_minmax,
@@ -54,6 +54,32 @@ def test_error_feedback_lowers_the_output_error_and_outliers_lower_it_further():
     }
     assert errors["gptq"] < 0.95 * errors["rtn"]
     assert errors["spqr"] < errors["gptq"]
+
+
+def _leave_one_out_cuts(group, diagonal, bits):
+    """The oracle: for every weight, the group's scaled squared error less that of its row refitted without it."""
+
+    def scaled_errors(values, divisors):
+        return ((round_trip_minmax(values, bits) - values) / divisors).square()
+
+    columns = group.shape[1]
+    others = torch.tensor([[c for c in range(columns) if c != left_out] for left_out in range(columns)])
+    return scaled_errors(group, diagonal).sum(dim=1, keepdim=True) - scaled_errors(
+        group[:, others], diagonal[others]
+    ).sum(dim=2)
+
+
+@pytest.mark.parametrize("share", [0.5, 0.1, 0.01])
+def test_spqr_outliers_are_the_weights_whose_leaving_out_cuts_the_error_past_the_threshold(share):
+    generator = torch.Generator().manual_seed(0)
+    group = torch.randn(512, 16, generator=generator)
+    group[torch.rand(group.shape, generator=generator) < 0.01] *= 8
+    group[:4] = 1.0  # flat rows
+    group[4:8, :8] = 2.0  # a repeated smallest or largest value
+    diagonal = torch.rand(16, generator=generator) + 0.5
+    cuts = _leave_one_out_cuts(group, diagonal, 3)
+    threshold = float(cuts.flatten().quantile(1 - share))
+    assert torch.equal(_leave_one_out_outliers(group, diagonal, 3, threshold), cuts > threshold)
 
 
 def test_lazy_blocks_do_not_change_the_result():

@@ -142,22 +142,27 @@ def quantize_statistic(values: torch.Tensor, settings: SolverSettings) -> Quanti
 
 def _leave_one_out_outliers(group: torch.Tensor, diagonal: torch.Tensor, bits: int, threshold: float) -> torch.Tensor:
     """Weights whose exclusion from their row's group statistics cuts the group's scaled squared error by more
-    than `threshold` (the error removed includes the weight's own)."""
-    columns = group.shape[1]
+    than `threshold` (the error removed includes the weight's own). Leaving out a weight that is neither its row's
+    smallest nor its largest keeps the row's min-max fit, so the cut is that weight's own error; only the smallest
+    and the largest are refitted without them."""
+    rows, columns = group.shape
     if columns < 3:
         return torch.zeros_like(group, dtype=torch.bool)
 
     def scaled_errors(values: torch.Tensor, divisors: torch.Tensor) -> torch.Tensor:
-        """((x_hat - x) / divisor)^2 of min-max round trips along the last dimension, worked in place (the
-        leave-one-out subsets are columns - 1 times the group's size)."""
+        """((x_hat - x) / divisor)^2 of min-max round trips along the last dimension, worked in place."""
         scale, zero = fit_minmax(values, bits)
         error = quantize_minmax(values, scale, zero, bits).sub_(zero[..., None]).mul_(scale[..., None]).sub_(values)
         return error.div_(divisors).square_()
 
-    base = scaled_errors(group, diagonal).sum(dim=1, keepdim=True)
-    keep = torch.tensor([[c for c in range(columns) if c != left_out] for left_out in range(columns)])
-    loo = scaled_errors(group[:, keep], diagonal[keep]).sum(dim=2)  # subsets: (rows, columns, columns - 1)
-    return (base - loo) > threshold
+    cut = scaled_errors(group, diagonal)
+    base = cut.sum(dim=1, keepdim=True)
+    positions = torch.arange(columns - 1)
+    for extreme in (group.argmin(dim=1, keepdim=True), group.argmax(dim=1, keepdim=True)):
+        others = positions + (positions >= extreme)  # (rows, columns - 1): every column but the row's extreme
+        left = scaled_errors(group.gather(1, others), diagonal[others]).sum(dim=1, keepdim=True)
+        cut.scatter_(1, extreme, base - left)
+    return cut > threshold
 
 
 def _group_statistics(
