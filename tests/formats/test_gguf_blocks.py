@@ -60,6 +60,22 @@ def test_a_weight_unpacked_a_few_rows_at_a_time_is_the_weight_unpacked_at_once(n
     assert torch.equal(dequantize(kind, raw, columns).view(torch.int32), weight.view(torch.int32))
 
 
+@pytest.mark.parametrize("name", list(BLOCK_TYPES))
+def test_a_weight_fitted_a_few_rows_at_a_time_is_the_weight_fitted_at_once(name, monkeypatch):
+    kind = BLOCK_TYPES[name]
+    weight = _weight(rows=7, columns=2 * 256)
+    importance = torch.rand(weight.shape[1], generator=torch.Generator().manual_seed(1)) + 0.1
+    monkeypatch.setattr(gguf_blocks, "FIT_WEIGHTS", weight.numel())
+    statistics = fit_statistics(kind, weight, importance)
+    codes = codes_for(kind, weight, statistics)
+    monkeypatch.setattr(gguf_blocks, "FIT_WEIGHTS", 3 * weight.shape[1])  # rows 3, 3 and 1
+    chunked = fit_statistics(kind, weight, importance)
+    for field in ("d", "dmin", "scales", "mins"):
+        ours, whole = getattr(chunked, field), getattr(statistics, field)
+        assert (ours is None and whole is None) or torch.equal(ours, whole)
+    assert torch.equal(codes_for(kind, weight, statistics), codes)
+
+
 def _weight(rows=64, columns=512, seed=0):
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(rows, columns, generator=generator) * torch.exp(torch.randn(1, columns, generator=generator))

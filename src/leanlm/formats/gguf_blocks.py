@@ -43,6 +43,10 @@ from leanlm.formats.minmax import search_symmetric
 
 SUPER_BLOCK = 256  # weights per K-quant block (QK_K)
 UNPACK_WEIGHTS = 1 << 20  # weights unpacked at a time (`unpack`, `dequantize`)
+# Weights fitted at a time (`fit_statistics`, `codes_for`): the search's many temporaries then stay below glibc's
+# mmap threshold and are reused from its heap, where a whole weight's would each be a fresh mapping, page-faulted
+# anew every step.
+FIT_WEIGHTS = 1 << 15
 # IQ4_NL's and IQ4_XS's sixteen levels, code 0 to 15 (llama.cpp's kvalues_iq4nl): part of the file format
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
@@ -345,10 +349,11 @@ def pack(kind: BlockType, codes: torch.Tensor, statistics: BlockStatistics) -> t
     return out.reshape(rows, blocks * kind.bytes)
 
 
-def _row_chunks(rows: int, columns: int) -> list[slice]:
-    """Slices of rows holding about UNPACK_WEIGHTS weights each: unpacking widens every byte to int32 and every
-    code to float32 several times over, so a whole weight at once would hold several float32 copies of it."""
-    step = max(1, UNPACK_WEIGHTS // max(columns, 1))
+def _row_chunks(rows: int, columns: int, weights: int | None = None) -> list[slice]:
+    """Slices of rows holding about `weights` weights each (UNPACK_WEIGHTS: unpacking widens every byte to int32
+    and every code to float32 several times over, so a whole weight at once would hold several float32 copies of
+    it)."""
+    step = max(1, (weights or UNPACK_WEIGHTS) // max(columns, 1))
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
@@ -357,13 +362,21 @@ def unpack(kind: BlockType, raw: torch.Tensor, columns: int) -> tuple[torch.Tens
     chunks = [_unpack_rows(kind, raw[rows], columns) for rows in _row_chunks(raw.shape[0], columns)]
     if len(chunks) == 1:
         return chunks[0]
-    codes = torch.cat([chunk[0] for chunk in chunks])
-    joined = {
-        name: torch.cat([getattr(chunk[1], name) for chunk in chunks])
-        for name in ("d", "dmin", "scales", "mins")
-        if getattr(chunks[0][1], name) is not None
-    }
-    return codes, BlockStatistics(**joined)
+    return torch.cat([chunk[0] for chunk in chunks]), _joined([chunk[1] for chunk in chunks])
+
+
+def _joined(parts: list[BlockStatistics]) -> BlockStatistics:
+    """The statistics of consecutive row ranges as one."""
+    if len(parts) == 1:
+        return parts[0]
+    names = ("d", "dmin", "scales", "mins")
+    return BlockStatistics(
+        **{
+            name: torch.cat([getattr(part, name) for part in parts])
+            for name in names
+            if getattr(parts[0], name) is not None
+        }
+    )
 
 
 def _unpack_rows(kind: BlockType, raw: torch.Tensor, columns: int) -> tuple[torch.Tensor, BlockStatistics]:
@@ -466,7 +479,13 @@ def _integers(values: torch.Tensor, step: torch.Tensor, low: int, high: int) -> 
 
 def fit_statistics(kind: BlockType, weight: torch.Tensor, importance: torch.Tensor | None = None) -> BlockStatistics:
     """Stored statistics for weight (rows, columns), columns a whole number of blocks; `importance`: one weight
-    per column (the Hessian's diagonal, an importance matrix) for the sub-block search, else all alike."""
+    per column (the Hessian's diagonal, an importance matrix) for the sub-block search, else all alike. Each row's
+    are its own: the rows are fitted a few at a time."""
+    chunks = _row_chunks(weight.shape[0], weight.shape[1], FIT_WEIGHTS)
+    return _joined([_fit_rows(kind, weight[rows], importance) for rows in chunks])
+
+
+def _fit_rows(kind: BlockType, weight: torch.Tensor, importance: torch.Tensor | None) -> BlockStatistics:
     rows, columns = weight.shape
     blocks = columns // kind.block
     x = weight.float().reshape(rows, blocks, kind.subs, kind.sub)
@@ -573,7 +592,22 @@ def zero_points(kind: BlockType, statistics: BlockStatistics) -> tuple[torch.Ten
 
 
 def codes_for(kind: BlockType, weight: torch.Tensor, statistics: BlockStatistics) -> torch.Tensor:
-    """The nearest codes (rows, columns) uint8 of weight under fitted statistics (round to nearest)."""
+    """The nearest codes (rows, columns) uint8 of weight under fitted statistics (round to nearest), a few rows at
+    a time."""
+    chunks = _row_chunks(weight.shape[0], weight.shape[1], FIT_WEIGHTS)
+    if len(chunks) == 1:
+        return _codes_for_rows(kind, weight, statistics)
+    return torch.cat([_codes_for_rows(kind, weight[rows], _statistics_rows(statistics, rows)) for rows in chunks])
+
+
+def _statistics_rows(statistics: BlockStatistics, rows: slice) -> BlockStatistics:
+    names = ("d", "dmin", "scales", "mins")
+    return BlockStatistics(
+        **{name: getattr(statistics, name)[rows] for name in names if getattr(statistics, name) is not None}
+    )
+
+
+def _codes_for_rows(kind: BlockType, weight: torch.Tensor, statistics: BlockStatistics) -> torch.Tensor:
     rows, columns = weight.shape
     multiplier, offset = sub_block_grid(kind, statistics)
     x = weight.float().reshape(rows, columns // kind.block, kind.subs, kind.sub)
