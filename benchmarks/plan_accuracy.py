@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import matplotlib
@@ -56,7 +57,7 @@ def _keep_peak(path: Path, attempt: int) -> None:
         peaks = json.loads(path.read_text()) if path.is_file() else []
         peaks[attempt:] = [process_peak_rss_bytes()]
         write_text_atomically(path, json.dumps(peaks) + "\n")
-        threading.Event().wait(PEAK_EVERY_SECONDS)
+        time.sleep(PEAK_EVERY_SECONDS)
 
 
 def quantize_worker(model: str, row: str, out: str, calibration_samples: str, peaks: str) -> dict:

@@ -72,7 +72,7 @@ def test_a_budget_is_planned_as_the_two_types_that_spend_it(tiny_llama_dir):
     weights = sum(i * o for _, i, o, _ in facts.linears)
     for target, types in ((5.0, {"q4_0", "q5_0"}), (4.5, {"q4_0"})):
         config = m.GPTQConfig(target_bits=target, allocation="block")
-        planned = {t for name, i, _, _ in facts.linears for t, _ in plan._block_types(config, name, i)}
+        planned = {block_type for *_, block_type in plan._planned_linears(facts, config)}
         assert planned == types
         linears = plan.stored_estimate(facts, (config,))[0].parts["linears"]
         biases = sum(o for _, _, o, b in facts.linears if b) * 4

@@ -430,13 +430,8 @@ def stored_estimate(facts: ModelFacts, configs: tuple, table_bytes: int = 4) -> 
     if quantizer is None:
         parts["linears"] = sum(i * o + (o if b else 0) for _, i, o, b in facts.linears) * table_bytes
         return Estimate(parts), by_type, 0
-    shapes: dict[tuple, int] = {}
-    for name, in_features, out_features, bias in facts.linears:
-        for block_type, share in _block_types(quantizer, name.removeprefix(facts.block_prefix), in_features):
-            key = (in_features, out_features, bias, block_type)
-            shapes[key] = shapes.get(key, 0) + share
     runtime = 0.0
-    for (in_features, out_features, bias, block_type), count in shapes.items():
+    for (in_features, out_features, bias, block_type), count in _planned_linears(facts, quantizer).items():
         module = empty_linear(quantizer, in_features, out_features, bias, block_type)
         kind = type(module).__name__
         by_type[kind] = by_type.get(kind, 0) + round(count * module_bytes(module))
@@ -445,43 +440,48 @@ def stored_estimate(facts: ModelFacts, configs: tuple, table_bytes: int = 4) -> 
     return Estimate(parts), by_type, round(runtime)
 
 
+def _planned_linears(facts: ModelFacts, quantizer) -> dict[tuple[int, int, bool, str | None], float]:
+    """{(in_features, out_features, bias, GGUF block type or None: the method's own layout): how many linears}.
+    A linear takes the user's pattern's type, else a budget's, else --gguf-type's. The types a budget gives are
+    chosen from the data, after the plan: it is planned as the two candidate types whose bits per weight enclose
+    the budget, in the shares that spend it exactly."""
+    from leanlm.formats.gguf_blocks import BLOCK_TYPES
+    from leanlm.methods import bit_allocation
+
+    names = [name.removeprefix(facts.block_prefix) for name, *_ in facts.linears]  # BLOCK.PATH, as patterns see them
+    patterns = bit_allocation.parse_tensor_types(getattr(quantizer, "tensor_types", ()))
+    fixed = bit_allocation.fixed_types(names, patterns)
+    target = getattr(quantizer, "target_bits", None)
+    planned: dict[tuple[int, int, bool, str | None], float] = {}
+    for name, (_, in_features, out_features, bias) in zip(names, facts.linears, strict=True):
+        types = [(fixed.get(name, getattr(quantizer, "gguf_type", None)), 1.0)]
+        if target is not None and name not in fixed:
+            bits = {t: BLOCK_TYPES[t].bits_per_weight for t in bit_allocation.candidates_for(in_features)}
+            below = max((t for t in bits if bits[t] <= target), key=bits.get, default=None)
+            above = min((t for t in bits if bits[t] >= target), key=bits.get, default=None)
+            types = [(below or above, 1.0)]
+            if below is not None and above is not None and bits[above] != bits[below]:
+                share = (target - bits[below]) / (bits[above] - bits[below])
+                types = [(below, 1 - share), (above, share)]
+        for block_type, share in types:
+            key = (in_features, out_features, bias, block_type)
+            planned[key] = planned.get(key, 0) + share
+    return planned
+
+
 def _dequantized_per_call(facts: ModelFacts, configs: tuple) -> int:
     """The float32 bytes of the largest linear planned in GGUF blocks that no kernel reads (it de-quantizes its
     whole weight at each forward), or 0."""
     quantizer = _weight_quantizer(configs)
-    largest = 0
-    for name, in_features, out_features, bias in facts.linears:
-        for block_type, _ in _block_types(quantizer, name.removeprefix(facts.block_prefix), in_features):
-            if (
-                block_type is not None
-                and not empty_linear(quantizer, in_features, out_features, bias, block_type).runtime_bytes()
-            ):
-                largest = max(largest, in_features * out_features * 4)
-    return largest
-
-
-def _block_types(config, name: str, in_features: int) -> list[tuple[str | None, float]]:
-    """The GGUF block types (None: the method's own layout) a linear BLOCK.PATH is planned in, each with the share of
-    it: the user's pattern's type, else a budget's, else --gguf-type's. The types a budget gives are chosen from the
-    data, after the plan: it is planned as the two candidate types whose bits per weight enclose the budget, in the
-    shares that spend it exactly."""
-    from leanlm.formats.gguf_blocks import BLOCK_TYPES
-    from leanlm.methods import bit_allocation
-
-    patterns = bit_allocation.parse_tensor_types(getattr(config, "tensor_types", ()))
-    fixed = bit_allocation.fixed_types([name], patterns)
-    if name in fixed:
-        return [(fixed[name], 1.0)]
-    target = getattr(config, "target_bits", None)
-    if target is None:
-        return [(getattr(config, "gguf_type", None), 1.0)]
-    bits = {t: BLOCK_TYPES[t].bits_per_weight for t in bit_allocation.candidates_for(in_features)}
-    below = max((t for t in bits if bits[t] <= target), key=bits.get, default=None)
-    above = min((t for t in bits if bits[t] >= target), key=bits.get, default=None)
-    if below is None or above is None or bits[above] == bits[below]:
-        return [(below or above, 1.0)]
-    share = (target - bits[below]) / (bits[above] - bits[below])
-    return [(below, 1 - share), (above, share)]
+    return max(
+        (
+            in_features * out_features * 4
+            for in_features, out_features, bias, block_type in _planned_linears(facts, quantizer)
+            if block_type is not None
+            and not empty_linear(quantizer, in_features, out_features, bias, block_type).runtime_bytes()
+        ),
+        default=0,
+    )
 
 
 def _weight_quantizer(configs: tuple):

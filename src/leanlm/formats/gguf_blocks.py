@@ -30,7 +30,7 @@ same grid (`zero_points`, and `nearest_levels` on a non-linear one).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 
 import gguf
@@ -369,14 +369,12 @@ def _joined(parts: list[BlockStatistics]) -> BlockStatistics:
     """The statistics of consecutive row ranges as one."""
     if len(parts) == 1:
         return parts[0]
-    names = ("d", "dmin", "scales", "mins")
-    return BlockStatistics(
-        **{
-            name: torch.cat([getattr(part, name) for part in parts])
-            for name in names
-            if getattr(parts[0], name) is not None
-        }
-    )
+    return BlockStatistics(**{name: torch.cat([getattr(part, name) for part in parts]) for name in _present(parts[0])})
+
+
+def _present(statistics: BlockStatistics) -> list[str]:
+    """The fields `statistics` holds (a type without mins or sub-block scales leaves theirs None)."""
+    return [field.name for field in fields(statistics) if getattr(statistics, field.name) is not None]
 
 
 def _unpack_rows(kind: BlockType, raw: torch.Tensor, columns: int) -> tuple[torch.Tensor, BlockStatistics]:
@@ -601,10 +599,7 @@ def codes_for(kind: BlockType, weight: torch.Tensor, statistics: BlockStatistics
 
 
 def _statistics_rows(statistics: BlockStatistics, rows: slice) -> BlockStatistics:
-    names = ("d", "dmin", "scales", "mins")
-    return BlockStatistics(
-        **{name: getattr(statistics, name)[rows] for name in names if getattr(statistics, name) is not None}
-    )
+    return BlockStatistics(**{name: getattr(statistics, name)[rows] for name in _present(statistics)})
 
 
 def _codes_for_rows(kind: BlockType, weight: torch.Tensor, statistics: BlockStatistics) -> torch.Tensor:

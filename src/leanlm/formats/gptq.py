@@ -145,7 +145,7 @@ def _leave_one_out_outliers(group: torch.Tensor, diagonal: torch.Tensor, bits: i
     than `threshold` (the error removed includes the weight's own). Leaving out a weight that is neither its row's
     smallest nor its largest keeps the row's min-max fit, so the cut is that weight's own error; only the smallest
     and the largest are refitted without them."""
-    rows, columns = group.shape
+    columns = group.shape[1]
     if columns < 3:
         return torch.zeros_like(group, dtype=torch.bool)
 
