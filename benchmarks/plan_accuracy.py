@@ -61,9 +61,11 @@ def _keep_peak(path: Path, attempt: int) -> None:
 
 
 def quantize_worker(model: str, row: str, out: str, calibration_samples: str, peaks: str) -> dict:
+    from leanlm.methods import calibration
     from leanlm.methods.out_of_core import quantize_checkpoint
     from leanlm.methods.quantize import Calibration
 
+    calibration.KEEP_SENSITIVITY = False  # the plan's peak is a first run's: the loss's gradients measured anew
     peaks_path = Path(peaks)
     attempt = len(json.loads(peaks_path.read_text())) if peaks_path.is_file() else 0
     threading.Thread(target=_keep_peak, args=(peaks_path, attempt), daemon=True).start()

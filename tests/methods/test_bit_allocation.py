@@ -72,6 +72,37 @@ def test_sensitivity_is_each_outputs_mean_squared_loss_gradient_and_each_inputs_
     torch.testing.assert_close(sensitivity["1.mlp.down_proj"][1], inputs, rtol=1e-5, atol=1e-8)
 
 
+def test_sensitivity_is_kept_for_the_same_model_and_text_and_measured_again_for_others(tmp_path, monkeypatch):
+    from leanlm.methods import calibration
+
+    monkeypatch.setenv("LEANLM_CACHE", str(tmp_path))
+    passes = []
+    measure = calibration.collect_sensitivity
+    monkeypatch.setattr(calibration, "collect_sensitivity", lambda *args: passes.append(1) or measure(*args))
+    model = tiny_model("llama", width=256)
+    batches = token_ids(2, 16, seed=4)
+    first = calibration.kept_sensitivity(model, batches)
+    again = calibration.kept_sensitivity(model, batches)
+    assert len(passes) == 1 and len(list((tmp_path / "sensitivity").iterdir())) == 1
+    assert again.keys() == first.keys()
+    for name, (g, h) in first.items():
+        assert torch.equal(again[name][0], g) and torch.equal(again[name][1], h)
+    calibration.kept_sensitivity(model, token_ids(2, 16, seed=5))  # other text
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] += 1.0  # another model
+    calibration.kept_sensitivity(model, batches)
+    assert len(passes) == 3
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    monkeypatch.setenv("LEANLM_CACHE", str(blocked))  # a cache that cannot be written: measured, not kept
+    assert calibration.kept_sensitivity(model, batches).keys() == first.keys()
+    assert len(passes) == 4 and len(list((tmp_path / "sensitivity").iterdir())) == 3
+    monkeypatch.setenv("LEANLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "KEEP_SENSITIVITY", False)  # kept, but measured anew
+    calibration.kept_sensitivity(model, batches)
+    assert len(passes) == 5
+
+
 def test_output_divergence_is_the_kl_of_the_next_token_distributions_from_the_models_at_the_start():
     from leanlm.methods.calibration import output_divergence
 

@@ -4,6 +4,7 @@ each input column's square (llama.cpp's importance matrix)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +15,12 @@ from torch import nn
 from leanlm.formats.imatrix import ImportanceMatrix
 from leanlm.methods.blocks import frozen_parameters, observe_inputs, walk_blocks
 from leanlm.models.architectures import ArchitectureTable, architecture_for, decoder_blocks, gguf_tensor_names
+from leanlm.storage import cache_root, staged_file
+
+# Part of the key of every kept sensitivity: a change to what `collect_sensitivity` computes must change it.
+SENSITIVITY_FORMAT = 1
+# Whether `kept_sensitivity` reads and writes leanlm's cache; False measures every time (what a first run holds).
+KEEP_SENSITIVITY = True
 
 
 def record_channel_absmax(known: dict[str, torch.Tensor], name: str, x: torch.Tensor) -> None:
@@ -126,6 +133,55 @@ def collect_sensitivity(
         for handle in handles:
             handle.remove()
     return {name: (outputs[name] / tokens[name], inputs[name] / tokens[name]) for name in inputs}
+
+
+def tensors_digest(model: nn.Module) -> str:
+    """A digest of every parameter and buffer of `model`: names, dtypes, shapes and bytes."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        tensor = tensor.detach().reshape(-1).contiguous()
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)};".encode())
+        digest.update(memoryview(tensor.view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def kept_sensitivity(
+    model: nn.Module, batches: torch.Tensor, table: ArchitectureTable | None = None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """`collect_sensitivity`, kept in leanlm's cache (`sensitivity/`) under a digest of the model's tensors and the
+    windows' token ids: another budget or allocation on the same model and calibration text reads it back instead
+    of repeating the backward passes. A cache that cannot be written only costs the next run its passes."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save_file
+
+    table = table or architecture_for(model)
+    if not KEEP_SENSITIVITY:
+        return collect_sensitivity(model, batches, table)
+    key = hashlib.blake2b(digest_size=16)
+    key.update(f"{SENSITIVITY_FORMAT} {torch.__version__} {table.blocks} {table.quantizable_linears}".encode())
+    key.update(tensors_digest(model).encode())
+    key.update(memoryview(batches.to(torch.int64).contiguous().numpy()))
+    path = cache_root() / "sensitivity" / f"{key.hexdigest()}.safetensors"
+    try:
+        kept = load_file(path)
+        return {name: (kept[f"{name}:g"], kept[f"{name}:h"]) for name in dict.fromkeys(k[:-2] for k in kept)}
+    except (OSError, SafetensorError):
+        pass
+    sensitivity = collect_sensitivity(model, batches, table)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with staged_file(path) as partial:
+            save_file(
+                {
+                    f"{name}:{part}": tensor.contiguous()
+                    for name, pair in sensitivity.items()
+                    for part, tensor in zip("gh", pair)
+                },
+                partial,
+            )
+    except OSError:
+        pass
+    return sensitivity
 
 
 def output_divergence(model: nn.Module, windows: torch.Tensor):

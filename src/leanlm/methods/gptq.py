@@ -242,7 +242,8 @@ SolverConfig = RTNConfig | GPTQConfig | SpQRConfig
 
 def ranks_by_gradients(config) -> bool:
     """Whether `config` spends a bit budget over the whole model, its types ranked by the loss's gradients: a
-    forward and backward pass of the float model for each of SENSITIVITY_WINDOWS windows (`collect_sensitivity`)."""
+    forward and backward pass of the float model for each of SENSITIVITY_WINDOWS windows (`collect_sensitivity`),
+    unless leanlm's cache keeps them for this model and text (`kept_sensitivity`)."""
     return getattr(config, "target_bits", None) is not None and config.allocation != "block"
 
 
@@ -362,9 +363,9 @@ def _fisher_types(
     """{BLOCK.PATH: type} spending `target` bits per weight over the whole float model, each type ranked by its
     Fisher-weighted error (`bit_allocation`), rescaled per linear by a measured output divergence if `measured`;
     `fixed` entries keep the user's type."""
-    from leanlm.methods.calibration import collect_sensitivity, output_divergence
+    from leanlm.methods.calibration import kept_sensitivity, output_divergence
 
-    sensitivity = collect_sensitivity(model, windows[:SENSITIVITY_WINDOWS], table)
+    sensitivity = kept_sensitivity(model, windows[:SENSITIVITY_WINDOWS], table)
     weights = {
         f"{index}.{path}": linear_weight_out_in(block.get_submodule(path), table)
         for index, block in enumerate(decoder_blocks(model, table))
