@@ -44,9 +44,9 @@ from leanlm.formats.minmax import search_symmetric
 SUPER_BLOCK = 256  # weights per K-quant block (QK_K)
 UNPACK_WEIGHTS = 1 << 20  # weights unpacked at a time (`unpack`, `dequantize`)
 # Weights fitted at a time (`fit_statistics`, `codes_for`): the search's many temporaries then stay below glibc's
-# mmap threshold and are reused from its heap, where a whole weight's would each be a fresh mapping, page-faulted
-# anew every step.
-FIT_WEIGHTS = 1 << 15
+# largest mmap threshold and are reused from its heap, where a whole weight's would each be a fresh mapping,
+# page-faulted anew every step; and each elementwise step is still large enough for torch to split over threads.
+FIT_WEIGHTS = 1 << 17
 # IQ4_NL's and IQ4_XS's sixteen levels, code 0 to 15 (llama.cpp's kvalues_iq4nl): part of the file format
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
