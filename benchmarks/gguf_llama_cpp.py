@@ -1,7 +1,7 @@
 """leanlm's GGUF exports measured inside llama.cpp, beside llama.cpp's own quantizer: WikiText-2
 perplexity computed by llama.cpp on exactly the windows `leanlm eval` scores (leanlm's token ids, one fresh
 context per window), each file's size and tensor types, and for every leanlm row leanlm's own perplexity of the
-same checkpoint. (llama.cpp's scoring speed is saved too but not reported: files of the same tensor types run the
+same checkpoint and the wall time leanlm took to quantize it. (llama.cpp's scoring speed is saved too but not reported: files of the same tensor types run the
 same llama.cpp kernels, and decode speed is measured on a quiet machine by its own benchmark.) Writes benchmarks/results/gguf_llama_cpp_<model>.json + .png.
 
     pip install llama-cpp-python==0.3.36     # optional extra `llama`: compiles llama.cpp, 15-35 min on 2 cores
@@ -36,6 +36,7 @@ import argparse
 import copy
 import os
 import shutil
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -412,8 +413,9 @@ def main() -> None:
                 path = llama_cpp_file(row_file(work, row), kind, weighted)
             else:
                 model = copy.deepcopy(loaded.model)
+                started = time.perf_counter()
                 record = quantize_(model, recipe, calibration=calibration)
-                ours = leanlm_perplexity(model)
+                ours = {"quantize_seconds": time.perf_counter() - started, **leanlm_perplexity(model)}
                 path = _export(loaded, model, record, row_file(work, row).with_suffix(""))
                 del model
         engine = LlamaCpp(path, context=args.seq_len, threads=args.threads)
@@ -429,6 +431,11 @@ def main() -> None:
             summary=lambda v: (
                 f"llama.cpp {v['llama_cpp']['perplexity']:.3f}"
                 + (f", leanlm {v['leanlm']['perplexity']:.3f}" if "leanlm" in v else "")
+                + (
+                    f" (quantized in {v['leanlm']['quantize_seconds'] / 60:.1f} min)"
+                    if "quantize_seconds" in v.get("leanlm", {})
+                    else ""
+                )
                 + f", {v['file_bytes']:,} bytes"
             ),
         )
