@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from leanlm.errors import ConfigError
 from leanlm.formats.gguf_blocks import BLOCK_TYPES, block_type, codes_for, decode, fit_statistics
@@ -147,7 +148,7 @@ def budget_types(
     `output_weights(name)`. With `measure` (name, the whole weight rounded: the loss that rounding adds), each
     linear's errors are scaled so that its cheapest type's error is what `measure` gives for it."""
     errors, sizes = {}, {}
-    for name, weight in weights.items():
+    for name, weight in tqdm(weights.items(), desc="bit allocation", unit="linear", leave=False):
         sizes[name] = weight.numel()
         if name in fixed:
             errors[name] = {fixed[name]: 0.0}

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from leanlm.formats.imatrix import ImportanceMatrix
 from leanlm.methods.blocks import frozen_parameters, observe_inputs, walk_blocks
@@ -126,7 +127,7 @@ def collect_sensitivity(
     handles = [module.register_forward_hook(watch_output(name)) for name, module in linears]
     try:
         with activation_gradients(model), observe_inputs(linears, record_input):
-            for window in batches:
+            for window in tqdm(batches, desc="sensitivity", unit="window", leave=False):
                 ids = window.unsqueeze(0)
                 model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     finally:
