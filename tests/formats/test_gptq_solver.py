@@ -117,6 +117,40 @@ def test_the_symmetric_grid_puts_zero_at_the_middle_code_and_the_largest_value_o
     )
 
 
+def _searched_scale_oracle(x, bits, weights, steps=9):
+    """The search as its docstring states it, one candidate at a time over the whole tensor."""
+    half = 2 ** (bits - 1)
+    extreme = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))
+    safe = torch.where(extreme == 0, 1.0, extreme)
+    best_scale = extreme.squeeze(-1) / -half
+    best_error = torch.full_like(best_scale, float("inf"))
+    for step in range(-steps, steps + 1):
+        codes = torch.clamp(torch.round(x * (-(half + 0.1 * step) / safe)), -half, half - 1)
+        denominator = (weights * codes.square()).sum(dim=-1)
+        scale = (weights * x * codes).sum(dim=-1) / torch.where(denominator > 0, denominator, 1.0)
+        error = (weights * (x - scale[..., None] * codes).square()).sum(dim=-1)
+        better = error < best_error
+        best_scale, best_error = torch.where(better, scale, best_scale), torch.where(better, error, best_error)
+    return best_scale
+
+
+@pytest.mark.parametrize("chunk", [None, 7 * 32 * 8])
+def test_the_scale_search_is_its_oracle_bit_for_bit(monkeypatch, chunk):
+    from leanlm.formats import minmax
+
+    if chunk is not None:  # a few rows at a time, the last chunk shorter
+        monkeypatch.setattr(minmax, "SEARCH_WEIGHTS", chunk)
+    generator = torch.Generator().manual_seed(3)
+    groups = torch.randn(96, 8, 32, generator=generator) * torch.rand(96, 8, 1, generator=generator)
+    groups[5, 2] = 0  # an all-zero group: scale 0
+    importance = torch.rand(8, 32, generator=generator) + 0.1
+    for bits, weights in ((4, importance), (8, importance), (4, None)):
+        scale, zero = search_symmetric(groups, bits, weights)
+        assert torch.equal(zero, torch.full_like(zero, 2 ** (bits - 1)))
+        assert torch.equal(scale, _searched_scale_oracle(groups, bits, torch.ones(32) if weights is None else weights))
+        assert scale[5, 2] == 0
+
+
 def test_the_scale_search_never_does_worse_than_the_rule_and_gptq_gains_from_it():
     weight, inputs, hessian = _layer()
     groups = weight.reshape(96, 8, 32)

@@ -36,6 +36,9 @@ def fit_symmetric(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     return scale, torch.full_like(scale, float(half))
 
 
+SEARCH_WEIGHTS = 1 << 17  # weights searched at a time: the candidates' temporaries stay in cache and in the heap
+
+
 def search_symmetric(
     x: torch.Tensor, bits: int, importance: torch.Tensor | None = None, steps: int = 9
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,21 +47,36 @@ def search_symmetric(
     (the rule's -2^(b-1) / extreme, moved by tenths of a code), round, take the least-squares scale of those codes
     (sum w x q / sum w q^2) and keep the candidate whose error sum w (x - scale q)^2 is smallest. `importance`:
     weights broadcast against x (one per position of the last dimension: a Hessian's diagonal); None weighs all
-    alike."""
+    alike. Slices are searched SEARCH_WEIGHTS weights at a time along the first dimension where the weights do
+    not vary along it."""
     half = 2 ** (bits - 1)
     weights = torch.ones(x.shape[-1]) if importance is None else importance.float()
+    per_first = x.numel() // max(x.shape[0], 1)
+    if x.dim() > 1 and weights.dim() < x.dim() and x.numel() > SEARCH_WEIGHTS and per_first:
+        step = max(1, SEARCH_WEIGHTS // per_first)
+        scale = torch.cat([_searched_scale(x[i : i + step], half, weights, steps) for i in range(0, x.shape[0], step)])
+    else:
+        scale = _searched_scale(x, half, weights, steps)
+    return scale, torch.full_like(scale, float(half))
+
+
+def _searched_scale(x: torch.Tensor, half: int, weights: torch.Tensor, steps: int) -> torch.Tensor:
+    """`search_symmetric`'s scales, each candidate's temporaries reused in place."""
     extreme = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))  # (..., 1)
     safe = torch.where(extreme == 0, 1.0, extreme)
+    weighted = weights * x
     best_scale = extreme.squeeze(-1) / -half
     best_error = torch.full_like(best_scale, float("inf"))
     for step in range(-steps, steps + 1):
-        codes = torch.clamp(torch.round(x * (-(half + 0.1 * step) / safe)), -half, half - 1)
-        denominator = (weights * codes.square()).sum(dim=-1)
-        scale = (weights * x * codes).sum(dim=-1) / torch.where(denominator > 0, denominator, 1.0)
-        error = (weights * (x - scale[..., None] * codes).square()).sum(dim=-1)
+        codes = torch.round(x * (-(half + 0.1 * step) / safe)).clamp_(-half, half - 1)
+        numerator = (weighted * codes).sum(dim=-1)
+        denominator = (codes.square() * weights).sum(dim=-1)
+        scale = numerator / torch.where(denominator > 0, denominator, 1.0)
+        # sum w (s q - x)^2 directly: sum w x^2 - s * sum w x q cancels to float32 noise where the fit is close
+        error = codes.mul_(scale[..., None]).sub_(x).square_().mul_(weights).sum(dim=-1)
         better = error < best_error
         best_scale, best_error = torch.where(better, scale, best_scale), torch.where(better, error, best_error)
-    return best_scale, torch.full_like(best_scale, float(half))
+    return best_scale
 
 
 GRIDS = {"minmax": fit_minmax, "symmetric": fit_symmetric}  # grid name -> (x, bits) -> (scale, zero)
