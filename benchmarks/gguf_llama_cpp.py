@@ -166,11 +166,12 @@ def _shown_bits(row: dict) -> str:
 
 def pareto(table: dict) -> tuple[list[str], list[list[str]]]:
     """For every llama.cpp file of GOAL_BITS, the leanlm file of lowest perplexity in llama.cpp among those no
-    larger, and whether it is lower than llama.cpp's (the goal: every row "yes")."""
+    larger, and whether it is lower than llama.cpp's (the goal: every row "yes"); nothing before a leanlm file is
+    measured."""
     float_bytes = table.get("F32", {}).get("file_bytes")
-    if not float_bytes:
-        return [], []
     ours = {name: row for name, row in table.items() if name.startswith("leanlm")}
+    if not float_bytes or not ours:
+        return [], []
     lines = []
     for name, row in table.items():
         bits = row.get("block_linear_bits")  # rows saved before it was recorded are left out

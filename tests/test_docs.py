@@ -37,6 +37,7 @@ REPORTED = {
     "gguf_llama_cpp": [
         "gguf_llama_cpp_smollm2-135m",
         "gguf_llama_cpp_gemma3-270m",
+        "gguf_llama_cpp_qwen2.5-coder-1.5b",
         "gguf_llama_cpp_smollm2-135m_windows0",
         "gguf_llama_cpp_gemma3-270m_windows0",
     ],
