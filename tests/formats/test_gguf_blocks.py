@@ -20,6 +20,7 @@ from leanlm.formats.gguf_blocks import (
     unpack,
     zero_points,
 )
+from leanlm.formats.minmax import row_slices
 
 
 def _random_blocks(kind, rows=3, blocks=4, seed=0) -> np.ndarray:
@@ -51,7 +52,7 @@ def test_a_weight_unpacked_a_few_rows_at_a_time_is_the_weight_unpacked_at_once(n
     codes, statistics = unpack(kind, raw, columns)
     weight = dequantize(kind, raw, columns)
     monkeypatch.setattr(gguf_blocks, "UNPACK_WEIGHTS", 2 * columns)  # rows 2, 2 and 1
-    assert len(gguf_blocks._row_chunks(5, columns)) == 3
+    assert len(row_slices(5, columns, gguf_blocks.UNPACK_WEIGHTS)) == 3
     chunked_codes, chunked = unpack(kind, raw, columns)
     assert torch.equal(chunked_codes, codes)
     for field in ("d", "dmin", "scales", "mins"):  # no NaN among the random float16 fields (_random_blocks)

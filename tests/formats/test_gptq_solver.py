@@ -11,6 +11,7 @@ from leanlm.formats.minmax import (
     fit_symmetric,
     quantize_minmax,
     round_trip_minmax,
+    row_slices,
     search_symmetric,
 )
 from leanlm.kernels.kbit_gemm import SMALL_M, avx2_available
@@ -132,6 +133,13 @@ def _searched_scale_oracle(x, bits, weights, steps=9):
         better = error < best_error
         best_scale, best_error = torch.where(better, scale, best_scale), torch.where(better, error, best_error)
     return best_scale
+
+
+def test_row_slices_cover_every_row_once_in_pieces_of_about_the_weights_asked():
+    assert [(rows.start, rows.stop) for rows in row_slices(7, 10, 30)] == [(0, 3), (3, 6), (6, 7)]
+    assert len(row_slices(3, 100, 10)) == 3  # never less than a row
+    assert row_slices(4, 10, 1000) == [slice(0, 4)]
+    assert row_slices(0, 10, 30) == []
 
 
 @pytest.mark.parametrize("chunk", [None, 7 * 32 * 8])

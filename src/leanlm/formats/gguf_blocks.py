@@ -39,10 +39,11 @@ import torch
 
 from leanlm.errors import ConfigError
 from leanlm.formats.codebooks import Codebook
-from leanlm.formats.minmax import search_symmetric
+from leanlm.formats.minmax import row_slices, search_symmetric
 
 SUPER_BLOCK = 256  # weights per K-quant block (QK_K)
-UNPACK_WEIGHTS = 1 << 20  # weights unpacked at a time (`unpack`, `dequantize`)
+UNPACK_WEIGHTS = 1 << 20  # weights unpacked at a time (`unpack`, `dequantize`): unpacking widens every byte to
+# int32 and every code to float32 several times over, so a whole weight at once would hold several float32 copies
 # Weights fitted at a time (`fit_statistics`, `codes_for`): the search's many temporaries then stay below glibc's
 # largest mmap threshold and are reused from its heap, where a whole weight's would each be a fresh mapping,
 # page-faulted anew every step; and each elementwise step is still large enough for torch to split over threads.
@@ -349,17 +350,9 @@ def pack(kind: BlockType, codes: torch.Tensor, statistics: BlockStatistics) -> t
     return out.reshape(rows, blocks * kind.bytes)
 
 
-def _row_chunks(rows: int, columns: int, weights: int | None = None) -> list[slice]:
-    """Slices of rows holding about `weights` weights each (UNPACK_WEIGHTS: unpacking widens every byte to int32
-    and every code to float32 several times over, so a whole weight at once would hold several float32 copies of
-    it)."""
-    step = max(1, (weights or UNPACK_WEIGHTS) // max(columns, 1))
-    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
-
-
 def unpack(kind: BlockType, raw: torch.Tensor, columns: int) -> tuple[torch.Tensor, BlockStatistics]:
     """The codes (rows, columns) uint8 and statistics held in GGUF blocks (rows, blocks * bytes) uint8."""
-    chunks = [_unpack_rows(kind, raw[rows], columns) for rows in _row_chunks(raw.shape[0], columns)]
+    chunks = [_unpack_rows(kind, raw[rows], columns) for rows in row_slices(raw.shape[0], columns, UNPACK_WEIGHTS)]
     if len(chunks) == 1:
         return chunks[0]
     return torch.cat([chunk[0] for chunk in chunks]), _joined([chunk[1] for chunk in chunks])
@@ -404,7 +397,7 @@ def dequantize(kind: BlockType, raw: torch.Tensor, columns: int) -> torch.Tensor
     """(rows, columns) float32 weights held in GGUF blocks (rows, blocks * bytes) uint8, decoded a few rows at a
     time into the result."""
     weight = torch.empty(raw.shape[0], columns)
-    for rows in _row_chunks(raw.shape[0], columns):
+    for rows in row_slices(raw.shape[0], columns, UNPACK_WEIGHTS):
         weight[rows] = decode(kind, *_unpack_rows(kind, raw[rows], columns))
     return weight
 
@@ -479,7 +472,7 @@ def fit_statistics(kind: BlockType, weight: torch.Tensor, importance: torch.Tens
     """Stored statistics for weight (rows, columns), columns a whole number of blocks; `importance`: one weight
     per column (the Hessian's diagonal, an importance matrix) for the sub-block search, else all alike. Each row's
     are its own: the rows are fitted a few at a time."""
-    chunks = _row_chunks(weight.shape[0], weight.shape[1], FIT_WEIGHTS)
+    chunks = row_slices(weight.shape[0], weight.shape[1], FIT_WEIGHTS)
     return _joined([_fit_rows(kind, weight[rows], importance) for rows in chunks])
 
 
@@ -592,7 +585,7 @@ def zero_points(kind: BlockType, statistics: BlockStatistics) -> tuple[torch.Ten
 def codes_for(kind: BlockType, weight: torch.Tensor, statistics: BlockStatistics) -> torch.Tensor:
     """The nearest codes (rows, columns) uint8 of weight under fitted statistics (round to nearest), a few rows at
     a time."""
-    chunks = _row_chunks(weight.shape[0], weight.shape[1], FIT_WEIGHTS)
+    chunks = row_slices(weight.shape[0], weight.shape[1], FIT_WEIGHTS)
     if len(chunks) == 1:
         return _codes_for_rows(kind, weight, statistics)
     return torch.cat([_codes_for_rows(kind, weight[rows], _statistics_rows(statistics, rows)) for rows in chunks])

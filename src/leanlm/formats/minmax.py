@@ -39,6 +39,13 @@ def fit_symmetric(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
 SEARCH_WEIGHTS = 1 << 17  # weights searched at a time: the candidates' temporaries stay in cache and in the heap
 
 
+def row_slices(rows: int, per_row: int, weights: int) -> list[slice]:
+    """Consecutive slices of `rows` rows of `per_row` weights each, each slice holding about `weights` weights (at
+    least one row): the unit of work that keeps a kernel's temporaries a bounded size."""
+    step = max(1, weights // max(per_row, 1))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
 def search_symmetric(
     x: torch.Tensor, bits: int, importance: torch.Tensor | None = None, steps: int = 9
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,12 +58,13 @@ def search_symmetric(
     not vary along it."""
     half = 2 ** (bits - 1)
     weights = torch.ones(x.shape[-1]) if importance is None else importance.float()
-    per_first = x.numel() // max(x.shape[0], 1)
-    if x.dim() > 1 and weights.dim() < x.dim() and x.numel() > SEARCH_WEIGHTS and per_first:
-        step = max(1, SEARCH_WEIGHTS // per_first)
-        scale = torch.cat([_searched_scale(x[i : i + step], half, weights, steps) for i in range(0, x.shape[0], step)])
-    else:
+    slices = [slice(None)]
+    if x.dim() > 1 and weights.dim() < x.dim():
+        slices = row_slices(x.shape[0], x.numel() // max(x.shape[0], 1), SEARCH_WEIGHTS)
+    if len(slices) <= 1:
         scale = _searched_scale(x, half, weights, steps)
+    else:
+        scale = torch.cat([_searched_scale(x[rows], half, weights, steps) for rows in slices])
     return scale, torch.full_like(scale, float(half))
 
 
