@@ -170,6 +170,36 @@ def test_a_budget_mixes_types_within_it_and_its_map_reproduces_the_model(tmp_pat
     }
 
 
+def test_each_linears_type_errors_are_kept_for_the_same_model_and_text(tmp_path, monkeypatch):
+    from leanlm.methods import bit_allocation
+
+    monkeypatch.setenv("LEANLM_CACHE", str(tmp_path))
+    measured = []
+    measure = bit_allocation.type_error_table
+    monkeypatch.setattr(
+        bit_allocation,
+        "type_error_table",
+        lambda weights, *args: measured.append(len(weights)) or measure(weights, *args),
+    )
+    calibration = Calibration(token_ids=token_ids(4, 32, seed=1))
+
+    def mix(config, calibration=calibration):
+        return quantize_(tiny_model("llama", width=256), config, calibration=calibration)["tensor_types"]
+
+    first = mix(RTNConfig(target_bits=5.0))
+    linears = measured[0]
+    assert mix(RTNConfig(target_bits=5.0)) == first and measured == [linears]  # read back: nothing measured
+    assert mix(RTNConfig(target_bits=6.0)) != first and measured == [linears]  # another budget, the same errors
+    fixed = mix(RTNConfig(target_bits=5.0, tensor_types=("down_proj=q8_0",)))
+    assert measured == [linears] and all(t == "q8_0" for name, t in fixed.items() if "down_proj" in name)
+    mix(RTNConfig(target_bits=5.0, allocation="measured"))  # what the errors measure differs
+    mix(RTNConfig(target_bits=5.0), Calibration(token_ids=token_ids(4, 32, seed=2)))  # other text
+    assert measured == [linears] * 3
+    for kept in (tmp_path / "sensitivity").glob("*.errors.json"):
+        kept.write_text("{not json")
+    assert mix(RTNConfig(target_bits=5.0)) == first and measured == [linears] * 4  # unreadable: measured again
+
+
 def test_a_budget_per_block_stays_within_it_too():
     calibration = Calibration(token_ids=token_ids(4, 32, seed=1))
     model = tiny_model("llama", width=256)

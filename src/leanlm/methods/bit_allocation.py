@@ -142,17 +142,33 @@ def budget_types(
     importance: Callable[[str], torch.Tensor],
     output_weights: Callable[[str], torch.Tensor | None] = lambda name: None,
     measure: Callable[[str, torch.Tensor], float] | None = None,
+    keep: Callable[[list[str], Callable[[list[str]], dict]], dict] | None = None,
 ) -> dict[str, str]:
     """{name: type} spending at most `target_bits` per weight over `weights` ({name: (out, in) weight}): the
-    `fixed` names keep their type, the others' candidates are ranked by `type_errors` with `importance(name)` and
+    `fixed` names keep their type, the others' candidates are ranked by `type_error_table`. `keep(names,
+    measure_names)`: the errors of `names`, those a cache holds read back and the rest measured by
+    `measure_names(missing)`; None measures them all."""
+    free = [name for name in weights if name not in fixed]
+
+    def measure_names(names: list[str]) -> dict[str, dict[str, float]]:
+        return type_error_table({name: weights[name] for name in names}, importance, output_weights, measure)
+
+    errors = keep(free, measure_names) if keep is not None else measure_names(free)
+    errors.update({name: {fixed[name]: 0.0} for name in weights if name in fixed})
+    return allocate(errors, {name: weight.numel() for name, weight in weights.items()}, target_bits)
+
+
+def type_error_table(
+    weights: dict[str, torch.Tensor],
+    importance: Callable[[str], torch.Tensor],
+    output_weights: Callable[[str], torch.Tensor | None] = lambda name: None,
+    measure: Callable[[str, torch.Tensor], float] | None = None,
+) -> dict[str, dict[str, float]]:
+    """{name: {type: error}} of every candidate type of each weight: `type_errors` with `importance(name)` and
     `output_weights(name)`. With `measure` (name, the whole weight rounded: the loss that rounding adds), each
     linear's errors are scaled so that its cheapest type's error is what `measure` gives for it."""
-    errors, sizes = {}, {}
+    errors = {}
     for name, weight in tqdm(weights.items(), desc="bit allocation", unit="linear", leave=False):
-        sizes[name] = weight.numel()
-        if name in fixed:
-            errors[name] = {fixed[name]: 0.0}
-            continue
         candidates = candidates_for(weight.shape[1])
         errors[name] = type_errors(weight, importance(name), candidates, output_weights(name))
         cheapest = min(candidates, key=lambda t: BLOCK_TYPES[t].bits_per_weight)
@@ -160,7 +176,7 @@ def budget_types(
             whole = rounded(weight.detach().float(), cheapest, importance(name))
             scale = max(measure(name, whole), 0.0) / errors[name][cheapest]
             errors[name] = {t: error * scale for t, error in errors[name].items()}
-    return allocate(errors, sizes, target_bits)
+    return errors
 
 
 def allocate(errors: dict[str, dict[str, float]], sizes: dict[str, int], target_bits: float) -> dict[str, str]:

@@ -5,8 +5,9 @@ each input column's square (llama.cpp's importance matrix)."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -147,11 +148,12 @@ def tensors_digest(model: nn.Module) -> str:
 
 
 def kept_sensitivity(
-    model: nn.Module, batches: torch.Tensor, table: ArchitectureTable | None = None
+    model: nn.Module, batches: torch.Tensor, table: ArchitectureTable | None = None, digest: str | None = None
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """`collect_sensitivity`, kept in leanlm's cache (`sensitivity/`) under a digest of the model's tensors and the
     windows' token ids: another budget or allocation on the same model and calibration text reads it back instead
-    of repeating the backward passes. A cache that cannot be written only costs the next run its passes."""
+    of repeating the backward passes. A cache that cannot be written only costs the next run its passes.
+    `digest`: the model's `tensors_digest`, where the caller has it already."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 
@@ -160,7 +162,7 @@ def kept_sensitivity(
         return collect_sensitivity(model, batches, table)
     key = hashlib.blake2b(digest_size=16)
     key.update(f"{SENSITIVITY_FORMAT} {torch.__version__} {table.blocks} {table.quantizable_linears}".encode())
-    key.update(tensors_digest(model).encode())
+    key.update((digest or tensors_digest(model)).encode())
     key.update(memoryview(batches.to(torch.int64).contiguous().numpy()))
     path = cache_root() / "sensitivity" / f"{key.hexdigest()}.safetensors"
     try:
@@ -183,6 +185,38 @@ def kept_sensitivity(
     except OSError:
         pass
     return sensitivity
+
+
+def kept_type_errors(
+    key: str, names: list[str], measure: Callable[[list[str]], dict[str, dict[str, float]]]
+) -> dict[str, dict[str, float]]:
+    """{name: {type: error}} for `names`: what leanlm's cache keeps under `key` (`sensitivity/KEY.errors.json`,
+    the caller's digest of everything the errors depend on) read back, the rest measured by `measure(missing)` and
+    added to it, so another budget on the same model and text skips every linear's fits. A cache that cannot be
+    read or written only costs the measurement."""
+    path = cache_root() / "sensitivity" / f"{key}.errors.json"
+    kept: dict[str, dict[str, float]] = {}
+    if KEEP_SENSITIVITY:
+        try:
+            read = json.loads(path.read_text())
+            kept = {
+                name: {kind: float(error) for kind, error in errors.items()}
+                for name, errors in read.items()
+                if isinstance(errors, dict)
+            }
+        except (OSError, ValueError, AttributeError, TypeError):
+            kept = {}
+    missing = [name for name in names if name not in kept]
+    if missing:
+        kept.update(measure(missing))
+        if KEEP_SENSITIVITY:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with staged_file(path) as partial:
+                    partial.write_text(json.dumps(kept))
+            except OSError:
+                pass
+    return {name: kept[name] for name in names}
 
 
 def output_divergence(model: nn.Module, windows: torch.Tensor):

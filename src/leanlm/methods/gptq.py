@@ -8,6 +8,7 @@ quantized block produces block i+1's inputs. Within a block every linear sees fl
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from dataclasses import asdict, dataclass, replace
@@ -30,6 +31,8 @@ from leanlm.settings import option
 
 SENSITIVITY_WINDOWS = 32  # calibration windows the loss's gradients are measured on (a backward pass each)
 DIVERGENCE_WINDOWS = 1  # calibration windows (after those) a linear's rounding is measured on, for "measured"
+# Part of the key of every kept table of type errors: a change to what `type_error_table` computes must change it.
+TYPE_ERRORS_FORMAT = 1
 
 
 class _SolverChecks:
@@ -363,31 +366,49 @@ def _fisher_types(
     """{BLOCK.PATH: type} spending `target` bits per weight over the whole float model, each type ranked by its
     Fisher-weighted error (`bit_allocation`), rescaled per linear by a measured output divergence if `measured`;
     `fixed` entries keep the user's type."""
-    from leanlm.methods.calibration import kept_sensitivity, output_divergence
+    from leanlm.methods.calibration import kept_sensitivity, kept_type_errors, output_divergence, tensors_digest
 
-    sensitivity = kept_sensitivity(model, windows[:SENSITIVITY_WINDOWS], table)
+    digest = tensors_digest(model)
+    sensitivity = kept_sensitivity(model, windows[:SENSITIVITY_WINDOWS], table, digest)
     weights = {
         f"{index}.{path}": linear_weight_out_in(block.get_submodule(path), table)
         for index, block in enumerate(decoder_blocks(model, table))
         for path in table.quantizable_linears
     }
+    used = windows[:SENSITIVITY_WINDOWS]  # the windows the errors depend on
     measure = None
     if measured:  # windows the gradients were not measured on, where there are enough
-        held_out = windows[SENSITIVITY_WINDOWS:] if len(windows) > SENSITIVITY_WINDOWS else windows
-        divergence = output_divergence(model, held_out[:DIVERGENCE_WINDOWS])
+        rest = windows[SENSITIVITY_WINDOWS:] if len(windows) > SENSITIVITY_WINDOWS else windows
+        held_out = rest[:DIVERGENCE_WINDOWS]
+        used = torch.cat([used, held_out])
+        divergences = []  # the float model's outputs, measured at the first linear the cache does not hold
 
         def measure(name: str, rounded: torch.Tensor) -> float:
+            if not divergences:
+                divergences.append(output_divergence(model, held_out))
             weight = weights[name]
             with torch.no_grad():
                 kept = weight.detach().clone()
                 weight.copy_(rounded.to(weight.dtype))
                 try:
-                    return divergence()
+                    return divergences[0]()
                 finally:
                     weight.copy_(kept)
 
+    key = hashlib.blake2b(digest_size=16)
+    key.update(
+        f"{TYPE_ERRORS_FORMAT} {torch.__version__} {table.blocks} {table.quantizable_linears} measured={measured} "
+        f"{bit_allocation.CANDIDATES} {bit_allocation.SAMPLE_ROWS} {digest}".encode()
+    )
+    key.update(memoryview(used.to(torch.int64).contiguous().numpy()))
     return bit_allocation.budget_types(
-        weights, fixed, target, lambda name: sensitivity[name][1], lambda name: sensitivity[name][0], measure
+        weights,
+        fixed,
+        target,
+        lambda name: sensitivity[name][1],
+        lambda name: sensitivity[name][0],
+        measure,
+        keep=lambda names, measure_names: kept_type_errors(key.hexdigest(), names, measure_names),
     )
 
 
