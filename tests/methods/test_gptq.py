@@ -83,6 +83,21 @@ def test_rtn_imatrix_weighs_each_scale_search_by_the_calibration_inputs_mean_squ
     quantize_(tiny_model("llama", layers=1), RTNConfig(grid="symmetric", scale_search=True))
 
 
+@pytest.mark.parametrize("columns", [7, 512, 1100])  # one panel, exactly one, and two and a part
+def test_the_hessian_sum_is_x_transposed_x_from_its_upper_panels(columns):
+    from leanlm.methods.gptq import _add_upper_gram, _mirror_upper
+
+    generator = torch.Generator().manual_seed(columns)
+    windows = [torch.randn(48, columns, generator=generator) for _ in range(3)]
+    total = torch.zeros(columns, columns)
+    for x in windows:
+        _add_upper_gram(total, x)
+    _mirror_upper(total)
+    expected = sum(x.T.double() @ x.double() for x in windows)
+    torch.testing.assert_close(total.double(), expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(total, total.T)
+
+
 def test_gptq_with_its_hessian_shrunk_to_the_diagonal_is_the_imatrix_rtn():
     """`--hessian-shrinkage 1` leaves GPTQ no feedback: every block's codes and scales are the importance-matrix
     RTN's, whose importance is the Hessian's diagonal collected through the same block pipeline."""

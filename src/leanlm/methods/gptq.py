@@ -472,6 +472,26 @@ def _fixed_types(shapes: dict[str, tuple[int, int]], config) -> dict[str, str]:
     return fixed
 
 
+GRAM_PANEL = 512  # rows of x^T x computed per product: only the panels' parts on and above the diagonal
+
+
+def _add_upper_gram(total: torch.Tensor, x: torch.Tensor) -> None:
+    """Adds x^T x to `total`'s upper triangle, a panel of GRAM_PANEL rows at a time from its diagonal on: half the
+    products of the whole x^T x for a wide x (a diagonal tile's lower half comes along)."""
+    columns = x.shape[1]
+    for start in range(0, columns, GRAM_PANEL):
+        rows = slice(start, min(start + GRAM_PANEL, columns))
+        total[rows, start:].addmm_(x[:, rows].T, x[:, start:])
+
+
+def _mirror_upper(total: torch.Tensor) -> None:
+    """Fills the part of `total` below `_add_upper_gram`'s panels from the part above, in place."""
+    columns = total.shape[0]
+    for start in range(0, columns, GRAM_PANEL):
+        end = min(start + GRAM_PANEL, columns)
+        total[end:, start:end].copy_(total[start:end, end:].T)
+
+
 class _HessianObserver:
     """H = 2/N sum_x x x^T over every calibration token entering each linear of the current (float) block. The
     linears one norm feeds (q/k/v, gate/up) read the same input, so they share one H; each H is dropped once the
@@ -482,9 +502,10 @@ class _HessianObserver:
         self.table = table
         self.diagonal_only = diagonal_only
         self.source = {member: feeds.linears[0] for feeds in table.norm_feeds for member in feeds.linears}
-        self.sums: dict[str, torch.Tensor] = {}
+        self.sums: dict[str, torch.Tensor] = {}  # x^T x: its upper triangle until `_whole` mirrors it
         self.tokens: dict[str, int] = {}
         self.readers: dict[str, int] = {}
+        self.mirrored: set[str] = set()
 
     def observe(self, index: int, block: nn.Module):
         self.clear()
@@ -498,11 +519,20 @@ class _HessianObserver:
         if self.diagonal_only:
             self.sums[key] = self.sums[key].add_(x.square().sum(dim=0)) if key in self.sums else x.square().sum(dim=0)
         else:
-            self.sums[key] = self.sums[key].addmm_(x.T, x) if key in self.sums else x.T @ x
+            if key not in self.sums:
+                self.sums[key] = torch.zeros(x.shape[1], x.shape[1])
+            _add_upper_gram(self.sums[key], x)
         self.tokens[key] = self.tokens.get(key, 0) + x.shape[0]
 
     def clear(self) -> None:
-        self.sums, self.tokens, self.readers = {}, {}, {}
+        self.sums, self.tokens, self.readers, self.mirrored = {}, {}, {}, set()
+
+    def _whole(self, key: str) -> torch.Tensor:
+        """`key`'s sum with its lower triangle filled in from the upper (once)."""
+        if key not in self.mirrored:
+            _mirror_upper(self.sums[key])
+            self.mirrored.add(key)
+        return self.sums[key]
 
     def diagonal(self, path: str, columns: int) -> torch.Tensor:
         """The diagonal of `path`'s input Hessian, without taking it (ones if it saw no input)."""
@@ -517,7 +547,9 @@ class _HessianObserver:
         key = self.source.get(path, path)
         if key not in self.sums:
             return None
+        whole = self.sums[key] if self.diagonal_only else self._whole(key)
         self.readers[key] -= 1
         if self.readers[key]:
-            return 2.0 * self.sums[key] / self.tokens[key]
-        return self.sums.pop(key).mul_(2.0).div_(self.tokens[key])  # the same numbers, without a second copy
+            return 2.0 * whole / self.tokens[key]
+        del self.sums[key]
+        return whole.mul_(2.0).div_(self.tokens[key])  # the same numbers, without a second copy
