@@ -24,9 +24,11 @@ trusts the calibration text's input correlations half as much; 1 would be the im
 recipes), each with and without the importance matrix; leanlm RTN with the importance matrix and GPTQ with the
 Hessian shrunk by half on each of Q3_K-Q6_K (`--gguf-type`); and leanlm GPTQ with its types chosen to a budget
 (`--target-bits`) equal to the bits per weight of the block linears of llama.cpp's Q3_K_M, Q4_K_M and Q5_K_M files, so
-that leanlm's file is never larger. Tensors that are
-not block linears take the type llama.cpp's Q4_0 gives them (token_embd Q8_0, norms F32), so files of one block
-type have the same size. SmolLM2's weights are de-quantized Q4_1 (asymmetric groups of 32): Q4_0's symmetric
+that leanlm's file is never larger: the token embedding and output head of a mix take the types they have in
+that llama.cpp file (`leanlm export --token-embedding-type --output-tensor-type`, rounded to nearest), and
+leanlm scores the mix with them rounded so. In the other leanlm rows the tensors that are not block linears take
+the type llama.cpp's Q4_0 gives them on SmolLM2 and Gemma (token_embd Q8_0, norms F32), so files of one block
+type have the same size there. SmolLM2's weights are de-quantized Q4_1 (asymmetric groups of 32): Q4_0's symmetric
 grid does not contain them, so every Q4_0 row re-rounds.
 """
 
@@ -53,6 +55,8 @@ from leanlm.bench.llama_cpp import LlamaCpp, llama_cpp_version, quantize_gguf, w
 from leanlm.data import datasets  # noqa: E402
 from leanlm.evaluation.perplexity import perplexity_windows, windows_perplexity  # noqa: E402
 from leanlm.export import export_gguf  # noqa: E402
+from leanlm.export.to_gguf import table_blocks  # noqa: E402
+from leanlm.formats.gguf_blocks import dequantize as blocks_dequantized  # noqa: E402
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, quantize_, save_quantized  # noqa: E402
 from leanlm.methods.calibration import collect_importance  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
@@ -131,13 +135,35 @@ def row_file(work: Path, row: str) -> Path:
     return work / f"{row.replace(' ', '_')}.gguf"
 
 
-def _export(loaded, model, record, checkpoint_dir: Path) -> Path:
-    """The quantized model saved as a checkpoint and exported (a previous run's files are made anew)."""
+def _export(loaded, model, record, checkpoint_dir: Path, tables: dict[str, str]) -> Path:
+    """The quantized model saved as a checkpoint and exported, its tables as `tables` gives (`table_types`; a
+    previous run's files are made anew)."""
     path = checkpoint_dir.with_name(f"{checkpoint_dir.name}.gguf")
     shutil.rmtree(checkpoint_dir, ignore_errors=True)
     path.unlink(missing_ok=True)
     checkpoint = save_quantized(loaded, model, record, checkpoint_dir)
-    return Path(export_gguf(checkpoint, path, FLOAT_TYPE_OF_Q4_0)["path"])
+    types = {"token_embedding_type": tables.get("token_embd"), "output_tensor_type": tables.get("output")}
+    return Path(export_gguf(checkpoint, path, FLOAT_TYPE_OF_Q4_0, **types)["path"])
+
+
+def table_types(path: Path, tied: bool) -> dict[str, str]:
+    """{GGUF name: block type} of the token embedding and (untied) output head in llama.cpp's file at `path`."""
+    types = {tensor.name: tensor.tensor_type.name.lower() for tensor in gguf.GGUFReader(path).tensors}
+    names = ("token_embd",) if tied else ("token_embd", "output")
+    return {name: types[f"{name}.weight"] for name in names if f"{name}.weight" in types}
+
+
+def round_tables_(model, tables: dict[str, str]) -> None:
+    """`model`'s token embedding and output head replaced by what the export writes for `tables`
+    (`table_blocks`), so that leanlm scores the weights the file holds."""
+    modules = {"token_embd": model.get_input_embeddings(), "output": model.get_output_embeddings()}
+    for name, kind in tables.items():
+        weight = modules[name].weight
+        blocks, written = table_blocks(weight, kind)
+        rounded = blocks_dequantized(written, torch.from_numpy(blocks), weight.shape[1])
+        modules[name].weight = torch.nn.Parameter(rounded.to(weight.dtype), requires_grad=False)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
 
 
 def block_linear_bits(path: Path) -> float:
@@ -370,12 +396,13 @@ def main() -> None:
     if not float_file.exists():
         export_gguf(args.model, float_file, "f32")
 
-    def leanlm_perplexity(model, quantized: bool = True) -> dict:
+    def leanlm_perplexity(model, quantized: bool = True, tables: dict | None = None) -> dict:
         """leanlm's perplexity of the model, and (quantized rows) of the same model with llama.cpp's Q8_0 rounding
-        of every block linear's input and of the embedding: what llama.cpp's arithmetic adds to the weights'."""
+        of every block linear's input and of the embedding (unless `tables` gave it a type of its own): what
+        llama.cpp's arithmetic adds to the weights'."""
         result = {"perplexity": windows_perplexity(model, windows).perplexity}
         if quantized and not args.no_q8_inputs:
-            emulated = with_q8_0_activations(model)
+            emulated = with_q8_0_activations(model, embedding_q8_0=not tables)
             result["with_q8_0_activations"] = windows_perplexity(emulated, windows).perplexity
             del emulated
         return result
@@ -392,12 +419,15 @@ def main() -> None:
 
     for row in study.todo("rows", recipes):
         recipe = recipes[row]
+        tables = {}  # the tables' types, where they are not the float type of every leanlm row (FLOAT_TYPE_OF_Q4_0)
         if isinstance(recipe, tuple) and recipe[0] == "mix":  # GPTQ spending the block bits of llama.cpp's smaller file
             references = []
             for weighted in (False, True):  # with and without the importance matrix, made here if not yet made
                 reference = row_file(work, f"llama.cpp {recipe[1].upper()}{' + imatrix' if weighted else ''}")
                 references.append(reference if reference.exists() else llama_cpp_file(reference, recipe[1], weighted))
             budget = min(block_linear_bits(path) for path in references)
+            smaller = min(references, key=block_linear_bits)
+            tables = table_types(smaller, getattr(loaded.model.config, "tie_word_embeddings", False))
             recipe = GPTQConfig(
                 target_bits=budget,
                 allocation=recipe[2],
@@ -416,8 +446,10 @@ def main() -> None:
                 model = copy.deepcopy(loaded.model)
                 started = time.perf_counter()
                 record = quantize_(model, recipe, calibration=calibration)
-                ours = {"quantize_seconds": time.perf_counter() - started, **leanlm_perplexity(model)}
-                path = _export(loaded, model, record, row_file(work, row).with_suffix(""))
+                seconds = time.perf_counter() - started
+                path = _export(loaded, model, record, row_file(work, row).with_suffix(""), tables)
+                round_tables_(model, tables)
+                ours = {"quantize_seconds": seconds, **leanlm_perplexity(model, tables=tables)}
                 del model
         engine = LlamaCpp(path, context=args.seq_len, threads=args.threads)
         scored = engine.perplexity(windows)

@@ -348,3 +348,50 @@ def test_a_gguf_block_type_checkpoint_is_written_as_its_own_blocks(tmp_path, cap
             expected = block.get_submodule(path).dequantized_weight().numpy()
             expected = _gguf_order(expected, heads[leaf]) if leaf in heads else expected
             assert np.array_equal(dequantize(tensor.data, tensor.tensor_type), expected)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_embedding_and_head_take_the_block_types_asked_for_rounded_to_nearest(tmp_path, capsys, tied):
+    """`--token-embedding-type` / `--output-tensor-type`: the tables are written as blocks of those types (a row
+    no whole number of a K-quant's blocks takes llama.cpp's fallback), de-quantizing to the weights rounded by
+    `table_blocks`, leanlm's RTN fit for that type; a tied head is the embedding, so it takes no type of its own."""
+    from tiny import byte_tokenizer, tiny_model
+
+    from leanlm.export.to_gguf import table_blocks
+    from leanlm.formats.gguf_blocks import BLOCK_TYPES
+    from leanlm.formats.gguf_blocks import dequantize as blocks_dequantized
+
+    source = tmp_path / "tiny"
+    model = tiny_model("llama", vocab_size=258, width=256)
+    model.config.tie_word_embeddings = tied
+    if not tied:
+        model.lm_head.weight = torch.nn.Parameter(torch.randn(258, 256, generator=torch.Generator().manual_seed(3)))
+    model.save_pretrained(source)
+    byte_tokenizer().save_pretrained(source)
+    out = tmp_path / "t.gguf"
+    flags = ["--token-embedding-type", "q4_k"] + ([] if tied else ["--output-tensor-type", "q6_k"])
+    assert main(["export", str(source), "--format", "gguf", "--out", str(out), *flags]) == 0
+    said = capsys.readouterr().out
+    assert "token_embd as Q4_K" in said and ("output as" not in said if tied else "output as Q6_K" in said)
+    exported = {tensor.name: tensor for tensor in gguf.GGUFReader(out).tensors}
+    loaded = load_any(str(source)).model
+    tables = {"token_embd": (loaded.model.embed_tokens.weight, "q4_k")}
+    if tied:
+        assert "output.weight" not in exported
+    else:
+        tables["output"] = (loaded.lm_head.weight, "q6_k")
+    for name, (weight, kind) in tables.items():
+        tensor = exported[f"{name}.weight"]
+        blocks, written = table_blocks(weight, kind)
+        assert tensor.tensor_type.name == written.name.upper() == kind.upper()
+        rounded = blocks_dequantized(BLOCK_TYPES[kind], torch.from_numpy(blocks), weight.shape[1]).numpy()
+        assert np.array_equal(dequantize(tensor.data, tensor.tensor_type), rounded)
+        error = np.abs(rounded - weight.detach().numpy()).max()
+        assert 0 < error < 0.2 * np.abs(weight.detach().numpy()).max()
+    assert table_blocks(torch.randn(4, 96), "q4_k")[1].name == "q5_0"  # 96 columns: Q4_K's fallback
+    if tied:
+        with pytest.raises(ConfigError, match="tied"):
+            export_gguf(str(source), tmp_path / "u.gguf", output_tensor_type="q6_k")
+    with pytest.raises(ConfigError, match="choose from"):
+        export_gguf(str(source), tmp_path / "v.gguf", token_embedding_type="q7_k")
+    assert not (tmp_path / "u.gguf").exists() and not (tmp_path / "v.gguf").exists()

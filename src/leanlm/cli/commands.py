@@ -496,8 +496,16 @@ def command_export(args) -> None:
 
     _check_json_path(args.json)
     if args.format == "gguf":
-        result = export_gguf(args.model, args.out, args.type, force=args.force)
+        result = export_gguf(
+            args.model,
+            args.out,
+            args.type,
+            force=args.force,
+            token_embedding_type=args.token_embedding_type,
+            output_tensor_type=args.output_tensor_type,
+        )
         blocks = f", quantized matrices as {' / '.join(result['block_types'])}" if result["block_types"] else ""
+        blocks += "".join(f", {name} as {kind}" for name, kind in result["table_types"].items())
         print(
             f"wrote {result['path']} ({result['file_type']}, {result['tensors']} tensors, "
             f"{result['bytes'] / 2**20:.1f} MiB{blocks}; metadata {result['metadata']})"

@@ -213,6 +213,7 @@ def _bench(parser: argparse.ArgumentParser) -> None:
 
 def _export(parser: argparse.ArgumentParser) -> None:
     from leanlm.export.to_gguf import FILE_TYPES
+    from leanlm.formats.gguf_blocks import BLOCK_TYPES
 
     _setup(parser, "command_export")
     parser.add_argument(
@@ -229,6 +230,17 @@ def _export(parser: argparse.ArgumentParser) -> None:
         help="gguf: tensor type of the float matrices (a checkpoint's quantized ones keep their "
         "blocks; norms stay f32; default f32)",
     )
+    for flag, table in (
+        ("--token-embedding-type", "the token embedding"),
+        ("--output-tensor-type", "a float output head"),
+    ):
+        parser.add_argument(
+            flag,
+            choices=list(BLOCK_TYPES),
+            default=None,
+            help=f"gguf: {table} as blocks of this type, rounded to nearest (llama-quantize's option of the same "
+            "name; default: --type)",
+        )
     parser.add_argument(
         "--force",
         action="store_true",

@@ -33,6 +33,7 @@ from torch import nn
 
 from leanlm.errors import ConfigError, CorruptModelError, first_line
 from leanlm.export.exactness import require_exact
+from leanlm.formats import gguf_blocks as blocks_format
 from leanlm.formats.gguf_header import read_gguf_header
 from leanlm.models.architectures import attention_shape, gguf_tensor_names
 from leanlm.nn import QUANTIZED_MODULES
@@ -204,19 +205,41 @@ def gguf_blocks(module: nn.Module) -> tuple[np.ndarray, gguf.GGMLQuantizationTyp
     return module.gguf_blocks()
 
 
+def table_blocks(weight: torch.Tensor, name: str) -> tuple[np.ndarray, blocks_format.BlockType]:
+    """A float table (token embedding, output head: rows, columns) as GGUF blocks of type `name` (llama.cpp's
+    fallback where a row is no whole number of its blocks), each row rounded to nearest on statistics fitted with
+    every column alike (leanlm's RTN for that type), and the type written."""
+    kind = blocks_format.type_for_row(name, weight.shape[1])
+    weight = weight.detach().float()
+    statistics = blocks_format.fit_statistics(kind, weight)
+    codes = blocks_format.codes_for(kind, weight, statistics)
+    return blocks_format.pack(kind, codes, statistics).numpy(), kind
+
+
 def export_gguf(
-    source: str | os.PathLike, out: str | os.PathLike, file_type: str = "f32", *, force: bool = False
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    file_type: str = "f32",
+    *,
+    force: bool = False,
+    token_embedding_type: str | None = None,
+    output_tensor_type: str | None = None,
 ) -> dict:
     """Write `source` (a float model or a leanlm checkpoint) to `out` as one GGUF: quantized modules as their
     exact GGUF blocks, other matrices as `file_type` (see FILE_TYPES), with the metadata of the GGUF it came from
-    (or, without one, written from its config and tokenizer). An existing `out` is replaced only with `force`,
-    and never when it is (or is inside) what the model is read from. Returns {"path", "file_type", "tensors",
-    "block_types", "bytes", "metadata"}."""
+    (or, without one, written from its config and tokenizer). `token_embedding_type` / `output_tensor_type` (as
+    llama-quantize's options): the token embedding / a float output head as blocks of that GGUF type instead
+    (`table_blocks`); a tied head is the embedding, so it takes the embedding's. An existing `out` is replaced only
+    with `force`, and never when it is (or is inside) what the model is read from. Returns {"path", "file_type",
+    "tensors", "block_types", "table_types" (GGUF name: type, for the tables given one), "bytes", "metadata"}."""
     from leanlm.cache.prefix import attached_cushion
     from leanlm.methods.checkpoint import load_any
 
     if file_type not in FILE_TYPES:
         raise ConfigError(f"file type {file_type!r}: choose from {', '.join(FILE_TYPES)}")
+    table_types = {"token_embd": token_embedding_type, "output": output_tensor_type}
+    for name in filter(None, table_types.values()):
+        blocks_format.block_type(name)
     origin = source_gguf(source)
     local = Path(str(source)).expanduser()
     out = check_output_file(out, force=force, inputs=tuple(p for p in (origin, local) if p is not None and p.exists()))
@@ -231,6 +254,12 @@ def export_gguf(
         )
     config = loaded.model.config
     table, attention = loaded.table, attention_shape(config)
+    tied = getattr(config, "tie_word_embeddings", False)
+    if tied and output_tensor_type is not None:
+        raise ConfigError(
+            "this model's output head is its token embedding (tied): the file holds one table, so give "
+            "--token-embedding-type alone"
+        )
     architecture = original.fields["general.architecture"].contents() if original else table.gguf_architecture
     if table.gguf_architecture != architecture or architecture is None:
         raise ConfigError(
@@ -254,7 +283,7 @@ def export_gguf(
 
     # The plan, every tensor's GGUF name, type and shape, also before anything is written.
     plan = []
-    tied = getattr(config, "tie_word_embeddings", False)
+    written_tables = {}  # GGUF name: the block type a table takes (token_embedding_type, output_tensor_type)
     for name, tensor in _tensors(loaded.model, quantized):
         if tied and name == "lm_head.weight":
             continue  # llama.cpp reads the tied output matrix from token_embd
@@ -265,6 +294,9 @@ def export_gguf(
         if tensor is None:  # a quantized module's weight
             module = modules[base]
             kind, shape = quantized[base], (module.out_features, module.in_features)
+        elif tensor.ndim == 2 and table_types.get(target) is not None:
+            kind, shape = blocks_format.type_for_row(table_types[target], tensor.shape[1]).ggml, tuple(tensor.shape)
+            written_tables[target] = kind.name
         else:
             # Norms and other vectors stay F32, as llama.cpp's own converter keeps them.
             kind, shape = (tensor_type if tensor.ndim == 2 else gguf.GGMLQuantizationType.F32), tuple(tensor.shape)
@@ -304,6 +336,8 @@ def export_gguf(
                 base = name.rpartition(".")[0]
                 if base in quantized and name.endswith(".weight"):
                     data, _ = modules[base].gguf_blocks()
+                elif state[name].ndim == 2 and table_types.get(target) is not None:
+                    data, _ = table_blocks(state[name], table_types[target])
                 else:
                     data = state[name].detach().to(torch.float32).numpy()
                     if kind != gguf.GGMLQuantizationType.F32:
@@ -322,6 +356,7 @@ def export_gguf(
         "file_type": file_type,
         "tensors": len(plan),
         "block_types": block_types,
+        "table_types": written_tables,
         "bytes": out.stat().st_size,
         "metadata": metadata,
     }
