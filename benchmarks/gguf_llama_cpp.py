@@ -11,7 +11,8 @@ same llama.cpp kernels, and decode speed is measured on a quiet machine by its o
     python benchmarks/gguf_llama_cpp.py --windows 0 --no-q8-inputs --resume --only shrunk   # one more row
     python benchmarks/gguf_llama_cpp.py --report
 
-Rows: the float model as F32; llama.cpp's own Q8_0 and Q4_0 of that F32 file (`llama_model_quantize`), and its
+Rows: the float model as F32; the GGUF file the model ships as (its weights, de-quantized, are the float
+model's); llama.cpp's own Q8_0 and Q4_0 of that F32 file (`llama_model_quantize`), and its
 Q4_0 weighted by an importance matrix (each block linear's mean squared input per column over the same
 calibration windows GPTQ uses: what llama.cpp's `llama-imatrix` accumulates, computed here by leanlm on the float
 model and handed to the quantizer through the bindings); leanlm RTN and GPTQ on the symmetric grid in groups of
@@ -55,7 +56,7 @@ from leanlm.bench.llama_cpp import LlamaCpp, llama_cpp_version, quantize_gguf, w
 from leanlm.data import datasets  # noqa: E402
 from leanlm.evaluation.perplexity import perplexity_windows, windows_perplexity  # noqa: E402
 from leanlm.export import export_gguf  # noqa: E402
-from leanlm.export.to_gguf import table_blocks  # noqa: E402
+from leanlm.export.to_gguf import source_gguf, table_blocks  # noqa: E402
 from leanlm.formats.gguf_blocks import dequantize as blocks_dequantized  # noqa: E402
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, quantize_, save_quantized  # noqa: E402
 from leanlm.methods.calibration import collect_importance  # noqa: E402
@@ -67,10 +68,12 @@ FLOAT_TYPE_OF_Q4_0 = "q8_0"
 
 
 def rows(calibration_samples: int) -> dict:
-    """Row name -> what makes its file: ("llama.cpp", type, imatrix?) or a leanlm config (None: the F32 export)."""
+    """Row name -> what makes its file: ("llama.cpp", type, imatrix?), a leanlm config, None (the F32 export) or
+    "shipped" (the GGUF the model is loaded from, as its makers published it; none for a model that is not one)."""
     grid = dict(group_size=32, grid="symmetric")
     return {
         "F32": None,
+        "shipped GGUF": "shipped",
         "llama.cpp Q8_0": ("llama.cpp", "q8_0", False),
         "llama.cpp Q4_0": ("llama.cpp", "q4_0", False),
         "llama.cpp Q4_0 + imatrix": ("llama.cpp", "q4_0", True),
@@ -420,6 +423,8 @@ def main() -> None:
     for row in study.todo("rows", recipes):
         recipe = recipes[row]
         tables = {}  # the tables' types, where they are not the float type of every leanlm row (FLOAT_TYPE_OF_Q4_0)
+        if recipe == "shipped" and source_gguf(args.model) is None:
+            continue
         if isinstance(recipe, tuple) and recipe[0] == "mix":  # GPTQ spending the block bits of llama.cpp's smaller file
             references = []
             for weighted in (False, True):  # with and without the importance matrix, made here if not yet made
@@ -439,6 +444,8 @@ def main() -> None:
             if recipe is None:
                 path = float_file
                 ours = leanlm_perplexity(loaded.model, quantized=False)
+            elif recipe == "shipped":
+                path = source_gguf(args.model)
             elif isinstance(recipe, tuple):
                 _, kind, weighted = recipe
                 path = llama_cpp_file(row_file(work, row), kind, weighted)
