@@ -48,6 +48,7 @@ import matplotlib
 matplotlib.use("Agg")
 import gguf  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
@@ -277,6 +278,7 @@ def report(payload: dict) -> str:
             markdown=True,
         )
         + _pareto_text(table)
+        + _shipped_text(payload)
         + _decode_text(payload)
     )
 
@@ -479,9 +481,45 @@ def main() -> None:
                 + f", {v['file_bytes']:,} bytes"
             ),
         )
+    compare_with_shipped(study, work)
     measure_decode(study, work, windows[0], args)
     print(report(study.payload))
     print(f"wrote {study.path}")
+
+
+def compare_with_shipped(study: Study, work: Path) -> None:
+    """For every row's file in `work`, how many of its quantized tensors are byte for byte those of the GGUF the
+    model ships as (the same type and blocks): a quantizer that finds the shipped blocks again from their
+    de-quantized weights recovers the shipped file."""
+    shipped = source_gguf(study.payload["model"]) if "model" in study.payload else None
+    if shipped is None:
+        return
+    theirs = {t.name: t for t in gguf.GGUFReader(shipped).tensors if t.tensor_type.name != "F32"}
+    compared = dict(study.payload.get("as_shipped", {}))
+    for row in study.payload.get("rows", {}):
+        path = row_file(work, row)
+        if row in ("F32", "shipped GGUF") or not path.exists():
+            continue
+        ours = {t.name: t for t in gguf.GGUFReader(path).tensors if t.tensor_type.name != "F32"}
+        same = sum(
+            name in theirs
+            and theirs[name].tensor_type == tensor.tensor_type
+            and np.array_equal(tensor.data, theirs[name].data)
+            for name, tensor in ours.items()
+        )
+        compared[row] = {"identical": int(same), "quantized": len(ours)}
+    if compared:
+        study.set("as_shipped", compared)
+
+
+def _shipped_text(payload: dict) -> str:
+    rows = payload.get("as_shipped", {})
+    if not rows:
+        return ""
+    lines = [[row, value["identical"], value["quantized"]] for row, value in rows.items()]
+    return "\n\nQuantized tensors byte for byte those of the GGUF the model ships as\n\n" + format_table(
+        ["file", "identical", "quantized tensors"], lines, markdown=True
+    )
 
 
 DECODE_PROMPT, DECODE_STEPS = 8, 128  # tokens read in one batch, then decoded one at a time
