@@ -422,8 +422,10 @@ def main() -> None:
             importance.update(importance_matrix(loaded.model, calibration.batches()))
         return quantize_gguf(float_file, path, kind, threads=args.threads, importance=importance if weighted else None)
 
+    measured = set()  # the rows whose files this run made
     for row in study.todo("rows", recipes):
         recipe = recipes[row]
+        measured.add(row)
         tables = {}  # the tables' types, where they are not the float type of every leanlm row (FLOAT_TYPE_OF_Q4_0)
         if recipe == "shipped" and source_gguf(args.model) is None:
             continue
@@ -432,11 +434,11 @@ def main() -> None:
             for weighted in (False, True):  # with and without the importance matrix, made here if not yet made
                 reference = row_file(work, f"llama.cpp {recipe[1].upper()}{' + imatrix' if weighted else ''}")
                 references.append(reference if reference.exists() else llama_cpp_file(reference, recipe[1], weighted))
-            budget = min(block_linear_bits(path) for path in references)
-            smaller = min(references, key=block_linear_bits)
+            bits = {path: block_linear_bits(path) for path in references}
+            smaller = min(references, key=bits.get)
             tables = table_types(smaller, getattr(loaded.model.config, "tie_word_embeddings", False))
             recipe = GPTQConfig(
-                target_bits=budget,
+                target_bits=bits[smaller],
                 allocation=recipe[2],
                 hessian_shrinkage=0.5,
                 calibration_samples=args.calib_samples,
@@ -481,26 +483,30 @@ def main() -> None:
                 + f", {v['file_bytes']:,} bytes"
             ),
         )
-    compare_with_shipped(study, work)
+    compare_with_shipped(study, work, measured)
     measure_decode(study, work, windows[0], args)
     print(report(study.payload))
     print(f"wrote {study.path}")
 
 
-def compare_with_shipped(study: Study, work: Path) -> None:
-    """For every row's file in `work`, how many of its quantized tensors are byte for byte those of the GGUF the
-    model ships as (the same type and blocks): a quantizer that finds the shipped blocks again from their
-    de-quantized weights recovers the shipped file."""
+def compare_with_shipped(study: Study, work: Path, measured: set[str]) -> None:
+    """For every row's file in `work` not compared yet or made again by this run (`measured`), how many of its
+    quantized tensors are byte for byte those of the GGUF the model ships as (the same type and blocks): a
+    quantizer that finds the shipped blocks again from their de-quantized weights recovers the shipped file."""
     shipped = source_gguf(study.payload["model"]) if "model" in study.payload else None
-    if shipped is None:
+    compared = dict(study.payload.get("as_shipped", {}))
+    todo = [
+        row
+        for row in study.payload.get("rows", {})
+        if row not in ("F32", "shipped GGUF")
+        and row_file(work, row).exists()
+        and (row not in compared or row in measured)
+    ]
+    if shipped is None or not todo:
         return
     theirs = {t.name: t for t in gguf.GGUFReader(shipped).tensors if t.tensor_type.name != "F32"}
-    compared = dict(study.payload.get("as_shipped", {}))
-    for row in study.payload.get("rows", {}):
-        path = row_file(work, row)
-        if row in ("F32", "shipped GGUF") or not path.exists():
-            continue
-        ours = {t.name: t for t in gguf.GGUFReader(path).tensors if t.tensor_type.name != "F32"}
+    for row in todo:
+        ours = {t.name: t for t in gguf.GGUFReader(row_file(work, row)).tensors if t.tensor_type.name != "F32"}
         same = sum(
             name in theirs
             and theirs[name].tensor_type == tensor.tensor_type
@@ -508,8 +514,7 @@ def compare_with_shipped(study: Study, work: Path) -> None:
             for name, tensor in ours.items()
         )
         compared[row] = {"identical": int(same), "quantized": len(ours)}
-    if compared:
-        study.set("as_shipped", compared)
+    study.set("as_shipped", compared)
 
 
 def _shipped_text(payload: dict) -> str:

@@ -502,10 +502,9 @@ class _HessianObserver:
         self.table = table
         self.diagonal_only = diagonal_only
         self.source = {member: feeds.linears[0] for feeds in table.norm_feeds for member in feeds.linears}
-        self.sums: dict[str, torch.Tensor] = {}  # x^T x: its upper triangle until `_whole` mirrors it
+        self.sums: dict[str, torch.Tensor] = {}  # x^T x: its upper panels, the rest filled in when taken
         self.tokens: dict[str, int] = {}
         self.readers: dict[str, int] = {}
-        self.mirrored: set[str] = set()
 
     def observe(self, index: int, block: nn.Module):
         self.clear()
@@ -525,14 +524,7 @@ class _HessianObserver:
         self.tokens[key] = self.tokens.get(key, 0) + x.shape[0]
 
     def clear(self) -> None:
-        self.sums, self.tokens, self.readers, self.mirrored = {}, {}, {}, set()
-
-    def _whole(self, key: str) -> torch.Tensor:
-        """`key`'s sum with its lower triangle filled in from the upper (once)."""
-        if key not in self.mirrored:
-            _mirror_upper(self.sums[key])
-            self.mirrored.add(key)
-        return self.sums[key]
+        self.sums, self.tokens, self.readers = {}, {}, {}
 
     def diagonal(self, path: str, columns: int) -> torch.Tensor:
         """The diagonal of `path`'s input Hessian, without taking it (ones if it saw no input)."""
@@ -547,7 +539,9 @@ class _HessianObserver:
         key = self.source.get(path, path)
         if key not in self.sums:
             return None
-        whole = self.sums[key] if self.diagonal_only else self._whole(key)
+        whole = self.sums[key]
+        if not self.diagonal_only:
+            _mirror_upper(whole)  # the upper panels stay as they are, so a second reader's mirror changes nothing
         self.readers[key] -= 1
         if self.readers[key]:
             return 2.0 * whole / self.tokens[key]
