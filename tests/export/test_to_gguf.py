@@ -395,3 +395,12 @@ def test_the_embedding_and_head_take_the_block_types_asked_for_rounded_to_neares
     with pytest.raises(ConfigError, match="choose from"):
         export_gguf(str(source), tmp_path / "v.gguf", token_embedding_type="q7_k")
     assert not (tmp_path / "u.gguf").exists() and not (tmp_path / "v.gguf").exists()
+
+
+def test_an_output_type_for_a_tied_gguf_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    from leanlm.methods import checkpoint
+
+    monkeypatch.setattr(checkpoint, "load_any", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    with pytest.raises(ConfigError, match="tied"):
+        export_gguf("smollm2-135m", tmp_path / "t.gguf", output_tensor_type="q6_k")
+    assert not (tmp_path / "t.gguf").exists()

@@ -216,6 +216,14 @@ def table_blocks(weight: torch.Tensor, name: str) -> tuple[np.ndarray, blocks_fo
     return blocks_format.pack(kind, codes, statistics).numpy(), kind
 
 
+def _refuse_tied_output(tied: bool) -> None:
+    if tied:
+        raise ConfigError(
+            "this model's output head is its token embedding (tied): the file holds one table, so give "
+            "--token-embedding-type alone"
+        )
+
+
 def export_gguf(
     source: str | os.PathLike,
     out: str | os.PathLike,
@@ -246,6 +254,8 @@ def export_gguf(
     original = _read_gguf(origin) if origin is not None else None
     if original is None:  # a model directory: what its metadata needs is read and checked before the weights
         _, tokenizer, vocabulary = transformers_vocabulary(Path(source))
+    if output_tensor_type is not None and original is not None:  # a GGUF without output.weight is tied: said early
+        _refuse_tied_output({tensor.name for tensor in original.tensors}.isdisjoint({"output.weight"}))
     loaded = load_any(source)
     if attached_cushion(loaded.model) is not None:
         raise ConfigError(
@@ -255,11 +265,8 @@ def export_gguf(
     config = loaded.model.config
     table, attention = loaded.table, attention_shape(config)
     tied = getattr(config, "tie_word_embeddings", False)
-    if tied and output_tensor_type is not None:
-        raise ConfigError(
-            "this model's output head is its token embedding (tied): the file holds one table, so give "
-            "--token-embedding-type alone"
-        )
+    if output_tensor_type is not None:
+        _refuse_tied_output(tied)
     architecture = original.fields["general.architecture"].contents() if original else table.gguf_architecture
     if table.gguf_architecture != architecture or architecture is None:
         raise ConfigError(
