@@ -485,11 +485,16 @@ def _add_upper_gram(total: torch.Tensor, x: torch.Tensor) -> None:
 
 
 def _mirror_upper(total: torch.Tensor) -> None:
-    """Fills the part of `total` below `_add_upper_gram`'s panels from the part above, in place."""
+    """Makes `total` exactly symmetric from the upper triangle `_add_upper_gram` summed, in place: the part below
+    its panels and the lower half of each diagonal tile (which a matrix product need not have rounded as its
+    mirror image)."""
     columns = total.shape[0]
     for start in range(0, columns, GRAM_PANEL):
         end = min(start + GRAM_PANEL, columns)
         total[end:, start:end].copy_(total[start:end, end:].T)
+        tile = total[start:end, start:end]
+        upper = torch.triu(tile, diagonal=1)
+        tile.copy_(upper + upper.T + torch.diag(tile.diagonal()))
 
 
 class _HessianObserver:
