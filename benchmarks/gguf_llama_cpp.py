@@ -51,7 +51,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
+from leanlm.bench import Study, measured_on, print_report, results_name, study_arguments, titled  # noqa: E402
 from leanlm.bench.harness import peak_memory, time_interleaved  # noqa: E402
 from leanlm.bench.llama_cpp import LlamaCpp, llama_cpp_version, quantize_gguf, with_q8_0_activations  # noqa: E402
 from leanlm.data import datasets  # noqa: E402
@@ -298,13 +298,14 @@ def _decode_text(payload: dict) -> str:
                 f"{value[theirs]['tokens_per_second']:.1f}",
                 f"{value['ratio']:.3f}",
                 " / ".join(f"{load:.1f}" for load in value["load_average"]),
+                measured_on(payload, f"decode/{row}") or "not recorded",
             ]
         )
     return (
         f"\n\nllama.cpp's decode speed ({DECODE_STEPS} one-token steps after {DECODE_PROMPT} prompt tokens, median of "
         "interleaved rounds, tokens/s)\n\n"
         + format_table(
-            ["leanlm file", "tokens/s", "llama.cpp file", "tokens/s", "ratio", "load (1/5/15 min)"],
+            ["leanlm file", "tokens/s", "llama.cpp file", "tokens/s", "ratio", "load (1/5/15 min)", "CPU"],
             lines,
             markdown=True,
         )

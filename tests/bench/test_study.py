@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from leanlm.bench import Study, study_arguments
+from leanlm.bench import Study, measured_on, study_arguments
 from leanlm.methods import KbitConfig
 from leanlm.nn import KbitLinear
 
@@ -105,7 +105,10 @@ def test_each_row_keeps_the_run_that_measured_it(results_in, monkeypatch):
     runs = saved["measured_by"]
     assert runs["table/a"]["command"] == "bench.py" and runs["speed"]["command"] == "bench.py"
     assert runs["table/b"]["command"] == "bench.py --only b" and saved["environment"]["command"] == "bench.py --only b"
-    assert set(runs["table/a"]) == {"command", "date", "git_commit", "load_average"}
+    assert set(runs["table/a"]) == {"command", "date", "git_commit", "cpu", "load_average"}
+    assert measured_on(saved, "table/b") == saved["environment"]["cpu"] and measured_on(saved, "table/c") is None
+    del runs["table/a"]["cpu"], runs["table/b"]["cpu"]  # stamps from before runs named their CPU
+    assert measured_on(saved, "table/b") == saved["environment"]["cpu"] and measured_on(saved, "table/a") is None
     # other settings keep an independent part's run beside the part, and nothing else
     other = Study("s", {"tokens": 16}, arguments(), independent=("speed",))
     assert list(other.payload["measured_by"]) == ["speed"]

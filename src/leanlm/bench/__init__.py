@@ -17,13 +17,14 @@ from leanlm.bench.harness import (
     weight_bytes,
     write_results,
 )
-from leanlm.bench.study import Study, print_report, study_arguments, titled
+from leanlm.bench.study import Study, measured_on, print_report, study_arguments, titled
 
 __all__ = [
     "PeakMemory",
     "Study",
     "Timing",
     "environment",
+    "measured_on",
     "peak_memory",
     "previous_results",
     "print_report",

@@ -28,10 +28,10 @@ from torch import nn
 from leanlm.bench.harness import environment, peak_memory, previous_results, results_dir, weight_bytes, write_results
 
 # The file's top-level "environment" is the last run's; a file filled by several runs (--only, --resume) also
-# keeps, for every row and part, the run that measured it (its command, commit, date, load average), so a row
-# measured on a quiet host is not credited to the busy one that added another row later.
+# keeps, for every row and part, the run that measured it (its command, commit, date, CPU, load average), so a row
+# measured on a quiet host, or another machine, is not credited to the one that added another row later.
 RUNS_KEY = "measured_by"
-RUN_FIELDS = ("command", "date", "git_commit", "load_average")
+RUN_FIELDS = ("command", "date", "git_commit", "cpu", "load_average")
 
 Plot = Callable[[dict, Path], None]
 Report = Callable[[dict], str]
@@ -87,6 +87,19 @@ def print_report(name: str, report: Report) -> None:
     print(report(payload))
 
 
+def measured_on(payload: dict, key: str) -> str | None:
+    """The CPU that measured `key` ("part/row") of a saved file: its run's stamp, or, for a stamp from before runs
+    named their CPU, the file's environment where the run that wrote it last (same command and commit) measured
+    the key; None where the file does not say."""
+    run = payload.get(RUNS_KEY, {}).get(key)
+    if run is None:
+        return None
+    if "cpu" in run:
+        return run["cpu"]
+    last = payload.get("environment", {})
+    return last.get("cpu") if all(run.get(field) == last.get(field) for field in ("command", "git_commit")) else None
+
+
 class Study:
     """One result file, built part by part (a dict of rows each) and saved after every row."""
 
@@ -115,7 +128,7 @@ class Study:
             kept = {key: run for key, run in previous.get(RUNS_KEY, {}).items() if key.split("/", 1)[0] in independent}
             if kept:
                 self.payload[RUNS_KEY] = kept
-        self._run = None  # this run's command, commit, date and load: stamped on each row it saves
+        self._run = None  # this run's command, commit, date, CPU and load: stamped on each row it saves
 
     @property
     def path(self) -> Path:
