@@ -23,11 +23,11 @@ leanlm collects while quantizing, from the outputs of the blocks before, already
 that search whose Hessian's off-diagonal terms are halved first (`--hessian-shrinkage 0.5`: its error feedback
 trusts the calibration text's input correlations half as much; 1 would be the importance-matrix RTN). K-quant rows: llama.cpp's own Q3_K_M, Q4_K_M, Q5_K_M and Q6_K (its fixed per-tensor
 recipes), each with and without the importance matrix; leanlm RTN with the importance matrix and GPTQ with the
-Hessian shrunk by half on each of Q3_K-Q6_K (`--gguf-type`); and leanlm GPTQ with its types chosen to a budget
-(`--target-bits`) equal to the bits per weight of the block linears of llama.cpp's Q3_K_M, Q4_K_M and Q5_K_M files, so
-that leanlm's file is never larger: the token embedding and output head of a mix take the types they have in
-that llama.cpp file (`leanlm export --token-embedding-type --output-tensor-type`, rounded to nearest), and
-leanlm scores the mix with them rounded so. In the other leanlm rows the tensors that are not block linears take
+Hessian shrunk by half on each of Q3_K-Q6_K (`--gguf-type`); and leanlm GPTQ with its types chosen to the budget of
+llama.cpp's Q3_K_M, IQ4_XS, Q4_K_M and Q5_K_M files (`--size-of`: the bits per weight of the block linears of the
+smaller of llama.cpp's two files of that type, checked against the files themselves), so that leanlm's file is
+never larger: the token embedding and output head of a mix take the types they have in that llama.cpp file
+(rounded to nearest at export), and leanlm scores the mix with them rounded so. In the other leanlm rows the tensors that are not block linears take
 the type llama.cpp's Q4_0 gives them on SmolLM2 and Gemma (token_embd Q8_0, norms F32), so files of one block
 type have the same size there. SmolLM2's weights are de-quantized Q4_1 (asymmetric groups of 32): Q4_0's symmetric
 grid does not contain them, so every Q4_0 row re-rounds.
@@ -60,6 +60,7 @@ from leanlm.export import export_gguf  # noqa: E402
 from leanlm.export.to_gguf import source_gguf, table_blocks  # noqa: E402
 from leanlm.formats.gguf_blocks import dequantize as blocks_dequantized  # noqa: E402
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, quantize_, save_quantized  # noqa: E402
+from leanlm.methods.bit_allocation import recipe_budget  # noqa: E402
 from leanlm.methods.calibration import collect_importance  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
@@ -168,6 +169,20 @@ def round_tables_(model, tables: dict[str, str]) -> None:
         modules[name].weight = torch.nn.Parameter(rounded.to(weight.dtype), requires_grad=False)
     if getattr(model.config, "tie_word_embeddings", False):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
+
+
+def check_recipe(budget, paths: list[Path], tied: bool) -> None:
+    """Stop unless the smaller of llama.cpp's files at `paths` (plain and importance-matrix) spends `budget.bits`
+    in its block linears (leanlm's reading of llama.cpp's recipe) and gives the tables `budget.tables`' types."""
+    bits = {path: block_linear_bits(path) for path in paths}
+    smaller = min(paths, key=bits.get)
+    tables = table_types(smaller, tied)
+    if abs(bits[smaller] - budget.bits) > 1e-9 or tables != budget.tables:
+        raise SystemExit(
+            f"{smaller.name}: llama.cpp's file spends {bits[smaller]:.4f} bits per weight with tables {tables}; "
+            f"leanlm's {budget.recipe} recipe plans {budget.bits:.4f} with {budget.tables}: this llama.cpp's "
+            "recipe differs"
+        )
 
 
 def block_linear_bits(path: Path) -> float:
@@ -430,16 +445,16 @@ def main() -> None:
         tables = {}  # the tables' types, where they are not the float type of every leanlm row (FLOAT_TYPE_OF_Q4_0)
         if recipe == "shipped" and source_gguf(args.model) is None:
             continue
-        if isinstance(recipe, tuple) and recipe[0] == "mix":  # GPTQ spending the block bits of llama.cpp's smaller file
+        if isinstance(recipe, tuple) and recipe[0] == "mix":  # GPTQ spending what llama.cpp's file of a type spends
+            budget = recipe_budget(loaded.model, recipe[1])
             references = []
-            for weighted in (False, True):  # with and without the importance matrix, made here if not yet made
+            for weighted in (False, True):  # llama.cpp's files, made here if not yet made, must spend what leanlm plans
                 reference = row_file(work, f"llama.cpp {recipe[1].upper()}{' + imatrix' if weighted else ''}")
                 references.append(reference if reference.exists() else llama_cpp_file(reference, recipe[1], weighted))
-            bits = {path: block_linear_bits(path) for path in references}
-            smaller = min(references, key=bits.get)
-            tables = table_types(smaller, getattr(loaded.model.config, "tie_word_embeddings", False))
+            check_recipe(budget, references, getattr(loaded.model.config, "tie_word_embeddings", False))
+            tables = budget.tables
             recipe = GPTQConfig(
-                target_bits=bits[smaller],
+                size_of=recipe[1],
                 allocation=recipe[2],
                 hessian_shrinkage=0.5,
                 calibration_samples=args.calib_samples,

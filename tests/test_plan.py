@@ -79,6 +79,14 @@ def test_a_budget_is_planned_as_the_two_types_that_spend_it(tiny_llama_dir):
         assert 8 * (linears - biases) / weights == pytest.approx(target, abs=1e-3)
 
 
+def test_a_llama_cpp_files_size_is_planned_as_its_budget(tiny_llama_dir):
+    facts = plan.model_facts(str(tiny_llama_dir))
+    assert facts.recipe_bits["q4_0"] == 4.5 and facts.recipe_bits["q4_k_m"] > facts.recipe_bits["q4_0"]
+    by_size = m.GPTQConfig(size_of="q4_k_m", allocation="block")
+    by_bits = m.GPTQConfig(target_bits=facts.recipe_bits["q4_k_m"], allocation="block")
+    assert plan._planned_linears(facts, by_size) == plan._planned_linears(facts, by_bits)
+
+
 def test_facts_come_from_the_config_alone(tiny_llama_dir):
     facts = plan.model_facts(str(tiny_llama_dir))
     model = load_any(tiny_llama_dir).model

@@ -34,7 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from leanlm.errors import ConfigError
+from leanlm.errors import ConfigError, UnsupportedArchitectureError
 from leanlm.kernels.kbit_gemm import TILE_ROWS
 from leanlm.settings import option
 
@@ -141,6 +141,9 @@ class ModelFacts:
     tied_embeddings: bool  # the output head is the token embedding
     stored_dtype: torch.dtype = torch.float32  # of a float model's weights as loading reads them
     block_prefix: str = ""  # what a linear's name starts with before BLOCK.PATH, as tensor-type patterns name it
+    # bits per weight llama.cpp's file of each type spends on the block linears (--size-of), where leanlm knows
+    # the family's GGUF layout
+    recipe_bits: dict[str, float] = field(default_factory=dict)
 
 
 def model_facts(source: str) -> ModelFacts:
@@ -181,7 +184,20 @@ def model_facts(source: str) -> ModelFacts:
         tied_embeddings=bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))),
         stored_dtype=stored_float_dtype(source),
         block_prefix=f"{table.blocks}.",
+        recipe_bits=_recipe_bits(model),
     )
+
+
+def _recipe_bits(model) -> dict[str, float]:
+    """{llama.cpp file type: the bits per weight its recipe spends on `model`'s block linears}; {} for a family
+    whose GGUF layout leanlm does not know."""
+    from leanlm.formats.llama_cpp_recipes import RECIPES
+    from leanlm.methods.bit_allocation import recipe_budget
+
+    try:
+        return {recipe: recipe_budget(model, recipe).bits for recipe in RECIPES}
+    except (ConfigError, UnsupportedArchitectureError):
+        return {}
 
 
 def stored_float_dtype(source: str) -> torch.dtype:
@@ -452,6 +468,8 @@ def _planned_linears(facts: ModelFacts, quantizer) -> dict[tuple[int, int, bool,
     patterns = bit_allocation.parse_tensor_types(getattr(quantizer, "tensor_types", ()))
     fixed = bit_allocation.fixed_types(names, patterns)
     target = getattr(quantizer, "target_bits", None)
+    if getattr(quantizer, "size_of", None) is not None:
+        target = facts.recipe_bits.get(quantizer.size_of)
     planned: dict[tuple[int, int, bool, str | None], float] = {}
     for name, (_, in_features, out_features, bias) in zip(names, facts.linears, strict=True):
         types = [(fixed.get(name, getattr(quantizer, "gguf_type", None)), 1.0)]

@@ -289,3 +289,45 @@ def test_another_models_importance_matrix_is_refused_before_any_work(tmp_path):
         RTNConfig(gguf_type="q4_k", imatrix=True, imatrix_file="x")
     with pytest.raises(ConfigError, match="--imatrix-file .*missing.gguf: no such file"):  # before the model loads
         RTNConfig(gguf_type="q4_k", imatrix_file=str(tmp_path / "missing.gguf"))
+
+
+def test_size_of_spends_llama_cpps_bits_and_the_export_gives_the_tables_its_types(tmp_path):
+    """`--size-of q4_k_m`: the budget is what llama.cpp's Q4_K_M spends on the model's block linears, and the
+    export gives the token embedding and the untied head Q4_K_M's types (Q4_K, Q6_K) unless told otherwise."""
+    import gguf
+    from tiny import byte_tokenizer
+
+    from leanlm.cli.main import main
+    from leanlm.methods.bit_allocation import recipe_budget
+    from leanlm.methods.checkpoint import read_record
+    from leanlm.methods.out_of_core import quantize_checkpoint
+
+    source = tmp_path / "tiny"
+    model = tiny_model("llama", vocab_size=258, width=256, layers=1)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(torch.randn(258, 256, generator=torch.Generator().manual_seed(3)))
+    model.save_pretrained(source)
+    byte_tokenizer().save_pretrained(source)
+    checkpoint = tmp_path / "q"
+    calibration = Calibration(token_ids=token_ids(4, 32, seed=1, vocab_size=258))
+    quantize_checkpoint(str(source), (RTNConfig(size_of="q4_k_m"),), checkpoint, calibration=calibration)
+    record = read_record(checkpoint)
+    budget = recipe_budget(model, "q4_k_m")
+    assert record["size_of"] == "q4_k_m" and record["target_bits"] == budget.bits
+    assert BLOCK_TYPES["q4_k"].bits_per_weight < budget.bits and record["avg_bits"] <= budget.bits
+    assert record["gguf_table_types"] == {"token_embd": "q4_k", "output": "q6_k"}
+
+    def tables(out, *flags):
+        assert main(["export", str(checkpoint), "--format", "gguf", "--out", str(out), *flags]) == 0
+        types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(out).tensors}
+        return types["token_embd.weight"], types["output.weight"]
+
+    assert tables(tmp_path / "a.gguf") == ("Q4_K", "Q6_K")
+    assert tables(tmp_path / "b.gguf", "--token-embedding-type", "q8_0") == ("Q8_0", "Q6_K")
+
+
+def test_size_of_and_target_bits_are_one_or_the_other():
+    with pytest.raises(ConfigError, match="give --target-bits or --size-of"):
+        RTNConfig(target_bits=5.0, size_of="q4_k_m")
+    with pytest.raises(ConfigError, match="must be one of"):
+        GPTQConfig(size_of="q4_k_x")

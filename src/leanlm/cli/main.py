@@ -239,7 +239,8 @@ def _export(parser: argparse.ArgumentParser) -> None:
             choices=list(BLOCK_TYPES),
             default=None,
             help=f"gguf: {table} as blocks of this type, rounded to nearest (llama-quantize's option of the same "
-            "name; default: --type)",
+            "name; default: the type llama.cpp's file gives it for a checkpoint quantized with --size-of, else "
+            "--type)",
         )
     parser.add_argument(
         "--force",

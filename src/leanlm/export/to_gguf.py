@@ -224,6 +224,16 @@ def _refuse_tied_output(tied: bool) -> None:
         )
 
 
+def _recorded_table_types(source) -> dict[str, str]:
+    """The table types a checkpoint quantized with --size-of keeps for its export ({} for any other source)."""
+    from leanlm.methods.checkpoint import read_record
+
+    if not (Path(str(source)).expanduser() / QUANT_FILE).is_file():
+        return {}
+    recorded = read_record(Path(str(source)).expanduser()).get("gguf_table_types") or {}
+    return {name: kind for name, kind in recorded.items() if name in ("token_embd", "output") and isinstance(kind, str)}
+
+
 def export_gguf(
     source: str | os.PathLike,
     out: str | os.PathLike,
@@ -237,7 +247,8 @@ def export_gguf(
     exact GGUF blocks, other matrices as `file_type` (see FILE_TYPES), with the metadata of the GGUF it came from
     (or, without one, written from its config and tokenizer). `token_embedding_type` / `output_tensor_type` (as
     llama-quantize's options): the token embedding / a float output head as blocks of that GGUF type instead
-    (`table_blocks`); a tied head is the embedding, so it takes the embedding's. An existing `out` is replaced only
+    (`table_blocks`); a tied head is the embedding, so it takes the embedding's. A table given no type
+    takes, in a checkpoint quantized with --size-of, the type llama.cpp's file of that type gives it. An existing `out` is replaced only
     with `force`, and never when it is (or is inside) what the model is read from. Returns {"path", "file_type",
     "tensors", "block_types", "table_types" (GGUF name: type, for the tables given one), "bytes", "metadata"}."""
     from leanlm.cache.prefix import attached_cushion
@@ -245,7 +256,11 @@ def export_gguf(
 
     if file_type not in FILE_TYPES:
         raise ConfigError(f"file type {file_type!r}: choose from {', '.join(FILE_TYPES)}")
-    table_types = {"token_embd": token_embedding_type, "output": output_tensor_type}
+    recorded = _recorded_table_types(source)
+    table_types = {
+        "token_embd": token_embedding_type or recorded.get("token_embd"),
+        "output": output_tensor_type or recorded.get("output"),
+    }
     for name in filter(None, table_types.values()):
         blocks_format.block_type(name)
     origin = source_gguf(source)

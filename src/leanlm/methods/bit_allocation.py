@@ -25,12 +25,15 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from leanlm.errors import ConfigError
+from leanlm.formats import llama_cpp_recipes
 from leanlm.formats.gguf_blocks import BLOCK_TYPES, block_type, codes_for, decode, fit_statistics
 
 # What --target-bits chooses among by default: the K-quants and IQ4_XS and, for rows they cannot tile, the blocks
@@ -203,3 +206,54 @@ def allocate(errors: dict[str, dict[str, float]], sizes: dict[str, int], target_
         middle = (low + high) / 2
         low, high = (middle, high) if bits(choice(middle)) > target_bits else (low, middle)
     return choice(high)
+
+
+@dataclass(frozen=True)
+class RecipeBudget:
+    """What llama.cpp's file of one type (`--size-of`) spends on a model: `bits` per weight in the block linears
+    (the smaller of its plain and importance-matrix recipes), the types it gives the token embedding and the
+    output head (`tables`: {"token_embd": type, "output": type}, no "output" for a tied head) and each of its
+    tensors' type (`types`: {GGUF name: type}, its importance-matrix recipe where that is the smaller)."""
+
+    recipe: str
+    bits: float
+    tables: dict[str, str]
+    types: dict[str, str]
+
+
+def recipe_rows(model: nn.Module) -> tuple[dict[str, int], dict[str, int], float]:
+    """What llama.cpp's recipes read of `model` (an empty model on the meta device will do): ({GGUF tensor name:
+    row length} of the block linears, the token embedding and an untied output head, {block linear's GGUF name:
+    weights}, query heads per key-value head)."""
+    from leanlm.models.architectures import architecture_for, decoder_blocks, gguf_tensor_names, linear_weight_out_in
+
+    table = architecture_for(model)
+    names = gguf_tensor_names(model)
+    sizes, rows = {}, {}
+    for index, block in enumerate(decoder_blocks(model, table)):
+        for path in table.quantizable_linears:
+            name = names.get_name(f"{table.blocks}.{index}.{path}")
+            if name is None:
+                raise ConfigError(f"{table.blocks}.{index}.{path}: no GGUF name for this linear in llama.cpp's layout")
+            out_features, rows[name] = linear_weight_out_in(block.get_submodule(path), table).shape
+            sizes[name] = out_features * rows[name]
+    rows["token_embd"] = model.get_input_embeddings().weight.shape[1]
+    if not getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+        rows["output"] = model.get_output_embeddings().weight.shape[1]
+    heads = getattr(model.config, "num_attention_heads", 1)
+    return rows, sizes, heads / (getattr(model.config, "num_key_value_heads", None) or heads)
+
+
+def recipe_budget(model: nn.Module, recipe: str) -> RecipeBudget:
+    """The budget of llama.cpp's `recipe` file (`llama_cpp_recipes`) for `model` (`recipe_rows`)."""
+    rows, sizes, gqa = recipe_rows(model)
+
+    def bits(types: dict[str, str]) -> float:
+        return sum(BLOCK_TYPES[types[name]].bits_per_weight * size for name, size in sizes.items()) / sum(
+            sizes.values()
+        )
+
+    both = [llama_cpp_recipes.recipe_types(recipe, rows, gqa, importance) for importance in (False, True)]
+    types = min(both, key=bits)
+    tables = {name: types[name] for name in ("token_embd", "output") if name in types}
+    return RecipeBudget(recipe, bits(types), tables, types)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from leanlm.errors import ConfigError
+from leanlm.formats import llama_cpp_recipes
 from leanlm.formats.gguf_blocks import BLOCK_TYPES
 from leanlm.formats.gptq import SolverSettings, solve
 from leanlm.formats.minmax import GRIDS
@@ -46,6 +47,11 @@ class _SolverChecks:
         target = getattr(self, "target_bits", None)
         if target is not None and not 2 <= target <= 9:
             raise ConfigError(f"target bits must be between 2 and 9 bits per weight, got {target}")
+        size_of = getattr(self, "size_of", None)
+        if target is not None and size_of is not None:
+            raise ConfigError("give --target-bits or --size-of (the bits of llama.cpp's file of that type), not both")
+        if size_of is not None and size_of not in llama_cpp_recipes.RECIPES:
+            raise ConfigError(f"size_of must be one of {', '.join(llama_cpp_recipes.RECIPES)}, got {size_of!r}")
         allocation = getattr(self, "allocation", bit_allocation.ALLOCATIONS[0])
         if allocation not in bit_allocation.ALLOCATIONS:
             raise ConfigError(f"allocation must be one of {', '.join(bit_allocation.ALLOCATIONS)}, got {allocation!r}")
@@ -79,6 +85,18 @@ def _target_bits_option():
         f"choose a GGUF block type per linear (among {among}) to spend at most this many bits per weight where "
         "the loss falls most (see --allocation)",
         none_word="none",
+    )
+
+
+def _size_of_option():
+    """RTN's and GPTQ's `size_of` field (one text for both)."""
+    return option(
+        None,
+        "spend what llama.cpp's file of this type spends on this model (llama-quantize's recipe for it, the "
+        "smaller of its plain and importance-matrix files) as --target-bits in the block linears, and give the "
+        "token embedding and output head its types when exported",
+        none_word="none",
+        choices=tuple(llama_cpp_recipes.RECIPES),
     )
 
 
@@ -139,6 +157,7 @@ class RTNConfig(_SolverChecks):
     )
     gguf_type: str | None = _gguf_type_option()
     target_bits: float | None = _target_bits_option()
+    size_of: str | None = _size_of_option()
     allocation: str = _allocation_option()
     tensor_types: tuple[str, ...] = _tensor_types_option()
 
@@ -190,6 +209,7 @@ class GPTQConfig(_SolverChecks):
     )
     gguf_type: str | None = _gguf_type_option()
     target_bits: float | None = _target_bits_option()
+    size_of: str | None = _size_of_option()
     allocation: str = _allocation_option()
     tensor_types: tuple[str, ...] = _tensor_types_option()
 
@@ -243,11 +263,25 @@ class SpQRConfig(_SolverChecks):
 SolverConfig = RTNConfig | GPTQConfig | SpQRConfig
 
 
+def has_budget(config) -> bool:
+    """Whether `config` spends a budget of bits per weight (--target-bits, or --size-of's)."""
+    return getattr(config, "target_bits", None) is not None or getattr(config, "size_of", None) is not None
+
+
+def _budget(model: nn.Module, config) -> tuple[float | None, bit_allocation.RecipeBudget | None]:
+    """(the bits per weight `config` spends over `model`'s block linears or None, the llama.cpp recipe's budget
+    behind it or None)."""
+    if getattr(config, "size_of", None) is None:
+        return getattr(config, "target_bits", None), None
+    recipe = bit_allocation.recipe_budget(model, config.size_of)
+    return recipe.bits, recipe
+
+
 def ranks_by_gradients(config) -> bool:
     """Whether `config` spends a bit budget over the whole model, its types ranked by the loss's gradients: a
     forward and backward pass of the float model for each of SENSITIVITY_WINDOWS windows (`collect_sensitivity`),
     unless leanlm's cache keeps them for this model and text (`kept_sensitivity`)."""
-    return getattr(config, "target_bits", None) is not None and config.allocation != "block"
+    return has_budget(config) and config.allocation != "block"
 
 
 def _whole_model_for_budget(config) -> str | None:
@@ -264,7 +298,7 @@ def _whole_model_for_budget(config) -> str | None:
     RTNConfig,
     "rtn",
     "quantizer",
-    needs_calibration=lambda config: config.imatrix or config.target_bits is not None,
+    needs_calibration=lambda config: config.imatrix or has_budget(config),
     blockwise=True,
     needs_whole_model=_whole_model_for_budget,
 )
@@ -279,9 +313,9 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     table = architecture_for(model)
     started = time.perf_counter()
     importance_only = getattr(config, "imatrix", False)  # RTN's scale search weighted by the Hessian's diagonal
-    target = getattr(config, "target_bits", None)
+    target, recipe = _budget(model, config)
     shapes = _linear_shapes(model, table)
-    fixed = _fixed_types(shapes, config)
+    fixed = _fixed_types(shapes, config, target)
     given = _importance_from_file(model, table, shapes, getattr(config, "imatrix_file", None))
     hessians = _HessianObserver(table, diagonal_only=not settings.error_feedback)
     allocation = getattr(config, "allocation", "block")  # a streamed run is always "block" (_whole_model_for_budget)
@@ -340,6 +374,8 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
         return {
             **asdict(settings),
             "target_bits": target,
+            "size_of": None if recipe is None else recipe.recipe,
+            "gguf_table_types": None if recipe is None else recipe.tables,
             "allocation": allocation if target is not None else None,
             "tensor_types": mapped or None,
             "imatrix": importance_only,
@@ -445,11 +481,10 @@ def _importance_from_file(model: nn.Module, table, shapes: dict, path: str | Non
     return found
 
 
-def _fixed_types(shapes: dict[str, tuple[int, int]], config) -> dict[str, str]:
+def _fixed_types(shapes: dict[str, tuple[int, int]], config, target: float | None) -> dict[str, str]:
     """{BLOCK.PATH: type} the user's patterns give, checked before any slow work: every pattern must find a
-    linear, and a budget must be one the linears' block types can spend."""
+    linear, and a budget (`target` bits per weight) must be one the linears' block types can spend."""
     patterns = bit_allocation.parse_tensor_types(getattr(config, "tensor_types", ()))
-    target = getattr(config, "target_bits", None)
     if not patterns and target is None:
         return {}
     missing = bit_allocation.unmatched(list(shapes), patterns)
@@ -465,10 +500,12 @@ def _fixed_types(shapes: dict[str, tuple[int, int]], config) -> dict[str, str]:
         )
     if target is not None:
         low, high = bit_allocation.reachable_bits(shapes, fixed)
+        size_of = getattr(config, "size_of", None)
+        asked = f"--target-bits {target}" if size_of is None else f"--size-of {size_of} ({target:.3f} bits)"
         if not low <= target:
-            raise ConfigError(f"--target-bits {target}: this model's linears take at least {low:.3f} bits per weight")
+            raise ConfigError(f"{asked}: this model's linears take at least {low:.3f} bits per weight")
         if target > high:
-            raise ConfigError(f"--target-bits {target}: this model's linears take at most {high:.3f} bits per weight")
+            raise ConfigError(f"{asked}: this model's linears take at most {high:.3f} bits per weight")
     return fixed
 
 
