@@ -192,12 +192,13 @@ def _recipe_bits(model) -> dict[str, float]:
     """{llama.cpp file type: the bits per weight its recipe spends on `model`'s block linears}; {} for a family
     whose GGUF layout leanlm does not know."""
     from leanlm.formats.llama_cpp_recipes import RECIPES
-    from leanlm.methods.bit_allocation import recipe_budget
+    from leanlm.methods.bit_allocation import budget_of, recipe_rows
 
     try:
-        return {recipe: recipe_budget(model, recipe).bits for recipe in RECIPES}
+        read = recipe_rows(model)
     except (ConfigError, UnsupportedArchitectureError):
         return {}
+    return {recipe: budget_of(recipe, *read).bits for recipe in RECIPES}
 
 
 def stored_float_dtype(source: str) -> torch.dtype:

@@ -228,9 +228,10 @@ def _recorded_table_types(source) -> dict[str, str]:
     """The table types a checkpoint quantized with --size-of keeps for its export ({} for any other source)."""
     from leanlm.methods.checkpoint import read_record
 
-    if not (Path(str(source)).expanduser() / QUANT_FILE).is_file():
+    directory = Path(str(source)).expanduser()
+    if not (directory / QUANT_FILE).is_file():
         return {}
-    recorded = read_record(Path(str(source)).expanduser()).get("gguf_table_types") or {}
+    recorded = read_record(directory).get("gguf_table_types") or {}
     return {name: kind for name, kind in recorded.items() if name in ("token_embd", "output") and isinstance(kind, str)}
 
 

@@ -211,14 +211,12 @@ def allocate(errors: dict[str, dict[str, float]], sizes: dict[str, int], target_
 @dataclass(frozen=True)
 class RecipeBudget:
     """What llama.cpp's file of one type (`--size-of`) spends on a model: `bits` per weight in the block linears
-    (the smaller of its plain and importance-matrix recipes), the types it gives the token embedding and the
-    output head (`tables`: {"token_embd": type, "output": type}, no "output" for a tied head) and each of its
-    tensors' type (`types`: {GGUF name: type}, its importance-matrix recipe where that is the smaller)."""
+    (the smaller of its plain and importance-matrix recipes) and the types it gives the token embedding and the
+    output head (`tables`: {"token_embd": type, "output": type}, no "output" for a tied head)."""
 
     recipe: str
     bits: float
     tables: dict[str, str]
-    types: dict[str, str]
 
 
 def recipe_rows(model: nn.Module) -> tuple[dict[str, int], dict[str, int], float]:
@@ -245,8 +243,12 @@ def recipe_rows(model: nn.Module) -> tuple[dict[str, int], dict[str, int], float
 
 
 def recipe_budget(model: nn.Module, recipe: str) -> RecipeBudget:
-    """The budget of llama.cpp's `recipe` file (`llama_cpp_recipes`) for `model` (`recipe_rows`)."""
-    rows, sizes, gqa = recipe_rows(model)
+    """The budget of llama.cpp's `recipe` file (`llama_cpp_recipes`) for `model`."""
+    return budget_of(recipe, *recipe_rows(model))
+
+
+def budget_of(recipe: str, rows: dict[str, int], sizes: dict[str, int], gqa: float) -> RecipeBudget:
+    """The budget of llama.cpp's `recipe` file for the model `recipe_rows` read (`rows`, `sizes`, `gqa`)."""
 
     def bits(types: dict[str, str]) -> float:
         return sum(BLOCK_TYPES[types[name]].bits_per_weight * size for name, size in sizes.items()) / sum(
@@ -256,4 +258,4 @@ def recipe_budget(model: nn.Module, recipe: str) -> RecipeBudget:
     both = [llama_cpp_recipes.recipe_types(recipe, rows, gqa, importance) for importance in (False, True)]
     types = min(both, key=bits)
     tables = {name: types[name] for name in ("token_embd", "output") if name in types}
-    return RecipeBudget(recipe, bits(types), tables, types)
+    return RecipeBudget(recipe, bits(types), tables)
