@@ -28,7 +28,10 @@ class SwarmRun:
     # The fault schedule and `train_seconds` count from the first finished micro-batch, not from the launch: how long
     # spawning the processes and bootstrapping the DHT takes depends on the machine's load (20 s alone here, more
     # on a busy CI machine), and a kill must land in the middle of training, not before it.
-    train_seconds: float | None = None  # end this long after training started (None: max_steps / max_seconds)
+    # End this long after training started (None: max_steps / max_seconds). A peer that joins late is given the
+    # training time its schedule promised (`train_seconds` minus its join time) from the moment it announces itself
+    # in the DHT, which on a loaded machine can be well after it was started; `max_seconds` still bounds the run.
+    train_seconds: float | None = None
     kill: tuple[tuple[float, int], ...] = ()  # (seconds of training, peer index) to SIGKILL
     join: tuple[tuple[float, int], ...] = ()  # (seconds of training, stage) of peers that join late
     slow_peers: dict[int, float] = field(default_factory=dict)  # peer index -> seconds per sample of extra work
@@ -82,6 +85,9 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
     for process in trainers:
         process.start()
     kills, joins = sorted(run.kill), sorted(run.join)
+    seen = [set() for _ in range(settings.model.stages)]  # per stage: every peer id announced so far
+    awaited = []  # (stage, ids seen before the join, seconds of training promised) of joined peers not yet announced
+    end_at = run.train_seconds  # seconds of training after which the run ends
     losses, status = [], []
     failed = 0
     steps = 0
@@ -102,8 +108,16 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
                     end_process_group(peers[kills.pop(0)[1]].pid)  # the peer and its helpers, like a lost machine
                     failed += 1
                 while joins and joins[0][0] <= training:
-                    peers.append(start_peer(joins.pop(0)[1]))
+                    at, stage = joins.pop(0)
+                    peers.append(start_peer(stage))
+                    if run.train_seconds is not None:
+                        awaited.append((stage, set(seen[stage]), run.train_seconds - at))
             peer_epochs = _peer_epochs(root, settings)
+            for stage, ids in enumerate(peer_epochs):
+                seen[stage].update(ids)
+            for entry in [entry for entry in awaited if seen[entry[0]] - entry[1]]:
+                awaited.remove(entry)
+                end_at = max(end_at, training + entry[2])
             counts, epochs = [len(e) for e in peer_epochs], [max(e.values(), default=0) for e in peer_epochs]
             steps = max(steps, min(epochs))
             recent = [s for at, _, s in losses if at > time.time() - 10]
@@ -124,7 +138,7 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
                     flush=True,
                 )
             if steps >= run.max_steps or (
-                run.train_seconds is not None and training is not None and training >= run.train_seconds
+                end_at is not None and training is not None and training >= end_at and not joins and not awaited
             ):
                 break
             time.sleep(1.0)
