@@ -740,9 +740,18 @@ def plan_table(payload: dict) -> str:
     )
 
 
-def quantizing_warning(source: str, configs: tuple) -> str | None:
-    """A line for `leanlm quantize` when its predicted peak exceeds this machine's available memory, else None."""
+def check_quantizing(source: str, configs: tuple) -> str | None:
+    """What `leanlm quantize` checks from `source`'s config before it reads a weight: raises ConfigError for a
+    request the model rules out; returns a warning line when the predicted peak exceeds this machine's available
+    memory, else None."""
     facts = model_facts(source)
+    for config in configs:
+        size_of = getattr(config, "size_of", None)
+        if size_of is not None and not facts.recipe_bits:
+            raise ConfigError(
+                f"--size-of {size_of}: leanlm does not know the GGUF layout of {source}'s family, so it cannot "
+                "read llama.cpp's recipe for it (give --target-bits instead)"
+            )
     row = plan_row(facts, "quantize", "", tuple(configs), PlanSettings(), current_rss())
     peak, available = row.quantizing.total, available_memory()
     if peak <= available:

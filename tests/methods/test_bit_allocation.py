@@ -326,6 +326,24 @@ def test_size_of_spends_llama_cpps_bits_and_the_export_gives_the_tables_its_type
     assert tables(tmp_path / "b.gguf", "--token-embedding-type", "q8_0") == ("Q8_0", "Q6_K")
 
 
+def test_size_of_a_family_without_a_gguf_layout_is_refused_before_any_weight_is_read(tmp_path, capsys, monkeypatch):
+    from tiny import byte_tokenizer
+
+    import leanlm.methods.out_of_core as out_of_core
+    from leanlm.cli.main import main
+
+    source = tmp_path / "qwen3"
+    tiny_model("qwen3", vocab_size=258).save_pretrained(source)
+    byte_tokenizer().save_pretrained(source)
+    monkeypatch.setattr(out_of_core, "quantize_checkpoint", lambda *a, **k: pytest.fail("weights were read"))
+    out = tmp_path / "q"
+    capsys.readouterr()
+    assert main(["quantize", str(source), "--method", "rtn", "--size-of", "q4_k_m", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--size-of q4_k_m: leanlm does not know the GGUF layout" in err[0], err
+    assert not out.exists()
+
+
 def test_size_of_and_target_bits_are_one_or_the_other():
     with pytest.raises(ConfigError, match="give --target-bits or --size-of"):
         RTNConfig(target_bits=5.0, size_of="q4_k_m")

@@ -137,13 +137,13 @@ def command_quantize(args) -> None:
     from leanlm.cli.options import method_configs
     from leanlm.methods.checkpoint import check_table_dtype
     from leanlm.methods.out_of_core import quantize_checkpoint
-    from leanlm.plan import quantizing_warning
+    from leanlm.plan import check_quantizing
 
     configs, calibration = method_configs(args)  # every option checked before the model loads
     check_table_dtype(args.table_dtype, "--table-dtype")
     check_output_directory(args.out)
     _check_json_path(args.json)
-    warning = quantizing_warning(args.model, configs)
+    warning = check_quantizing(args.model, configs)  # refuses what the config rules out
     if warning:
         print(warning, flush=True)
     out, record = quantize_checkpoint(

@@ -7,7 +7,10 @@ asymmetric ("zeropoint") baseline, which is per tensor.
 test oracle. `fbgemm` is PyTorch's quantized CPU backend (AVX2/AVX-512), many times faster than fp32 matmul
 here, where `torch._int_mm` falls back to a scalar loop: leanlm rounds the input codes as the reference does, and
 its op runs the u8 x s8 GEMM and applies the scales in one call. The two give the same codes and integer sums and
-agree to float32 rounding of the final scaling.
+agree to float32 rounding of the final scaling. Where fbgemm's kernel adds u8 x s8 products in pairs into int16
+(vpmaddubsw, on CPUs without VNNI), a pair of large codes saturates; `fbgemm_saturates` probes for it once, and
+there each code is split into two halves of at most 7 bits that cannot saturate, multiplied by two GEMM calls and
+added: the same integer sums, the final scaling rounded once per half.
 
 `int8_gemv` is leanlm's own kernel for one token (`csrc/w8a8_gemv.inc`: AVX512-VNNI or AVX2), what the fused decode
 step runs: fbgemm's fixed cost per call is most of a decode-sized product. Its oracle is `reference` above.
@@ -15,6 +18,7 @@ step runs: fbgemm's fixed cost per call is most of a decode-sized product. Its o
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -31,6 +35,16 @@ Backend = Literal["reference", "fbgemm"]
 def fbgemm_available() -> bool:
     engines = torch.backends.quantized.supported_engines
     return "fbgemm" in engines or "x86" in engines
+
+
+@functools.cache
+def fbgemm_saturates() -> bool:
+    """Whether fbgemm's int8 GEMM loses exactness on this CPU to int16 saturation: probed with the worst case
+    (input code 127, weights 127, so each pair of products is 2 * 255 * 127 in its uint8 x int8 form), not read
+    from the CPU's flags."""
+    weight = torch.full((1, 64), 127, dtype=torch.int8)
+    out = _GEMM(torch.full((1, 64), 127.0), 1.0, 128, pack_weight(weight, torch.ones(1)).params)
+    return float(out[0, 0]) != 64 * 127 * 127
 
 
 def default_backend() -> Backend:
@@ -61,7 +75,7 @@ class PackedInt8Weight:
             part = columns[first : first + ONE_HOT_ROWS]
             rows = torch.arange(len(part))
             one_hot[rows, part] = 1.0
-            pieces.append(_GEMM(one_hot, 1.0, 128, self.params)[: len(part)])
+            pieces.append(_GEMM(one_hot, 1.0, 0, self.params)[: len(part)])  # codes 0 and 1 never saturate
             one_hot[rows, part] = 0.0
         return torch.cat(pieces)
 
@@ -146,14 +160,38 @@ def int8_linear(
     # Per tensor, the op is handed whole steps of s, so its scaling stays acc * (s * s_w), the one-token kernel's;
     # per token, bare codes scaled after.
     per_tensor = x_scale.numel() == 1
+    split = fbgemm_saturates()
     codes = rounded_codes(
-        x, x_scale, x_zero_point, rescale=per_tensor, overwrite_input=overwrite_input, compiled=compiled_rounding
+        x,
+        x_scale,
+        x_zero_point,
+        rescale=per_tensor and not split,
+        overwrite_input=overwrite_input,
+        compiled=compiled_rounding,
     )
-    if per_tensor:
+    if split:
+        out = _split_gemm(codes, float(x_scale) if per_tensor else 1.0, 128 + x_zero_point, packed)
+        if not per_tensor:
+            out.mul_(x_scale)
+    elif per_tensor:
         out = _GEMM(codes, float(x_scale), 128 + x_zero_point, packed.params)
     else:
         out = _GEMM(codes, 1.0, 128, packed.params).mul_(x_scale)
     return out.add_(bias) if bias is not None else out
+
+
+def _split_gemm(codes: torch.Tensor, scale: float, zero_point: int, packed: PackedInt8Weight) -> torch.Tensor:
+    """The GEMM of int8 `codes` (float32, not rescaled) as two GEMMs whose uint8 inputs stay within [0, 128], so
+    no pair of products leaves int16: u = codes + zero_point in [0, 255] is split into u // 2 and u - u // 2."""
+    high_zero = zero_point // 2
+    low_zero = zero_point - high_zero
+    high = codes.add(zero_point).mul_(0.5).floor_()
+    low = codes.add_(zero_point).sub_(high).sub_(low_zero)
+    high.sub_(high_zero)
+    if scale != 1.0:
+        high.mul_(scale)
+        low.mul_(scale)
+    return _GEMM(high, scale, high_zero, packed.params).add_(_GEMM(low, scale, low_zero, packed.params))
 
 
 def rounded_codes(
