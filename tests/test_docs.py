@@ -46,7 +46,7 @@ REPORTED = {
     "kbit_speed": ["kbit_speed"],
     "kbit_sweep": ["kbit_sweep_smollm2-135m", "kbit_sweep_gemma3-270m"],
     "llm_int8": ["llm_int8"],
-    "methods": [],  # no results committed yet
+    "methods": ["methods_qwen2.5-coder-1.5b"],
     "out_of_core": ["out_of_core_llama3-8b-shape"],
     "plan_accuracy": [
         "plan_accuracy_smollm2-135m",
