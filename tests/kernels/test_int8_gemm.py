@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from leanlm.errors import ConfigError
+from leanlm.kernels import int8_gemm
 from leanlm.kernels.int8_gemm import (
     _split_gemm,
     fbgemm_available,
@@ -56,9 +57,12 @@ def test_the_split_product_is_exact_on_every_cpu(zero_point):
     assert torch.allclose(scaled.double(), expected * 0.37, rtol=1e-6, atol=1e-3)
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fbgemm_matches_the_reference_with_scales(per_token, bias):
+def test_fbgemm_matches_the_reference_with_scales(per_token, bias, split, monkeypatch):
+    """Both of fbgemm's paths on every CPU: the single GEMM and the split one that saturating CPUs take."""
+    monkeypatch.setattr(int8_gemm, "fbgemm_saturates", lambda: split)
     torch.manual_seed(1)
     x = torch.randn(9, 40) * 3
     weight = torch.randint(-127, 128, (24, 40), dtype=torch.int8)

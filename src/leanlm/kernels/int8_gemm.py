@@ -169,14 +169,11 @@ def int8_linear(
         overwrite_input=overwrite_input,
         compiled=compiled_rounding,
     )
-    if split:
-        out = _split_gemm(codes, float(x_scale) if per_tensor else 1.0, 128 + x_zero_point, packed)
-        if not per_tensor:
-            out.mul_(x_scale)
-    elif per_tensor:
-        out = _GEMM(codes, float(x_scale), 128 + x_zero_point, packed.params)
-    else:
-        out = _GEMM(codes, 1.0, 128, packed.params).mul_(x_scale)
+    scale = float(x_scale) if per_tensor else 1.0
+    zero_point = 128 + x_zero_point
+    out = _split_gemm(codes, scale, zero_point, packed) if split else _GEMM(codes, scale, zero_point, packed.params)
+    if not per_tensor:
+        out.mul_(x_scale)
     return out.add_(bias) if bias is not None else out
 
 
@@ -185,8 +182,9 @@ def _split_gemm(codes: torch.Tensor, scale: float, zero_point: int, packed: Pack
     no pair of products leaves int16: u = codes + zero_point in [0, 255] is split into u // 2 and u - u // 2."""
     high_zero = zero_point // 2
     low_zero = zero_point - high_zero
-    high = codes.add(zero_point).mul_(0.5).floor_()
-    low = codes.add_(zero_point).sub_(high).sub_(low_zero)
+    unsigned = codes.add_(zero_point)
+    high = unsigned.mul(0.5).floor_()
+    low = unsigned.sub_(high).sub_(low_zero)
     high.sub_(high_zero)
     if scale != 1.0:
         high.mul_(scale)

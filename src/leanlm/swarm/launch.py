@@ -138,7 +138,7 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
                     flush=True,
                 )
             if steps >= run.max_steps or (
-                end_at is not None and training is not None and training >= end_at and not joins and not awaited
+                end_at is not None and training is not None and training >= end_at and not awaited
             ):
                 break
             time.sleep(1.0)
