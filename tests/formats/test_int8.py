@@ -41,6 +41,16 @@ def test_int8_weights_reconstruct_within_half_a_step():
     assert ((q.float() * scale[:, None] - weight).abs() <= scale[:, None] / 2 + 1e-7).all()
 
 
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_token"])
+def test_fake_quantize_in_bfloat16_is_the_float32_result_rounded_once(granularity):
+    torch.manual_seed(0)
+    x = torch.randn(8, 512).bfloat16()
+    scale = activation_scale(x, granularity)
+    got = fake_quantize(x, scale)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, fake_quantize(x.float(), scale).bfloat16())
+
+
 def test_fake_quantize_sqnr_of_gaussian_data_is_high():
     x = torch.randn(256, 256)
     error = fake_quantize(x, activation_scale(x, "per_token")) - x

@@ -56,6 +56,29 @@ def test_a_bfloat16_load_holds_the_tables_once_in_bfloat16_and_computes_in_it(qu
             assert (got.float() - expected).abs().max() < 0.03 * expected.abs().max()
 
 
+@pytest.mark.parametrize("row", ["w8a8-O2", "smoothquant-O1", "smoothquant-O3", "llm-int8"])
+def test_an_int8_showcase_row_loaded_in_bfloat16_computes_as_its_float32_load(tiny_llama_dir, tmp_path, row):
+    """Every int8 row's layers, attention products included (per-token and per-tensor, dynamic and static),
+    take and give bfloat16 in a bfloat16 load, within bfloat16's rounding of the float32 load."""
+    from leanlm.showcase import ROWS
+
+    steps = next(showcase_row.steps for showcase_row in ROWS if showcase_row.name == row)
+    loaded = load_model(tiny_llama_dir)
+    record = quantize_(loaded.model, steps, calibration=Calibration(token_ids=token_ids(4, 32, vocab_size=1000)))
+    out = save_quantized(loaded, loaded.model, record, tmp_path / "q")
+    _assert_the_bfloat16_load_computes_as_the_float32_load(load_any(out).model, load_any(out, "bfloat16").model)
+
+
+def _assert_the_bfloat16_load_computes_as_the_float32_load(reference, fast) -> None:
+    with torch.inference_mode():
+        for length in (4, 40):
+            ids = token_ids(1, length, seed=length, vocab_size=1000)
+            expected, got = reference(ids).logits, fast(ids).logits
+            assert got.dtype == torch.bfloat16 and expected.dtype == torch.float32
+            # bfloat16 activations, embedding and head: up to 4% of the largest logit with 3-bit weights
+            assert (got.float() - expected).abs().max() < 0.05 * expected.abs().max()
+
+
 @pytest.mark.parametrize("method", ["kbit", "gptq", "gptq-3bit", "gptq-q4_0"])
 def test_a_bfloat16_load_of_a_quantized_checkpoint_computes_in_bfloat16(tiny_llama_dir, tmp_path, method):
     """A bfloat16 load computes in bfloat16 as a float model loaded so does: its norms are held in it and every
@@ -86,13 +109,7 @@ def test_a_bfloat16_load_of_a_quantized_checkpoint_computes_in_bfloat16(tiny_lla
     assert all(p.dtype == torch.float32 for name, p in reference.named_parameters() if p.is_floating_point())
     seen = []
     fast.model.layers[0].register_forward_hook(lambda module, args, output: seen.append(args[0].dtype))
-    with torch.inference_mode():
-        for length in (4, 40):
-            ids = token_ids(1, length, seed=length, vocab_size=1000)
-            expected, got = reference(ids).logits, fast(ids).logits
-            assert got.dtype == torch.bfloat16 and expected.dtype == torch.float32
-            # bfloat16 activations, embedding and head: up to 4% of the largest logit with 3-bit weights
-            assert (got.float() - expected).abs().max() < 0.05 * expected.abs().max()
+    _assert_the_bfloat16_load_computes_as_the_float32_load(reference, fast)
     assert seen == [torch.bfloat16, torch.bfloat16]
     layer, x = layers[0], torch.randn(40, layers[0].in_features)
     weight = layer.dense_weight() if isinstance(layer, SpQRLinear) else layer.dequantized_weight()

@@ -57,11 +57,12 @@ def test_observing_records_ranges_without_changing_outputs():
     assert quantizer.v_channel_absmax.shape == (2 * 16,)  # 2 kv heads x head_dim 16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "activation, static, probs", [("per_token", False, False), ("per_tensor", False, True), ("per_tensor", True, False)]
 )
-def test_quantized_matmuls_stay_close(activation, static, probs):
-    model = tiny_model("llama")
+def test_quantized_matmuls_stay_close(activation, static, probs, dtype):
+    model = tiny_model("llama").to(dtype)
     ids = torch.randint(0, 128, (1, 24))
     with torch.inference_mode():
         expected = model(ids).logits
@@ -76,8 +77,8 @@ def test_quantized_matmuls_stay_close(activation, static, probs):
             attention.bmm_quantizer = BmmQuantizer(activation, static, 32, quantize_probs=probs)
             attention.bmm_quantizer.load_state_dict(ranges)
         out = observed(ids).logits
-    assert not torch.equal(out, expected)
-    assert ((out - expected).norm() / expected.norm()) < 0.02
+    assert out.dtype == dtype and not torch.equal(out, expected)
+    assert ((out - expected).float().norm() / expected.float().norm()) < 0.02
 
 
 def test_probabilities_are_rounded_to_the_int8_grid_only_when_asked():

@@ -34,8 +34,10 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Quantize then de-quantize: the values an int8 path computes with, in floating point."""
-    return quantize(x, scale) * scale
+    """Quantize then de-quantize: the values an int8 path computes with, in x's dtype. The codes are rounded in
+    float32 whatever x's dtype, as an int8 kernel rounds them: x / scale in bfloat16 keeps 8 significant bits,
+    which moves codes above 64 by one."""
+    return (quantize(x.float(), scale) * scale).to(x.dtype)
 
 
 def zeropoint_params(x: torch.Tensor) -> tuple[torch.Tensor, int]:
