@@ -33,7 +33,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
+from leanlm.bench import Study, measured_on, print_report, results_name, study_arguments, titled  # noqa: E402
 from leanlm.bench.harness import checkpoint_bytes, process_peak_rss_bytes, worker_result  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
@@ -219,7 +219,19 @@ def report(payload: dict) -> str:
         f"{payload.get('model')}: WikiText-2 at windows of {SEQ_LEN}, zero-shot on the first {settings['limit']} items "
         f"of each task, calibration {settings['calibration_samples'] or 'each method default'} windows of 512"
     )
-    return f"{head}\n{format_table(headers, table, markdown=True)}"
+    return f"{head}\n{format_table(headers, table, markdown=True)}\n\n{_machines_text(payload)}"
+
+
+def _machines_text(payload: dict) -> str:
+    """Which CPU measured each row's parts (the CPU sets the bfloat16 GEMM's summation order and every speed)."""
+    lines = []
+    for row in payload["rows"]:
+        by_cpu: dict[str, list[str]] = {}
+        for part in payload.get("parts", {}).get(row, {}):
+            cpu = measured_on(payload, f"parts/{row}/{part}") or "not recorded"
+            by_cpu.setdefault(cpu, []).append(part)
+        lines += [[row, cpu, ", ".join(parts)] for cpu, parts in by_cpu.items()]
+    return "Which CPU measured each part\n" + format_table(["method", "CPU", "parts"], lines, markdown=True)
 
 
 def plot(payload: dict, path: Path) -> None:
