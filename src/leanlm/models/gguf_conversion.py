@@ -10,6 +10,7 @@ read by transformers.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import mmap
@@ -102,6 +103,7 @@ def tensor_processor(architecture: str, parsed: dict):
 def _name_map(config, parsed: dict, architecture: str):
     """(GGUF tensor name -> transformers name, the architecture's tensor processor, the shape of every tensor
     the model needs, by transformers name)."""
+    import gguf as gguf_package
     from accelerate import init_empty_weights
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
@@ -112,7 +114,14 @@ def _name_map(config, parsed: dict, architecture: str):
     needed = {name: tuple(tensor.shape) for name, tensor in skeleton.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         needed = {name: shape for name, shape in needed.items() if not name.startswith("lm_head.")}
-    return get_gguf_hf_weights_map(skeleton, processor), processor, needed
+    # transformers' map walks every submodule and builds gguf's name table (every layer's names) at each one: the
+    # table is built once here and shared by the walk, which otherwise costs more than de-quantizing a small model.
+    build_table = gguf_package.get_tensor_name_map
+    gguf_package.get_tensor_name_map = functools.lru_cache(maxsize=None)(build_table)
+    try:
+        return get_gguf_hf_weights_map(skeleton, processor), processor, needed
+    finally:
+        gguf_package.get_tensor_name_map = build_table
 
 
 def _check_tensors(gguf: Path, reader, config, name_map: dict, needed: dict) -> None:
