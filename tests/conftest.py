@@ -44,9 +44,3 @@ def bounded_data():
     resource.setrlimit(resource.RLIMIT_DATA, (held + DATA_BOUND, hard))
     yield
     resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
-
-
-def pytest_collection_modifyitems(items):
-    """Tests marked slow (the real model's, each up to a few minutes) run first: under pytest-xdist they then start
-    while short tests remain to even out the workers' loads, instead of one of them ending the run alone."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
