@@ -56,6 +56,22 @@ def test_a_converted_gguf_is_the_model_it_was_written_from(tiny_gguf, tmp_path):
     )
 
 
+def test_a_conversion_parses_the_files_metadata_once(tiny_gguf, tmp_path, monkeypatch):
+    """Parsing a GGUF's fields (a vocabulary of 10^5 strings and its merges) costs more than de-quantizing a small
+    model: transformers' one parse gives the config, the tokenizer's model type and the tensors, and the
+    conversion is the same file for file (the test above)."""
+    import gguf
+
+    parses, build = [], gguf.GGUFReader._build_fields
+    monkeypatch.setattr(
+        gguf.GGUFReader, "_build_fields", lambda reader, *args: parses.append(reader) or build(reader, *args)
+    )
+    out = tmp_path / "converted"
+    out.mkdir()
+    convert_gguf(tiny_gguf[1], out)
+    assert len(parses) == 1 and (out / "tokenizer.json").is_file()
+
+
 def test_the_tensor_processor_is_the_files_architectures_not_the_model_types():
     """A Gemma-3 GGUF's model type is gemma3_text; its processor (norm weights stored as 1 + w) is
     gemma3's."""

@@ -10,6 +10,7 @@ read by transformers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -39,13 +40,37 @@ def gguf_config(gguf: Path):
     return _parsed_config(gguf)[0]
 
 
-def _parsed_config(gguf: Path):
+@contextlib.contextmanager
+def _readers_kept():
+    """The `gguf.GGUFReader`s made inside the block, in a list: transformers' metadata parse makes one that has
+    read every field and knows every tensor, which the conversion then uses instead of parsing the file again."""
+    import gguf as gguf_package
+
+    made, original = [], gguf_package.GGUFReader
+
+    class KeptReader(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    gguf_package.GGUFReader = KeptReader
+    try:
+        yield made
+    finally:
+        gguf_package.GGUFReader = original
+
+
+def _parsed_config(gguf: Path, readers: list | None = None):
+    """(config, transformers' parsed metadata); the reader transformers made is appended to `readers` if given."""
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     read_gguf_header(gguf)  # every count, length and offset checked before a reader allocates by them
     try:
-        parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+        with _readers_kept() as made:
+            parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+        if readers is not None:
+            readers.extend(made)
     except Exception as error:  # the GGUF reader raises anything from ValueError to struct errors
         if "not supported" in str(error).lower():
             raise UnsupportedArchitectureError(f"{gguf}: {one_line(error)}") from None
@@ -63,12 +88,12 @@ def _parsed_config(gguf: Path):
 
 def _read_metadata(gguf: Path):
     """(config, parsed parameters, reader, the file's architecture name) from the file's metadata, or one error
-    naming the problem."""
-    from gguf import GGUFReader
-
-    config, parsed = _parsed_config(gguf)
+    naming the problem. The file's metadata is parsed once, by transformers, whose reader then serves the
+    tensors."""
+    readers = []
+    config, parsed = _parsed_config(gguf, readers)
     try:
-        reader = GGUFReader(gguf)  # after the parse above, so that the two readers' fields are never held together
+        (reader,) = readers
         architecture = str(reader.fields["general.architecture"].contents())
     except Exception as error:
         raise CorruptModelError(f"{gguf} cannot be read as a GGUF model: {one_line(error)}") from None
@@ -79,16 +104,30 @@ def _read_metadata(gguf: Path):
     return config, parsed, reader, architecture
 
 
-def _read_tokenizer(gguf: Path):
-    """The tokenizer (with its chat template) the file's metadata describes, built by transformers."""
+def _read_tokenizer(gguf: Path, model_config: dict | None = None):
+    """The tokenizer (with its chat template) the file's metadata describes, built by transformers.
+    `model_config`: the config transformers parsed from this file (`parsed["config"]`), handed to AutoTokenizer,
+    which would otherwise parse every field of the file again to find the model type (transformers' fast
+    metadata reader covers only some families); the vocabulary is read by transformers' fast reader either way."""
     from transformers import AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
+    parse = gguf_utils.load_gguf_checkpoint
+
+    def parsed_once(path, return_tensors=False, **kwargs):
+        if model_config is not None and not return_tensors and Path(path).resolve() == gguf.resolve():
+            return {"config": dict(model_config)}
+        return parse(path, return_tensors=return_tensors, **kwargs)
+
+    gguf_utils.load_gguf_checkpoint = parsed_once
     try:
         return from_pretrained(AutoTokenizer, gguf.parent, gguf_file=gguf.name)
     except Exception as error:
         raise CorruptModelError(
             f"{gguf}: its metadata does not describe a tokenizer transformers builds: {error}"
         ) from None
+    finally:
+        gguf_utils.load_gguf_checkpoint = parse
 
 
 def tensor_processor(architecture: str, parsed: dict):
@@ -200,6 +239,7 @@ def convert_gguf(
     gguf, out = Path(gguf), Path(out)
 
     config, parsed, reader, architecture = _read_metadata(gguf)
+    model_config = dict(parsed["config"])
     architecture_for(config)  # an unsupported family is refused before any tensor is read
     name_map, processor, needed = _name_map(config, parsed, architecture)
     _check_tensors(gguf, reader, config, name_map, needed)
@@ -246,5 +286,5 @@ def convert_gguf(
     )
     config.dtype = dtype
     config.save_pretrained(out)
-    _read_tokenizer(gguf).save_pretrained(out)
+    _read_tokenizer(gguf, model_config).save_pretrained(out)
     log.info("converted %s in %.0f s", gguf, time.perf_counter() - started)
