@@ -18,6 +18,7 @@ import mmap
 import os
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -46,18 +47,15 @@ def _readers_kept():
     read every field and knows every tensor, which the conversion then uses instead of parsing the file again."""
     import gguf as gguf_package
 
-    made, original = [], gguf_package.GGUFReader
+    made = []
 
-    class KeptReader(original):
+    class KeptReader(gguf_package.GGUFReader):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    gguf_package.GGUFReader = KeptReader
-    try:
+    with mock.patch.object(gguf_package, "GGUFReader", KeptReader):
         yield made
-    finally:
-        gguf_package.GGUFReader = original
 
 
 def _parsed_config(gguf: Path, readers: list | None = None):
@@ -119,15 +117,13 @@ def _read_tokenizer(gguf: Path, model_config: dict | None = None):
             return {"config": dict(model_config)}
         return parse(path, return_tensors=return_tensors, **kwargs)
 
-    gguf_utils.load_gguf_checkpoint = parsed_once
     try:
-        return from_pretrained(AutoTokenizer, gguf.parent, gguf_file=gguf.name)
+        with mock.patch.object(gguf_utils, "load_gguf_checkpoint", parsed_once):
+            return from_pretrained(AutoTokenizer, gguf.parent, gguf_file=gguf.name)
     except Exception as error:
         raise CorruptModelError(
             f"{gguf}: its metadata does not describe a tokenizer transformers builds: {error}"
         ) from None
-    finally:
-        gguf_utils.load_gguf_checkpoint = parse
 
 
 def tensor_processor(architecture: str, parsed: dict):
@@ -155,12 +151,9 @@ def _name_map(config, parsed: dict, architecture: str):
         needed = {name: shape for name, shape in needed.items() if not name.startswith("lm_head.")}
     # transformers' map walks every submodule and builds gguf's name table (every layer's names) at each one: the
     # table is built once here and shared by the walk, which otherwise costs more than de-quantizing a small model.
-    build_table = gguf_package.get_tensor_name_map
-    gguf_package.get_tensor_name_map = functools.lru_cache(maxsize=None)(build_table)
-    try:
+    table_once = functools.lru_cache(maxsize=None)(gguf_package.get_tensor_name_map)
+    with mock.patch.object(gguf_package, "get_tensor_name_map", table_once):
         return get_gguf_hf_weights_map(skeleton, processor), processor, needed
-    finally:
-        gguf_package.get_tensor_name_map = build_table
 
 
 def _check_tensors(gguf: Path, reader, config, name_map: dict, needed: dict) -> None:
