@@ -29,6 +29,11 @@ class ConfigError(LeanLMError):
     """An option value out of range, or a combination of options that does not make sense."""
 
 
+class SwarmError(LeanLMError):
+    """A process of a swarm run on this machine that ended before it could take part (a peer before it served,
+    or a trainer); names the process and its error."""
+
+
 class NeedsWholeModelError(ConfigError):
     """A method (or setting) that reads the whole float model at once, asked to run on blocks read one at a
     time from disk; the command line then quantizes in memory instead."""

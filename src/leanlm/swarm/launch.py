@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from leanlm.data import plain_text
-from leanlm.errors import ConfigError
+from leanlm.errors import ConfigError, SwarmError
 from leanlm.settings import option
 from leanlm.swarm.model import byte_blocks
 from leanlm.swarm.peer import SwarmSettings, end_process_group, make_dht, run_peer, stage_peers
@@ -48,6 +48,53 @@ class SwarmRun:
             raise ConfigError(f"peers {self.peers} cannot serve {stages} stages (at least one peer per stage)")
 
 
+@dataclass
+class ProcessWatch:
+    """What the launcher has heard from the processes it started (their `events`): a peer that ends before it
+    serves, or a trainer that ends at all, stops the run at once with the process's error (waiting out
+    `max_seconds` would only hide it); a peer that ends after serving is a lost peer, which the swarm survives."""
+
+    serving: set[int] = field(default_factory=set)  # pids
+    errors: dict[int, str] = field(default_factory=dict)  # pid -> the error it reported
+    lost: dict[int, str] = field(default_factory=dict)  # pid -> "peer i (stage s): error", lost after serving
+
+    def hear(self, events) -> None:
+        try:
+            while True:
+                pid, state, detail = events.get_nowait()
+                if state == "serving":
+                    self.serving.add(pid)
+                else:
+                    self.errors[pid] = detail
+        except queue.Empty:
+            pass
+
+    def check(self, events, peers: list, peer_stages: list[int], trainers: list, killed: set[int]) -> list[str]:
+        """Raise SwarmError as above; returns the peers newly lost after serving."""
+        self.hear(events)
+        ended = [
+            (f"peer {index} (stage {peer_stages[index]})", process, True)
+            for index, process in enumerate(peers)
+            if process.exitcode is not None and process.pid not in killed
+        ] + [
+            (f"trainer {index}", process, False)
+            for index, process in enumerate(trainers)
+            if process.exitcode is not None
+        ]
+        if ended:
+            self.hear(events)  # what an ended process reported just before it ended
+        newly = []
+        for name, process, is_peer in ended:
+            why = self.errors.get(process.pid) or f"exit code {process.exitcode}"
+            if not is_peer or process.pid not in self.serving:
+                when = "while training" if process.pid in self.serving else "before it could serve"
+                raise SwarmError(f"{name} ended {when}: {why}")
+            if process.pid not in self.lost:
+                self.lost[process.pid] = f"{name}: {why}"
+                newly.append(self.lost[process.pid])
+        return newly
+
+
 def _peer_epochs(dht, settings: SwarmSettings) -> list[dict[str, int]]:
     """Per stage: {peer id: the optimizer step (epoch) it announces}."""
     return [
@@ -64,21 +111,24 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
     blocks = byte_blocks(plain_text("lambada-dev"), settings.model.seq_len)
     stop = context.Event()
     results = context.Queue()
+    events = context.Queue()
     started = time.monotonic()
     lifetime = run.max_seconds + 20  # children end themselves even if this process is killed
 
     def start_peer(stage: int, slowdown: float = 0.0):
         peer_settings = settings if not slowdown else SwarmSettings(**{**settings.__dict__, "slowdown": slowdown})
-        process = context.Process(target=run_peer, args=(peer_settings, stage, initial, lifetime))
+        process = context.Process(target=run_peer, args=(peer_settings, stage, initial, lifetime, events))
         process.start()
+        peer_stages.append(stage)
         return process
 
+    peer_stages = []  # the stage each started peer was given
     stages = run.assignment or tuple(i % settings.model.stages for i in range(run.peers))
     peers = [start_peer(stage, run.slow_peers.get(i, 0.0)) for i, stage in enumerate(stages)]
     trainers = [
         context.Process(
             target=run_trainer,
-            args=(settings, initial, blocks, 1000 + i, lifetime, stop, results),
+            args=(settings, initial, blocks, 1000 + i, lifetime, stop, results, events),
         )
         for i in range(run.trainers)
     ]
@@ -89,7 +139,8 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
     awaited = []  # (stage, ids seen before the join, seconds of training promised) of joined peers not yet announced
     end_at = run.train_seconds  # seconds of training after which the run ends
     losses, status = [], []
-    failed = 0
+    watch = ProcessWatch()
+    killed = set()  # pids of the peers the fault schedule killed
     steps = 0
     training_started = None  # monotonic time of the first finished micro-batch
     try:
@@ -105,13 +156,17 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
             training = None if training_started is None else time.monotonic() - training_started
             if training is not None:
                 while kills and kills[0][0] <= training:
-                    end_process_group(peers[kills.pop(0)[1]].pid)  # the peer and its helpers, like a lost machine
-                    failed += 1
+                    victim = peers[kills.pop(0)[1]].pid
+                    end_process_group(victim)  # the peer and its helpers, like a lost machine
+                    killed.add(victim)
                 while joins and joins[0][0] <= training:
                     at, stage = joins.pop(0)
                     peers.append(start_peer(stage))
                     if run.train_seconds is not None:
                         awaited.append((stage, set(seen[stage]), run.train_seconds - at))
+            for lost in watch.check(events, peers, peer_stages, trainers, killed):
+                if progress:
+                    print(f"[{elapsed:5.0f}s] lost {lost}", flush=True)
             peer_epochs = _peer_epochs(root, settings)
             for stage, ids in enumerate(peer_epochs):
                 seen[stage].update(ids)
@@ -158,7 +213,8 @@ def run_local_swarm(run: SwarmRun, progress: bool = True) -> dict:
         "steps": steps,
         "loss_first": sum(first) / len(first) if first else None,
         "loss_last": sum(last) / len(last) if last else None,
-        "peers_failed": failed,
+        "peers_failed": len(killed) + len(watch.lost),
+        "peer_errors": list(watch.lost.values()),
         "samples_per_second": samples / total_seconds,
         "seconds": total_seconds,
         "losses": [loss for _, loss, _ in losses],

@@ -12,10 +12,12 @@ loaded stage moves to the most loaded one when that is clearly busier (adaptive 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import multiprocessing as mp
 import os
+import resource
 import signal
 import sys
 import threading
@@ -29,7 +31,7 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from leanlm.errors import ConfigError
+from leanlm.errors import ConfigError, one_line
 from leanlm.settings import option
 from leanlm.swarm import compression
 from leanlm.swarm.model import Stage, SwarmModelConfig
@@ -248,48 +250,80 @@ def exit_after(seconds: float, dht: hivemind.DHT) -> None:
     threading.Thread(target=watchdog, daemon=True).start()
 
 
-def run_peer(settings: SwarmSettings, stage: int, initial_peers: list[str], duration: float) -> None:
+def share_memory_without_a_daemon() -> None:
+    """Share tensors with the helpers this process forks through file descriptors. hivemind selects torch's
+    `file_system` strategy, where every `share_memory_` waits at most one second for the torch_shm_manager daemon
+    to answer: on a loaded machine the wait runs out and the process dies at start-up. The descriptor strategy
+    needs no daemon and holds a descriptor per shared tensor, so the soft limit on open files is raised to the
+    hard one."""
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def report(events, state: str, detail: str = "") -> None:
+    """Tell the launcher's queue `events` (if any) that this process is "serving", or "failed" with `detail`."""
+    if events is not None:
+        events.put((os.getpid(), state, detail))
+
+
+@contextlib.contextmanager
+def swarm_process(events=None):
+    """What every process of a swarm run does first, and its failure report: it leads its own process group,
+    computes on one thread, lets hivemind's averagers fork their helpers (the process itself was spawned) and
+    shares tensors without a daemon; an error inside is reported to `events` as "failed" before it propagates."""
+    lead_own_process_group()
+    torch.set_num_threads(1)
+    mp.set_start_method("fork", force=True)
+    share_memory_without_a_daemon()
+    try:
+        yield
+    except Exception as error:
+        report(events, "failed", f"{type(error).__name__}: {one_line(error)}")
+        raise
+
+
+def run_peer(settings: SwarmSettings, stage: int, initial_peers: list[str], duration: float, events=None) -> None:
     """Process entry point: serve `stage` for at most `duration` seconds (a bounded run always ends). A peer that
     rebalancing moves to another stage starts afresh there: this process is replaced (same pid and process group,
     so whoever started it still ends it) by a new peer of the new stage, which downloads the stage's latest
     parameters and optimizer state. A move inside one process would have to fork hivemind's averager helpers from
     a process whose threads are serving requests, and hivemind installs signal handlers, which only the main
-    thread may do."""
-    lead_own_process_group()
-    torch.set_num_threads(1)
-    # This process was spawned; hivemind's averagers start their own helper processes, which must fork.
-    mp.set_start_method("fork", force=True)
-    deadline = time.monotonic() + duration
-    dht = make_dht(initial_peers)
-    exit_after(duration + 5, dht)
-    peer = StagePeer(dht, settings, stage)
+    thread may do. `events` (the launcher's queue) hears "serving" once this peer answers requests."""
+    with swarm_process(events):
+        deadline = time.monotonic() + duration
+        dht = make_dht(initial_peers)
+        exit_after(duration + 5, dht)
+        peer = StagePeer(dht, settings, stage)
 
-    async def serve() -> int | None:
-        """Serve until the deadline (None) or until this peer should move (the stage to move to)."""
-        p2p = await dht.replicate_p2p()
-        await peer.add_p2p_handlers(p2p)
-        loop = asyncio.get_running_loop()
-        next_rebalance = time.monotonic() + settings.rebalance_seconds
-        while time.monotonic() < deadline:
-            await loop.run_in_executor(None, peer.announce)
-            if settings.rebalance_seconds and time.monotonic() >= next_rebalance:
-                next_rebalance = time.monotonic() + settings.rebalance_seconds
-                target = await loop.run_in_executor(None, peer.rebalance_target)
-                if target is not None:
-                    peer.moving = True
-                    await loop.run_in_executor(None, peer.leave)
-                    # The executor runs one job at a time in order: once this no-op has run, every request
-                    # accepted before the move has finished (and stepped the stage's optimizer).
-                    await loop.run_in_executor(peer.executor, lambda: None)
-                    return target
-            await asyncio.sleep(settings.announce_seconds)
-        return None
+        async def serve() -> int | None:
+            """Serve until the deadline (None) or until this peer should move (the stage to move to)."""
+            p2p = await dht.replicate_p2p()
+            await peer.add_p2p_handlers(p2p)
+            report(events, "serving")
+            loop = asyncio.get_running_loop()
+            next_rebalance = time.monotonic() + settings.rebalance_seconds
+            while time.monotonic() < deadline:
+                await loop.run_in_executor(None, peer.announce)
+                if settings.rebalance_seconds and time.monotonic() >= next_rebalance:
+                    next_rebalance = time.monotonic() + settings.rebalance_seconds
+                    target = await loop.run_in_executor(None, peer.rebalance_target)
+                    if target is not None:
+                        peer.moving = True
+                        await loop.run_in_executor(None, peer.leave)
+                        # The executor runs one job at a time in order: once this no-op has run, every request
+                        # accepted before the move has finished (and stepped the stage's optimizer).
+                        await loop.run_in_executor(peer.executor, lambda: None)
+                        return target
+                await asyncio.sleep(settings.announce_seconds)
+            return None
 
-    try:
-        target = asyncio.run(serve())
-    finally:
-        peer.optimizer.shutdown()
-        dht.shutdown()
+        try:
+            target = asyncio.run(serve())
+        finally:
+            peer.optimizer.shutdown()
+            dht.shutdown()
     remaining = deadline - time.monotonic()
     if target is not None and remaining > 0:
         sys.stdout.flush()

@@ -13,7 +13,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from leanlm.swarm import compression
-from leanlm.swarm.peer import StagePeer, SwarmSettings, exit_after, lead_own_process_group, make_dht, stage_peers
+from leanlm.swarm.peer import StagePeer, SwarmSettings, exit_after, make_dht, report, stage_peers, swarm_process
 from leanlm.swarm.routing import PeerBalancer
 
 
@@ -80,34 +80,34 @@ def run_trainer(
     duration: float,
     stop,
     results: mp.Queue,
+    events=None,
 ) -> None:
     """Process entry point: train until `stop` is set or `duration` seconds pass; every micro-batch's loss goes
-    to `results` as (time, loss, samples, failures so far)."""
-    lead_own_process_group()
-    torch.set_num_threads(1)
-    # This process was spawned; hivemind's averagers start their own helper processes, which must fork.
-    mp.set_start_method("fork", force=True)
-    dht = make_dht(initial_peers, client_mode=True)
-    exit_after(duration + 5, dht)
-    generator = torch.Generator().manual_seed(seed)
+    to `results` as (time, loss, samples, failures so far). `events` (the launcher's queue) hears "serving" once
+    micro-batches are routed."""
+    with swarm_process(events):
+        dht = make_dht(initial_peers, client_mode=True)
+        exit_after(duration + 5, dht)
+        generator = torch.Generator().manual_seed(seed)
 
-    async def lane(trainer: SwarmTrainer, deadline: float):
-        while time.monotonic() < deadline and not stop.is_set():
-            ids = blocks[torch.randint(0, len(blocks), (settings.micro_batch,), generator=generator)]
-            try:
-                loss = await trainer.train_micro_batch(ids)
-            except NoPeerError:
-                continue
-            results.put((time.time(), loss, len(ids), trainer.failures))
+        async def lane(trainer: SwarmTrainer, deadline: float):
+            while time.monotonic() < deadline and not stop.is_set():
+                ids = blocks[torch.randint(0, len(blocks), (settings.micro_batch,), generator=generator)]
+                try:
+                    loss = await trainer.train_micro_batch(ids)
+                except NoPeerError:
+                    continue
+                results.put((time.time(), loss, len(ids), trainer.failures))
 
-    async def loop():
-        # Several micro-batches in flight at once fill the pipeline: while one is in stage 2, the next is in stage
-        # 0 (a trainer that waited for each micro-batch would leave all but one stage idle).
-        trainer = SwarmTrainer(dht, await dht.replicate_p2p(), settings, seed)
-        deadline = time.monotonic() + duration
-        await asyncio.gather(*(lane(trainer, deadline) for _ in range(settings.in_flight)))
+        async def loop():
+            # Several micro-batches in flight at once fill the pipeline: while one is in stage 2, the next is in
+            # stage 0 (a trainer that waited for each micro-batch would leave all but one stage idle).
+            trainer = SwarmTrainer(dht, await dht.replicate_p2p(), settings, seed)
+            report(events, "serving")
+            deadline = time.monotonic() + duration
+            await asyncio.gather(*(lane(trainer, deadline) for _ in range(settings.in_flight)))
 
-    try:
-        asyncio.run(loop())
-    finally:
-        dht.shutdown()
+        try:
+            asyncio.run(loop())
+        finally:
+            dht.shutdown()
