@@ -71,7 +71,6 @@ class ProcessWatch:
 
     def check(self, events, peers: list, peer_stages: list[int], trainers: list, killed: set[int]) -> list[str]:
         """Raise SwarmError as above; returns the peers newly lost after serving."""
-        self.hear(events)
         ended = [
             (f"peer {index} (stage {peer_stages[index]})", process, True)
             for index, process in enumerate(peers)
@@ -81,8 +80,7 @@ class ProcessWatch:
             for index, process in enumerate(trainers)
             if process.exitcode is not None
         ]
-        if ended:
-            self.hear(events)  # what an ended process reported just before it ended
+        self.hear(events)  # after the exit codes: an ended process reported before it ended
         newly = []
         for name, process, is_peer in ended:
             why = self.errors.get(process.pid) or f"exit code {process.exitcode}"
