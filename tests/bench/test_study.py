@@ -65,6 +65,13 @@ def test_without_resume_the_selected_rows_are_measured_again_and_the_rest_kept(r
     assert measured == ["b"] and set(study.payload["table"]) == {"a", "b"}
 
 
+def test_a_part_none_of_whose_rows_run_is_not_written(results_in):
+    study = Study("s", {}, arguments("--only", "b"))
+    assert list(study.todo(("parts", "a"), ["x", "y"])) == []
+    measure_all(study, ("parts", "b"), ["x"], [])
+    assert json.loads((results_in / "s.json").read_text())["parts"] == {"b": {"x": {"value": 1}}}
+
+
 def test_only_and_skip_select_parts_and_rows():
     study = Study("s", {}, arguments("--only", "O3 0.5", "latency", "--skip", "alpha_sweep"))
     assert study.runs(("sweep", "O3"), "0.5") and not study.runs(("sweep", "O1"), "0.5")

@@ -165,7 +165,9 @@ class Study:
         selects, less the ones a --resume finds finished (`done` says whether a saved row is finished)."""
         rows = list(rows)
         self._order[str(part)] = rows
-        saved = self.rows(part)
+        saved = self.payload
+        for key in (part,) if isinstance(part, str) else part:  # read only: a part none of whose rows run stays out
+            saved = saved.get(key, {})
         for row in rows:
             if self.runs(part, row) and not (self.resume and row in saved and done(saved[row])):
                 yield row
