@@ -143,11 +143,11 @@ class Study:
         self.payload.update(model=name, weights_note=loaded.weights_note, dtype=loaded.dtype)
         return loaded
 
-    def rows(self, part: Part) -> dict:
-        """The saved rows of `part` (created empty)."""
+    def rows(self, part: Part, *, create: bool = True) -> dict:
+        """The saved rows of `part` (created empty, or with `create=False` an unsaved empty dict)."""
         rows = self.payload
         for key in (part,) if isinstance(part, str) else part:
-            rows = rows.setdefault(key, {})
+            rows = rows.setdefault(key, {}) if create else rows.get(key, {})
         return rows
 
     def runs(self, part: Part, row: str = "") -> bool:
@@ -165,9 +165,7 @@ class Study:
         selects, less the ones a --resume finds finished (`done` says whether a saved row is finished)."""
         rows = list(rows)
         self._order[str(part)] = rows
-        saved = self.payload
-        for key in (part,) if isinstance(part, str) else part:  # read only: a part none of whose rows run stays out
-            saved = saved.get(key, {})
+        saved = self.rows(part, create=False)  # a part none of whose rows run stays out of the file
         for row in rows:
             if self.runs(part, row) and not (self.resume and row in saved and done(saved[row])):
                 yield row
