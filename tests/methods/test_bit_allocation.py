@@ -47,6 +47,15 @@ def test_type_errors_fall_with_bits_and_weigh_the_columns_that_matter():
     assert tripled == pytest.approx(3 * errors["q4_k"], rel=1e-5)
 
 
+def test_a_weight_on_an_asymmetric_grid_takes_it_back_from_a_budget():
+    # rows of 576 (SmolLM2's hidden size) tile no K-quant: the blocks of 32 with a minimum are candidates there
+    on_grid = rounded(torch.randn(64, 576, generator=torch.Generator().manual_seed(0)), "q4_1", torch.ones(576))
+    assert {"q4_1", "q5_1"} <= set(candidates_for(576))
+    errors = type_errors(on_grid, torch.ones(576), candidates_for(576))
+    assert errors["q4_1"] == 0.0 and errors["q5_0"] > 0.0
+    assert allocate({"w": errors}, {"w": on_grid.numel()}, target_bits=5.5) == {"w": "q4_1"}
+
+
 def test_sensitivity_is_each_outputs_mean_squared_loss_gradient_and_each_inputs_mean_square():
     from leanlm.methods.calibration import collect_sensitivity
 

@@ -37,8 +37,8 @@ from leanlm.formats import llama_cpp_recipes
 from leanlm.formats.gguf_blocks import BLOCK_TYPES, block_type, codes_for, decode, fit_statistics
 
 # What --target-bits chooses among by default: the K-quants and IQ4_XS and, for rows they cannot tile, the blocks
-# of 32 (IQ4_NL among them).
-CANDIDATES = ("q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q4_0", "iq4_nl", "q5_0", "q8_0")
+# of 32 (IQ4_NL among them, and Q4_1 / Q5_1, whose minimum fits weights that lie on an asymmetric grid).
+CANDIDATES = ("q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1", "q8_0")
 SAMPLE_ROWS = 256  # rows of a weight the error is measured on (spread evenly), scaled to the whole weight
 ALLOCATIONS = ("fisher", "measured", "block")
 
