@@ -70,7 +70,7 @@ def test_gguf_blocks_are_planned_in_their_types(tiny_llama_dir, name):
 def test_a_budget_is_planned_as_the_two_types_that_spend_it(tiny_llama_dir):
     facts = plan.model_facts(str(tiny_llama_dir))
     weights = sum(i * o for _, i, o, _ in facts.linears)
-    for target, types in ((5.0, {"q4_0", "q5_0"}), (4.5, {"q4_0"})):
+    for target, types in ((5.25, {"q4_1", "q5_0"}), (5.0, {"q4_1"}), (4.5, {"q4_0"})):
         config = m.GPTQConfig(target_bits=target, allocation="block")
         planned = {block_type for *_, block_type in plan._planned_linears(facts, config)}
         assert planned == types
