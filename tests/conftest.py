@@ -18,6 +18,23 @@ def smollm2_tokenizer(default_checkpoint_dir):
 
 
 @pytest.fixture
+def counting_tokenizer(smollm2_tokenizer):
+    """A copy of SmolLM2's tokenizer and the list of the lengths of the texts it has been called on."""
+    import copy
+
+    calls, tokenizer = [], copy.deepcopy(smollm2_tokenizer)
+    original = type(tokenizer).__call__
+
+    class Counting(type(tokenizer)):
+        def __call__(self, *args, **kwargs):
+            calls.append(len(args[0]))
+            return original(self, *args, **kwargs)
+
+    tokenizer.__class__ = Counting
+    return tokenizer, calls
+
+
+@pytest.fixture
 def tiny_llama_dir(tmp_path, smollm2_tokenizer):
     """A local HF model directory: a tiny random Llama with SmolLM2's tokenizer (so real text works)."""
     from tiny import save_tiny_llama

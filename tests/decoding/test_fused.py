@@ -90,12 +90,23 @@ def _model(family: str, weights: str):
 
 
 def _eager_logits(model, prompt, tokens):
+    return _eager_greedy(model, prompt, tokens)[1]
+
+
+def _eager_greedy(model, prompt, tokens):
+    """transformers' forward with a cache: the prompt, then each of `tokens` (an int: that many greedy tokens, each
+    the argmax of the logits before it). The tokens fed, and the logits after each."""
     cache, steps = DynamicCache(), []
+    greedy = isinstance(tokens, int)
+    fed = [] if greedy else list(tokens)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
-        for token in tokens:
-            steps.append(model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1])
-    return torch.stack(steps).float()
+        logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
+        for i in range(tokens if greedy else len(fed)):
+            if greedy:
+                fed.append(int(logits.argmax()))
+            logits = model(input_ids=torch.tensor([[fed[i]]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            steps.append(logits)
+    return fed, torch.stack(steps).float()
 
 
 @needs_kernels
@@ -222,8 +233,7 @@ def _assert_fused_within_float_rounding(model, prompt, label, least_decisive=32,
     perturbations move that step's logits, the greedy token is the eager one. How far rounding moves a step differs
     between steps and between CPUs (int8 activations turn a rounding tie into a whole quantization step), so the
     decisive steps are judged step by step."""
-    tokens = greedy_tokens(model, prompt, 64, fused=False)
-    eager = _eager_logits(model, prompt, tokens)
+    tokens, eager = _eager_greedy(model, prompt, 64)
     moved = torch.stack(
         [(_perturbed_eager_logits(model, prompt, tokens, seed=seed) - eager).abs().amax(1) for seed in range(draws)]
     ).amax(0)

@@ -2,20 +2,13 @@ from leanlm.data import datasets
 from leanlm.evaluation.tokens import encode
 
 
-def test_a_long_text_is_tokenized_once_per_tokenizer_and_every_call_gets_its_own_list(smollm2_tokenizer):
+def test_a_long_text_is_tokenized_once_per_tokenizer_and_every_call_gets_its_own_list(
+    smollm2_tokenizer, counting_tokenizer
+):
     import copy
 
     text = datasets.wikitext2_test_text()[:300_000]
-    calls = []
-    tokenizer = copy.deepcopy(smollm2_tokenizer)
-    original = type(tokenizer).__call__
-
-    class Counting(type(tokenizer)):
-        def __call__(self, *args, **kwargs):
-            calls.append(len(args[0]))
-            return original(self, *args, **kwargs)
-
-    tokenizer.__class__ = Counting
+    tokenizer, calls = counting_tokenizer
     first = encode(tokenizer, text)
     assert first == smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
     first.clear()

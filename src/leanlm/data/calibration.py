@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from leanlm.data.datasets import plain_text
+from leanlm.data.tokens import token_ids
 from leanlm.errors import ConfigError
 
 
@@ -15,7 +16,7 @@ def calibration_batches(
     (n_samples, seq_len) LongTensor. Default source: the LAMBADA development novels, not an evaluation set."""
     if n_samples < 1 or seq_len < 2:
         raise ConfigError(f"calibration needs n_samples >= 1 and seq_len >= 2, got {n_samples} and {seq_len}")
-    ids = torch.tensor(tokenizer(plain_text(source))["input_ids"], dtype=torch.long)
+    ids = torch.tensor(token_ids(tokenizer, plain_text(source), special_tokens=True), dtype=torch.long)
     if ids.numel() <= seq_len:
         raise ConfigError(f"calibration text {source!r} has {ids.numel()} tokens, fewer than seq_len={seq_len}")
     generator = torch.Generator().manual_seed(seed)

@@ -2,33 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
-from collections import OrderedDict
-
-# Texts at least this long (a whole test set) are tokenized once per process and tokenizer: every row of a study
-# scores the same text, and tokenizing WikiText-2's test set takes seconds.
-_CACHED_CHARACTERS = 100_000
-_CACHE: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
-_CACHE_ENTRIES = 4
+from leanlm.data.tokens import token_ids
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    if len(text) < _CACHED_CHARACTERS:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    key = (_fingerprint(tokenizer), hashlib.blake2b(text.encode()).hexdigest())
-    if key not in _CACHE:
-        _CACHE[key] = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
-        while len(_CACHE) > _CACHE_ENTRIES:
-            _CACHE.popitem(last=False)
-    _CACHE.move_to_end(key)
-    return list(_CACHE[key])
-
-
-def _fingerprint(tokenizer) -> str:
-    """The tokenizer's whole definition (vocabulary, merges, normalizer, added tokens), hashed."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    definition = backend.to_str() if backend is not None else repr((type(tokenizer), tokenizer.get_vocab()))
-    return hashlib.blake2b(definition.encode()).hexdigest()
+    """Evaluation's rule: the text's own tokens, no special tokens added (`bos_prefix` adds BOS where the model
+    expects it); a whole test set is tokenized once per process and tokenizer."""
+    return token_ids(tokenizer, text)
 
 
 def bos_prefix(tokenizer) -> list[int]:

@@ -43,6 +43,7 @@ from leanlm.cache.prefix import (
     prefix_cache,
 )
 from leanlm.data import calibration_batches, plain_text
+from leanlm.data.tokens import token_ids
 from leanlm.errors import ConfigError
 from leanlm.methods.blocks import frozen_parameters, observe_inputs
 from leanlm.methods.quantize import Calibration, QuantRun, quantize_, register_after_load, register_method
@@ -147,7 +148,7 @@ def candidate_pool(tokenizer, text: str, size: int) -> list[int]:
     """The tokenizer's special tokens and newline, then the most frequent tokens of `text`, `size` in all."""
     special = [i for i in tokenizer.all_special_ids if i is not None]
     newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
-    counts = Counter(tokenizer(text, add_special_tokens=False)["input_ids"])
+    counts = Counter(token_ids(tokenizer, text))
     pool = list(dict.fromkeys([*special, *newline, *(token for token, _ in counts.most_common())]))
     return pool[:size]
 
