@@ -1,8 +1,12 @@
 """leanlm's GGUF exports measured inside llama.cpp, beside llama.cpp's own quantizer: WikiText-2
 perplexity computed by llama.cpp on exactly the windows `leanlm eval` scores (leanlm's token ids, one fresh
 context per window), each file's size and tensor types, and for every leanlm row leanlm's own perplexity of the
-same checkpoint and the wall time leanlm took to quantize it. (llama.cpp's scoring speed is saved too but not reported: files of the same tensor types run the
-same llama.cpp kernels, and decode speed is measured on a quiet machine by its own benchmark.) Writes benchmarks/results/gguf_llama_cpp_<model>.json + .png.
+same checkpoint and the wall time leanlm took to quantize it; for the leanlm rows and the shipped file, leanlm's
+perplexity again with each linear's input rounded as llama.cpp rounds it for the type the file stores
+(`leanlm.bench.llama_cpp.llama_cpp_inputs`), which splits llama.cpp's difference from leanlm into the weights'
+part and its arithmetic's. (llama.cpp's scoring speed is saved too but not reported: files of the same tensor
+types run the same llama.cpp kernels, and decode speed is measured on a quiet machine by its own benchmark.)
+Writes benchmarks/results/gguf_llama_cpp_<model>.json + .png.
 
     pip install llama-cpp-python==0.3.36     # optional extra `llama`: compiles llama.cpp, 15-35 min on 2 cores
     python benchmarks/gguf_llama_cpp.py                    # first 8 windows of 512 tokens
@@ -53,7 +57,14 @@ import torch  # noqa: E402
 
 from leanlm.bench import Study, measured_on, print_report, results_name, study_arguments, titled  # noqa: E402
 from leanlm.bench.harness import peak_memory, time_interleaved  # noqa: E402
-from leanlm.bench.llama_cpp import LlamaCpp, llama_cpp_version, quantize_gguf, with_q8_0_activations  # noqa: E402
+from leanlm.bench.llama_cpp import (  # noqa: E402
+    INPUT_ROUNDING,
+    LlamaCpp,
+    input_types,
+    llama_cpp_inputs,
+    llama_cpp_version,
+    quantize_gguf,
+)
 from leanlm.data import datasets  # noqa: E402
 from leanlm.evaluation.perplexity import perplexity_windows, windows_perplexity  # noqa: E402
 from leanlm.export import export_gguf  # noqa: E402
@@ -244,6 +255,17 @@ def pareto(table: dict) -> tuple[list[str], list[list[str]]]:
     return [*head, "best leanlm file no larger", *head[1:], "vs", "lower"], lines
 
 
+def _emulated(row: dict) -> float | None:
+    """leanlm's perplexity of a row's weights with llama.cpp's input rounding. A value saved under the rule of one
+    Q8_0 rounding for every linear ("with_q8_0_activations") is the same measurement where every tensor type of
+    the file takes Q8_0 inputs (or is a float vector), and is shown only there."""
+    ours = row.get("leanlm") or {}
+    if "with_llama_cpp_inputs" in ours:
+        return ours["with_llama_cpp_inputs"]
+    same_rule = all(INPUT_ROUNDING.get(kind.lower()) in (None, "q8_0") for kind in row["tensor_types"])
+    return ours.get("with_q8_0_activations") if same_rule else None
+
+
 def report(payload: dict) -> str:
     table = payload.get("rows", {})
     settings = payload["settings"]
@@ -253,7 +275,7 @@ def report(payload: dict) -> str:
     for name, row in table.items():
         engine = row["llama_cpp"]
         ours = row.get("leanlm")
-        emulated = (ours or {}).get("with_q8_0_activations")
+        emulated = _emulated(row)
         lines.append(
             [
                 name,
@@ -282,7 +304,7 @@ def report(payload: dict) -> str:
                 "llama.cpp ppl",
                 "vs F32",
                 "leanlm ppl",
-                "leanlm, Q8_0 inputs",
+                "leanlm, llama.cpp's inputs",
                 "llama.cpp vs leanlm",
                 "MiB",
                 "bits/weight",
@@ -382,7 +404,7 @@ def main() -> None:
     parser.add_argument(
         "--no-q8-inputs",
         action="store_true",
-        help="skip the 'leanlm, Q8_0 inputs' column (a second leanlm evaluation of every quantized "
+        help="skip the 'leanlm, llama.cpp's inputs' column (a second leanlm evaluation of every quantized "
         "row: a full-test-set run is about 16 min shorter without it)",
     )
     parser.add_argument(
@@ -417,15 +439,15 @@ def main() -> None:
     if not float_file.exists():
         export_gguf(args.model, float_file, "f32")
 
-    def leanlm_perplexity(model, quantized: bool = True, tables: dict | None = None) -> dict:
-        """leanlm's perplexity of the model, and (quantized rows) of the same model with llama.cpp's Q8_0 rounding
-        of every block linear's input and of the embedding (unless `tables` gave it a type of its own): what
-        llama.cpp's arithmetic adds to the weights'."""
+    def leanlm_perplexity(model, path: Path | None = None, *, embedding_q8_0: bool = False) -> dict:
+        """leanlm's perplexity of the model, and (given the GGUF file at `path` that holds its weights) of the same
+        model with every linear's input rounded as llama.cpp rounds it for the file's tensor types, and with
+        `embedding_q8_0` the token embedding rounded to the Q8_0 the file stores: what llama.cpp's arithmetic adds
+        to the weights'."""
         result = {"perplexity": windows_perplexity(model, windows).perplexity}
-        if quantized and not args.no_q8_inputs:
-            emulated = with_q8_0_activations(model, embedding_q8_0=not tables)
-            result["with_q8_0_activations"] = windows_perplexity(emulated, windows).perplexity
-            del emulated
+        if path is not None and not args.no_q8_inputs:
+            with llama_cpp_inputs(model, input_types(model, path), embedding_q8_0=embedding_q8_0) as emulated:
+                result["with_llama_cpp_inputs"] = windows_perplexity(emulated, windows).perplexity
         return result
 
     recipes = rows(args.calib_samples)
@@ -463,9 +485,10 @@ def main() -> None:
             ours = None
             if recipe is None:
                 path = float_file
-                ours = leanlm_perplexity(loaded.model, quantized=False)
-            elif recipe == "shipped":
+                ours = leanlm_perplexity(loaded.model)
+            elif recipe == "shipped":  # the float model's weights are the shipped file's, de-quantized
                 path = source_gguf(args.model)
+                ours = leanlm_perplexity(loaded.model, path)
             elif isinstance(recipe, tuple):
                 _, kind, weighted = recipe
                 path = llama_cpp_file(row_file(work, row), kind, weighted)
@@ -476,7 +499,7 @@ def main() -> None:
                 seconds = time.perf_counter() - started
                 path = _export(loaded, model, record, row_file(work, row).with_suffix(""), tables)
                 round_tables_(model, tables)
-                ours = {"quantize_seconds": seconds, **leanlm_perplexity(model, tables=tables)}
+                ours = {"quantize_seconds": seconds, **leanlm_perplexity(model, path, embedding_q8_0=not tables)}
                 del model
         engine = LlamaCpp(path, context=args.seq_len, threads=args.threads)
         scored = engine.perplexity(windows)

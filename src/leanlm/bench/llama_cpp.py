@@ -7,23 +7,28 @@ from source, 15-35 minutes on 2 cores, so it is a benchmark dependency, never a 
 - `quantize_gguf(source, out, kind, importance=...)`: llama.cpp's own quantizer (`llama_model_quantize`), with an
   importance matrix (per tensor, the mean square of each input column over calibration tokens, which is what
   llama.cpp's `llama-imatrix` tool accumulates) when one is given.
-- `with_q8_0_activations(model)`: the same model in PyTorch with the one rounding llama.cpp's CPU matmuls add to
-  a quantized weight: each input row cut into blocks of 32, rounded to int8 with a float16 scale (its Q8_0
-  `vec_dot` type), so a leanlm perplexity can be split into the weights' part and this one.
+- `llama_cpp_inputs(model, input_types(model, path))`: the same model in PyTorch with the one rounding llama.cpp's
+  CPU matmuls add to a stored weight: each linear's input rounded to the `vec_dot` type llama.cpp pairs with the
+  weight's type in the GGUF file (blocks of 32 to int8 with a float16 scale for the types of 32, blocks of 256 to
+  int8 with a float32 scale for the K-quants and IQ4_XS), so a leanlm perplexity can be split into the weights'
+  part and this one.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import ctypes
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from leanlm.errors import ConfigError
 
 INSTALL = "pip install llama-cpp-python==0.3.36 (or the `llama` extra; it compiles llama.cpp, 15-35 min on 2 cores)"
 QUANTIZE_TYPES = ("q4_0", "q4_1", "q8_0", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k", "iq4_xs")
@@ -92,32 +97,101 @@ class LlamaCpp:
 
 
 def round_trip_q8_0(x: torch.Tensor) -> torch.Tensor:
-    """x as llama.cpp's quantize_row_q8_0 leaves it: blocks of 32 along the last dimension, d = absmax / 127,
-    q = round(x / d) (with the float32 d), values q * float16(d)."""
+    """x as llama.cpp's quantize_row_q8_0 (and q8_1) leaves it: blocks of 32 along the last dimension, d = absmax /
+    127, q = round(x / d) (with the float32 d), values q * float16(d)."""
     blocks = x.float().reshape(*x.shape[:-1], -1, 32)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127
     q = torch.round(torch.where(d > 0, blocks / d, 0.0))
     return (q * d.half().float()).reshape(x.shape).to(x.dtype)
 
 
-def with_q8_0_activations(model: torch.nn.Module, *, embedding_q8_0: bool = True) -> torch.nn.Module:
-    """A copy of `model` whose linear layers (every module with `in_features`, the output projection included)
-    see Q8_0-rounded inputs, and (`embedding_q8_0`) whose tied embedding is rounded to Q8_0 as the GGUF stores it."""
+def round_trip_q8_k(x: torch.Tensor) -> torch.Tensor:
+    """x as llama.cpp's quantize_row_q8_K leaves it: blocks of 256 along the last dimension, m the value of largest
+    magnitude (its sign kept), scale = -127 / m, q = min(127, round(scale * x)), values q / scale in float32."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 256)
+    largest = torch.gather(blocks, -1, blocks.abs().argmax(dim=-1, keepdim=True))
+    scale = torch.where(largest != 0, -127.0 / largest, 0.0)
+    q = torch.clamp(torch.round(scale * blocks), max=127)
+    return torch.where(scale != 0, q / scale, 0.0).reshape(x.shape).to(x.dtype)
+
+
+ROUNDINGS = {
+    "q8_0": round_trip_q8_0,
+    "q8_k": round_trip_q8_k,
+    "f16": lambda x: x.half().to(x.dtype),
+    "bf16": lambda x: x.bfloat16().to(x.dtype),
+}
+
+# The rounding llama.cpp's CPU backend gives a matmul's input, by the stored weight's GGUF type (ggml-cpu's
+# `vec_dot_type`; Q8_1 rounds as Q8_0 does, its extra block sum aside); float32 weights take float32 inputs.
+INPUT_ROUNDING = {
+    "f32": None,
+    "f16": "f16",
+    "bf16": "bf16",
+    **{name: "q8_0" for name in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl")},
+    **{name: "q8_k" for name in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")},
+}
+
+
+def input_types(model: torch.nn.Module, path: str | os.PathLike) -> dict[str, str]:
+    """{module name: GGUF type} of every linear of `model` stored in the GGUF file at `path` (a tied output head
+    reads the token embedding)."""
+    import gguf
+
+    from leanlm.models.architectures import gguf_tensor_names
+
+    stored = {tensor.name: tensor.tensor_type.name.lower() for tensor in gguf.GGUFReader(path).tensors}
+    names = gguf_tensor_names(model)
+    types = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "in_features"):
+            continue
+        base = names.get_name(name)
+        weight = stored.get(f"{base}.weight") or (stored.get("token_embd.weight") if base == "output" else None)
+        if weight is not None:
+            types[name] = weight
+    return types
+
+
+@contextlib.contextmanager
+def llama_cpp_inputs(
+    model: torch.nn.Module, types: dict[str, str], *, embedding_q8_0: bool = False
+) -> Iterator[torch.nn.Module]:
+    """`model` with each linear named in `types` ({module name: GGUF type of its stored weight}) seeing its input
+    rounded as llama.cpp rounds it for that type (`INPUT_ROUNDING`), and (`embedding_q8_0`) its token embedding
+    (and a tied output head) rounded to Q8_0 as a GGUF storing it so holds; restored on exit."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    copied = copy.deepcopy(model)
-    if embedding_q8_0:
-        embedding = copied.get_input_embeddings()
-        weights = embedding.weight.detach().float().numpy()
-        rounded = dequantize(quantize(weights, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
-        embedding.weight = torch.nn.Parameter(torch.from_numpy(rounded.copy()), requires_grad=False)
-        if getattr(copied.config, "tie_word_embeddings", False):
-            copied.get_output_embeddings().weight = embedding.weight
-    for module in copied.modules():
-        if hasattr(module, "in_features") and module.in_features % 32 == 0:
-            module.register_forward_pre_hook(lambda module, args: (round_trip_q8_0(args[0]), *args[1:]))
-    return copied
+    unknown = sorted({kind for kind in types.values() if kind not in INPUT_ROUNDING})
+    if unknown:
+        raise ConfigError(f"no llama.cpp input rounding known for GGUF type {', '.join(unknown)}")
+    modules = dict(model.named_modules())
+    handles = []
+    embedding = model.get_input_embeddings()
+    kept = embedding.weight
+    try:
+        if embedding_q8_0:
+            weights = kept.detach().float().numpy()
+            rounded = dequantize(quantize(weights, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+            embedding.weight = torch.nn.Parameter(torch.from_numpy(rounded.copy()).to(kept.dtype), requires_grad=False)
+            if getattr(model.config, "tie_word_embeddings", False):
+                model.get_output_embeddings().weight = embedding.weight
+        for name, kind in types.items():
+            rounding = INPUT_ROUNDING[kind]
+            if rounding is not None:
+                rule = ROUNDINGS[rounding]
+                handles.append(
+                    modules[name].register_forward_pre_hook(lambda module, args, rule=rule: (rule(args[0]), *args[1:]))
+                )
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+        if embedding_q8_0:
+            embedding.weight = kept
+            if getattr(model.config, "tie_word_embeddings", False):
+                model.get_output_embeddings().weight = kept
 
 
 def quantize_gguf(
