@@ -58,7 +58,6 @@ import torch  # noqa: E402
 from leanlm.bench import Study, measured_on, print_report, results_name, study_arguments, titled  # noqa: E402
 from leanlm.bench.harness import peak_memory, time_interleaved  # noqa: E402
 from leanlm.bench.llama_cpp import (  # noqa: E402
-    INPUT_ROUNDING,
     LlamaCpp,
     input_types,
     llama_cpp_inputs,
@@ -69,6 +68,7 @@ from leanlm.data import datasets  # noqa: E402
 from leanlm.evaluation.perplexity import perplexity_windows, windows_perplexity  # noqa: E402
 from leanlm.export import export_gguf  # noqa: E402
 from leanlm.export.to_gguf import source_gguf, table_blocks  # noqa: E402
+from leanlm.formats.ggml_inputs import INPUT_ROUNDING  # noqa: E402
 from leanlm.formats.gguf_blocks import dequantize as blocks_dequantized  # noqa: E402
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, quantize_, save_quantized  # noqa: E402
 from leanlm.methods.bit_allocation import recipe_budget  # noqa: E402

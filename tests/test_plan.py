@@ -167,6 +167,10 @@ def test_a_budget_ranked_by_gradients_plans_the_gradient_pass(tiny_llama_dir):
     assert (
         rows["fisher"].quantizing_path == "in memory" and phases["fisher"]["gradient pass"].parts["gradient pass"] > 0
     )
+    # llama.cpp's input roundings keep each linear's output change per rounding its blocks tile, until the backward
+    tokens = m.Calibration().seq_len
+    roundings = sum(2 * tokens * o * ((i % 32 == 0) + (i % 256 == 0)) for _, i, o, _ in facts.linears)
+    assert phases["fisher"]["gradient pass"].parts["llama.cpp input roundings"] == roundings > 0
     assert rows["fisher"].quantizing.total == max(phase.total for phase in phases["fisher"].values())
     assert "gptq-mix" in [name for name, _, _ in plan.method_rows()]
 

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from leanlm.errors import ConfigError, UnsupportedArchitectureError
+from leanlm.formats.ggml_inputs import int8_roundings
 from leanlm.kernels.kbit_gemm import TILE_ROWS
 from leanlm.settings import option
 
@@ -656,6 +657,12 @@ def quantizing_phases(facts: ModelFacts, configs: tuple, stored: Estimate, basel
             phases["cushion search"] = {**common, "search forward": token_activations(facts, tokens) + probe}
         if ranks_by_gradients(quantizer):
             phases["gradient pass"] = {**common, "gradient pass": gradient_pass_bytes(read_config(facts.name), seq_len)}
+            if getattr(
+                quantizer, "llama_cpp_inputs", False
+            ):  # each rounding's output change, bfloat16, to the backward
+                phases["gradient pass"]["llama.cpp input roundings"] = sum(
+                    2 * seq_len * o * len(int8_roundings(i)) for _, i, o, _ in facts.linears
+                )
     else:
         stored_bytes = facts.stored_dtype.itemsize
         phases["tables"] = {**common, "largest table": facts.vocab * facts.hidden * (4 + stored_bytes)}

@@ -7,18 +7,22 @@ import json
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny import tiny_model, token_ids
 
 from leanlm.errors import ConfigError
+from leanlm.formats.ggml_inputs import ROUNDINGS
 from leanlm.formats.gguf_blocks import BLOCK_TYPES
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, quantize_
 from leanlm.methods.bit_allocation import (
+    SCALE,
     allocate,
     budget_types,
     candidates_for,
     parse_tensor_types,
     rounded,
     type_errors,
+    with_input_errors,
 )
 from leanlm.nn import GGUFLinear
 
@@ -77,8 +81,35 @@ def test_sensitivity_is_each_outputs_mean_squared_loss_gradient_and_each_inputs_
     handle.remove()
     gradient = torch.cat([out.grad.reshape(-1, out.shape[-1]) for _, out in seen]).square().mean(0)
     inputs = torch.cat([x.detach().reshape(-1, x.shape[-1]) for x, _ in seen]).square().mean(0)
-    torch.testing.assert_close(sensitivity["1.mlp.down_proj"][0], gradient, rtol=1e-4, atol=1e-12)
-    torch.testing.assert_close(sensitivity["1.mlp.down_proj"][1], inputs, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(sensitivity["1.mlp.down_proj"].g, gradient, rtol=1e-4, atol=1e-12)
+    torch.testing.assert_close(sensitivity["1.mlp.down_proj"].h, inputs, rtol=1e-5, atol=1e-8)
+    # each int8 input rounding: the token-by-token Fisher estimate, mean over tokens of sum_i G_ti^2 (W dx_t)_i^2
+    tokens = sum(x.numel() // x.shape[-1] for x, _ in seen)
+    for rounding in ("q8_0", "q8_k"):
+        loss = sum(
+            float(
+                (out.grad * F.linear(x.detach() - ROUNDINGS[rounding](x.detach()), linear.weight.detach()))
+                .square()
+                .sum()
+            )
+            for x, out in seen
+        )
+        assert sensitivity["1.mlp.down_proj"].inputs[rounding] == pytest.approx(loss / tokens, rel=2e-2)
+    # rows of 256 inputs tile Q8_K's blocks; blocks of 32 lose less to an input's largest value than blocks of 256
+    downs = sensitivity["1.mlp.down_proj"].inputs
+    assert 0 < downs["q8_0"] < downs["q8_k"]
+
+
+def test_llama_cpps_input_rounding_moves_a_linear_to_the_type_whose_rounding_costs_less():
+    sizes = {"outliers": 1000, "plain": 1000}
+    errors = {"outliers": {"q4_k": 1.0, "q4_1": 0.9}, "plain": {"q4_k": 1.0, "q4_1": 0.8}}
+    inputs = {"outliers": {"q8_k": 5.0, "q8_0": 0.5}, "plain": {"q8_k": 0.01, "q8_0": 0.01}}
+    assert allocate(errors, sizes, target_bits=4.75) == {"outliers": "q4_k", "plain": "q4_1"}
+    counted = {name: with_input_errors(errors[name], inputs[name]) for name in sizes}
+    assert counted["outliers"] == pytest.approx({"q4_k": 6.0, "q4_1": 1.4})
+    assert allocate(counted, sizes, target_bits=4.75) == {"outliers": "q4_1", "plain": "q4_k"}
+    # a measured allocation's scale takes the Fisher estimate of the inputs to its errors' scale
+    assert with_input_errors({"q4_k": 2.0, SCALE: 2.0}, {"q8_k": 1.0}) == {"q4_k": 4.0}
 
 
 def test_sensitivity_is_kept_for_the_same_model_and_text_and_measured_again_for_others(tmp_path, monkeypatch):
@@ -94,8 +125,9 @@ def test_sensitivity_is_kept_for_the_same_model_and_text_and_measured_again_for_
     again = calibration.kept_sensitivity(model, batches)
     assert len(passes) == 1 and len(list((tmp_path / "sensitivity").iterdir())) == 1
     assert again.keys() == first.keys()
-    for name, (g, h) in first.items():
-        assert torch.equal(again[name][0], g) and torch.equal(again[name][1], h)
+    for name, (g, h, inputs) in first.items():
+        assert torch.equal(again[name].g, g) and torch.equal(again[name].h, h)
+        assert again[name].inputs == inputs and set(inputs) == {"q8_0", "q8_k"}
     calibration.kept_sensitivity(model, token_ids(2, 16, seed=5))  # other text
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight[0, 0] += 1.0  # another model

@@ -9,9 +9,8 @@ from source, 15-35 minutes on 2 cores, so it is a benchmark dependency, never a 
   llama.cpp's `llama-imatrix` tool accumulates) when one is given.
 - `llama_cpp_inputs(model, input_types(model, path))`: the same model in PyTorch with the one rounding llama.cpp's
   CPU matmuls add to a stored weight: each linear's input rounded to the `vec_dot` type llama.cpp pairs with the
-  weight's type in the GGUF file (blocks of 32 to int8 with a float16 scale for the types of 32, blocks of 256 to
-  int8 with a float32 scale for the K-quants and IQ4_XS), so a leanlm perplexity can be split into the weights'
-  part and this one.
+  weight's type in the GGUF file (`leanlm.formats.ggml_inputs`), so a leanlm perplexity can be split into the
+  weights' part and this one.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from leanlm.errors import ConfigError
+from leanlm.formats.ggml_inputs import INPUT_ROUNDING, ROUNDINGS
 
 INSTALL = "pip install llama-cpp-python==0.3.36 (or the `llama` extra; it compiles llama.cpp, 15-35 min on 2 cores)"
 QUANTIZE_TYPES = ("q4_0", "q4_1", "q8_0", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k", "iq4_xs")
@@ -94,43 +94,6 @@ class LlamaCpp:
             "seconds": seconds,
             "tokens_per_second": sum(map(len, windows)) / seconds,
         }
-
-
-def round_trip_q8_0(x: torch.Tensor) -> torch.Tensor:
-    """x as llama.cpp's quantize_row_q8_0 (and q8_1) leaves it: blocks of 32 along the last dimension, d = absmax /
-    127, q = round(x / d) (with the float32 d), values q * float16(d)."""
-    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    q = torch.round(torch.where(d > 0, blocks / d, 0.0))
-    return (q * d.half().float()).reshape(x.shape).to(x.dtype)
-
-
-def round_trip_q8_k(x: torch.Tensor) -> torch.Tensor:
-    """x as llama.cpp's quantize_row_q8_K leaves it: blocks of 256 along the last dimension, m the value of largest
-    magnitude (its sign kept), scale = -127 / m, q = min(127, round(scale * x)), values q / scale in float32."""
-    blocks = x.float().reshape(*x.shape[:-1], -1, 256)
-    largest = torch.gather(blocks, -1, blocks.abs().argmax(dim=-1, keepdim=True))
-    scale = torch.where(largest != 0, -127.0 / largest, 0.0)
-    q = torch.clamp(torch.round(scale * blocks), max=127)
-    return torch.where(scale != 0, q / scale, 0.0).reshape(x.shape).to(x.dtype)
-
-
-ROUNDINGS = {
-    "q8_0": round_trip_q8_0,
-    "q8_k": round_trip_q8_k,
-    "f16": lambda x: x.half().to(x.dtype),
-    "bf16": lambda x: x.bfloat16().to(x.dtype),
-}
-
-# The rounding llama.cpp's CPU backend gives a matmul's input, by the stored weight's GGUF type (ggml-cpu's
-# `vec_dot_type`; Q8_1 rounds as Q8_0 does, its extra block sum aside); float32 weights take float32 inputs.
-INPUT_ROUNDING = {
-    "f32": None,
-    "f16": "f16",
-    "bf16": "bf16",
-    **{name: "q8_0" for name in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl")},
-    **{name: "q8_k" for name in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")},
-}
 
 
 def input_types(model: torch.nn.Module, path: str | os.PathLike) -> dict[str, str]:

@@ -34,11 +34,13 @@ from tqdm.auto import tqdm
 
 from leanlm.errors import ConfigError
 from leanlm.formats import llama_cpp_recipes
+from leanlm.formats.ggml_inputs import INPUT_ROUNDING
 from leanlm.formats.gguf_blocks import BLOCK_TYPES, block_type, codes_for, decode, fit_statistics
 
 # What --target-bits chooses among by default: the K-quants and IQ4_XS and, for rows they cannot tile, the blocks
 # of 32 (IQ4_NL among them, and Q4_1 / Q5_1, whose minimum fits weights that lie on an asymmetric grid).
 CANDIDATES = ("q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1", "q8_0")
+SCALE = "scale"  # the key of `type_error_table`'s entries that is no type: the scale of the Fisher estimate
 SAMPLE_ROWS = 256  # rows of a weight the error is measured on (spread evenly), scaled to the whole weight
 ALLOCATIONS = ("fisher", "measured", "block")
 
@@ -146,6 +148,7 @@ def budget_types(
     output_weights: Callable[[str], torch.Tensor | None] = lambda name: None,
     measure: Callable[[str, torch.Tensor], float] | None = None,
     keep: Callable[[list[str], Callable[[list[str]], dict]], dict] | None = None,
+    input_errors: Callable[[str], dict[str, float]] = lambda name: {},
 ) -> dict[str, str]:
     """{name: type} spending at most `target_bits` per weight over `weights` ({name: (out, in) weight}): the
     `fixed` names keep their type, the others' candidates are ranked by `type_error_table`. `keep(names,
@@ -157,8 +160,19 @@ def budget_types(
         return type_error_table({name: weights[name] for name in names}, importance, output_weights, measure)
 
     errors = keep(free, measure_names) if keep is not None else measure_names(free)
+    errors = {name: with_input_errors(errors[name], input_errors(name)) for name in free}
     errors.update({name: {fixed[name]: 0.0} for name in weights if name in fixed})
     return allocate(errors, {name: weight.numel() for name, weight in weights.items()}, target_bits)
+
+
+def with_input_errors(errors: dict[str, float], inputs: dict[str, float]) -> dict[str, float]:
+    """Each type's error (`type_error_table`'s entry of one linear) plus what llama.cpp's rounding of the linear's
+    input for that type adds (`inputs`: {int8 rounding: its Fisher estimate}, taken to the errors' scale; nothing
+    where a rounding is not given)."""
+    scale = errors.get(SCALE, 1.0)
+    return {
+        kind: error + scale * inputs.get(INPUT_ROUNDING[kind], 0.0) for kind, error in errors.items() if kind != SCALE
+    }
 
 
 def type_error_table(
@@ -169,16 +183,18 @@ def type_error_table(
 ) -> dict[str, dict[str, float]]:
     """{name: {type: error}} of every candidate type of each weight: `type_errors` with `importance(name)` and
     `output_weights(name)`. With `measure` (name, the whole weight rounded: the loss that rounding adds), each
-    linear's errors are scaled so that its cheapest type's error is what `measure` gives for it."""
+    linear's errors are scaled so that its cheapest type's error is what `measure` gives for it; the scale from the
+    Fisher estimate to the errors is kept under the key SCALE."""
     errors = {}
     for name, weight in tqdm(weights.items(), desc="bit allocation", unit="linear", leave=False):
         candidates = candidates_for(weight.shape[1])
         errors[name] = type_errors(weight, importance(name), candidates, output_weights(name))
         cheapest = min(candidates, key=lambda t: BLOCK_TYPES[t].bits_per_weight)
+        scale = 1.0
         if measure is not None and errors[name][cheapest] > 0:
             whole = rounded(weight.detach().float(), cheapest, importance(name))
             scale = max(measure(name, whole), 0.0) / errors[name][cheapest]
-            errors[name] = {t: error * scale for t, error in errors[name].items()}
+        errors[name] = {**{t: error * scale for t, error in errors[name].items()}, SCALE: scale}
     return errors
 
 

@@ -9,18 +9,27 @@ import json
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from leanlm.formats.ggml_inputs import INT8_BLOCKS, ROUNDINGS, int8_roundings
 from leanlm.formats.imatrix import ImportanceMatrix
 from leanlm.methods.blocks import frozen_parameters, observe_inputs, walk_blocks
-from leanlm.models.architectures import ArchitectureTable, architecture_for, decoder_blocks, gguf_tensor_names
+from leanlm.models.architectures import (
+    ArchitectureTable,
+    architecture_for,
+    decoder_blocks,
+    gguf_tensor_names,
+    linear_weight_out_in,
+)
 from leanlm.storage import cache_root, staged_file
 
 # Part of the key of every kept sensitivity: a change to what `collect_sensitivity` computes must change it.
-SENSITIVITY_FORMAT = 1
+SENSITIVITY_FORMAT = 2
 # Whether `kept_sensitivity` reads and writes leanlm's cache; False measures every time (what a first run holds).
 KEEP_SENSITIVITY = True
 
@@ -93,14 +102,26 @@ def activation_gradients(model: nn.Module) -> Iterator[None]:
         handle.remove()
 
 
+class Sensitivity(NamedTuple):
+    """What a linear's rounding does to the loss, per `collect_sensitivity`: `g` (out,) the mean squared gradient of
+    the next-token loss at each output, `h` (in,) the mean square of each input column, `inputs` {int8 rounding of
+    llama.cpp's CPU backend (`ggml_inputs.INT8_BLOCKS`): the Fisher estimate of the loss that rounding this linear's
+    input adds}."""
+
+    g: torch.Tensor
+    h: torch.Tensor
+    inputs: dict[str, float]
+
+
 def collect_sensitivity(
     model: nn.Module, batches: torch.Tensor, table: ArchitectureTable | None = None
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{BLOCK.PATH: (g, h)} for every block linear of the float model: g the mean over the calibration tokens of
-    the squared gradient of the next-token loss with respect to each output, h the mean of each input column's
-    square. sum_ij g_i h_j dW_ij^2 is the Fisher (Kronecker-factored diagonal) estimate of what a change dW of the
-    weight adds to the loss, so the errors of linears in different blocks are on one scale. One window per
-    forward and backward; no parameter gradient is kept."""
+) -> dict[str, Sensitivity]:
+    """{BLOCK.PATH: Sensitivity} for every block linear of the float model, means over the calibration tokens.
+    sum_ij g_i h_j dW_ij^2 is the Fisher (Kronecker-factored diagonal) estimate of what a change dW of the weight
+    adds to the loss, so the errors of linears in different blocks are on one scale; the input roundings' estimate
+    is the same sum taken token by token, sum_i G_ti^2 (W dx_t)_i^2 with dx_t the rounding's change to the token's
+    input, since their error is largest exactly on the tokens with outlier inputs. One window per forward and
+    backward; no parameter gradient is kept."""
     table = table or architecture_for(model)
     linears = [
         (f"{index}.{path}", block.get_submodule(path))
@@ -109,6 +130,7 @@ def collect_sensitivity(
     ]
     outputs: dict[str, torch.Tensor] = {}
     inputs: dict[str, torch.Tensor] = {}
+    rounded: dict[str, Counter] = {name: Counter() for name, _ in linears}
     tokens: Counter = Counter()
 
     def add(store: dict, name: str, x: torch.Tensor) -> None:
@@ -122,6 +144,17 @@ def collect_sensitivity(
     def watch_output(name: str):
         def hook(module, args, output) -> None:  # returns nothing: the output stays as it is
             output.register_hook(lambda grad: add(outputs, name, grad))
+            x = args[0].detach().float()
+            with torch.no_grad():
+                weight = linear_weight_out_in(module, table).detach().float()
+                # kept until the backward pass in bfloat16: an estimate's precision, half the memory
+                changes = {r: F.linear(x - ROUNDINGS[r](x), weight).bfloat16() for r in int8_roundings(x.shape[-1])}
+            for rounding, change in changes.items():
+                output.register_hook(
+                    lambda grad, rounding=rounding, change=change: rounded[name].update(
+                        {rounding: float((grad.detach().float() * change.float()).square().sum())}
+                    )
+                )
 
         return hook
 
@@ -134,7 +167,14 @@ def collect_sensitivity(
     finally:
         for handle in handles:
             handle.remove()
-    return {name: (outputs[name] / tokens[name], inputs[name] / tokens[name]) for name in inputs}
+    return {
+        name: Sensitivity(
+            outputs[name] / tokens[name],
+            inputs[name] / tokens[name],
+            {rounding: total / tokens[name] for rounding, total in rounded[name].items()},
+        )
+        for name in inputs
+    }
 
 
 def tensors_digest(model: nn.Module) -> str:
@@ -149,7 +189,7 @@ def tensors_digest(model: nn.Module) -> str:
 
 def kept_sensitivity(
     model: nn.Module, batches: torch.Tensor, table: ArchitectureTable | None = None, digest: str | None = None
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+) -> dict[str, Sensitivity]:
     """`collect_sensitivity`, kept in leanlm's cache (`sensitivity/`) under a digest of the model's tensors and the
     windows' token ids: another budget or allocation on the same model and calibration text reads it back instead
     of repeating the backward passes. A cache that cannot be written only costs the next run its passes.
@@ -167,7 +207,15 @@ def kept_sensitivity(
     path = cache_root() / "sensitivity" / f"{key.hexdigest()}.safetensors"
     try:
         kept = load_file(path)
-        return {name: (kept[f"{name}:g"], kept[f"{name}:h"]) for name in dict.fromkeys(k[:-2] for k in kept)}
+        names = dict.fromkeys(entry.rpartition(":")[0] for entry in kept)
+        return {
+            name: Sensitivity(
+                kept[f"{name}:g"],
+                kept[f"{name}:h"],
+                {r: float(kept[f"{name}:{r}"]) for r in INT8_BLOCKS if f"{name}:{r}" in kept},
+            )
+            for name in names
+        }
     except (OSError, SafetensorError):
         pass
     sensitivity = collect_sensitivity(model, batches, table)
@@ -176,9 +224,13 @@ def kept_sensitivity(
         with staged_file(path) as partial:
             save_file(
                 {
-                    f"{name}:{part}": tensor.contiguous()
-                    for name, pair in sensitivity.items()
-                    for part, tensor in zip("gh", pair)
+                    f"{name}:{part}": tensor
+                    for name, entry in sensitivity.items()
+                    for part, tensor in (
+                        ("g", entry.g.contiguous()),
+                        ("h", entry.h.contiguous()),
+                        *((r, torch.tensor(loss, dtype=torch.float64)) for r, loss in entry.inputs.items()),
+                    )
                 },
                 partial,
             )

@@ -33,7 +33,7 @@ from leanlm.settings import option
 SENSITIVITY_WINDOWS = 32  # calibration windows the loss's gradients are measured on (a backward pass each)
 DIVERGENCE_WINDOWS = 1  # calibration windows (after those) a linear's rounding is measured on, for "measured"
 # Part of the key of every kept table of type errors: a change to what `type_error_table` computes must change it.
-TYPE_ERRORS_FORMAT = 1
+TYPE_ERRORS_FORMAT = 2
 
 
 class _SolverChecks:
@@ -112,6 +112,17 @@ def _allocation_option():
     )
 
 
+def _llama_cpp_inputs_option():
+    """RTN's and GPTQ's `llama_cpp_inputs` field (one text for both)."""
+    return option(
+        True,
+        "--allocation fisher / measured: add to each type's error the loss llama.cpp's CPU backend adds by rounding "
+        "the linear's input for it (int8 per 32 values for the blocks of 32, per 256 for the K-quants and IQ4_XS), "
+        "measured on the calibration text",
+        off="rank the types by the weights' rounding alone (for files run elsewhere than llama.cpp's CPU backend)",
+    )
+
+
 def _tensor_types_option():
     """RTN's and GPTQ's `tensor_types` field (one text for both)."""
     return option(
@@ -159,6 +170,7 @@ class RTNConfig(_SolverChecks):
     target_bits: float | None = _target_bits_option()
     size_of: str | None = _size_of_option()
     allocation: str = _allocation_option()
+    llama_cpp_inputs: bool = _llama_cpp_inputs_option()
     tensor_types: tuple[str, ...] = _tensor_types_option()
 
     def __post_init__(self):
@@ -211,6 +223,7 @@ class GPTQConfig(_SolverChecks):
     target_bits: float | None = _target_bits_option()
     size_of: str | None = _size_of_option()
     allocation: str = _allocation_option()
+    llama_cpp_inputs: bool = _llama_cpp_inputs_option()
     tensor_types: tuple[str, ...] = _tensor_types_option()
 
     def solver(self) -> SolverSettings:
@@ -323,7 +336,19 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     # RTN reads no data, but for its importance matrix or a budget
     reads_text = settings.error_feedback or importance_only or target is not None
     data = run.data(config).batches(samples) if reads_text else None
-    budget = _fisher_types(model, table, fixed, target, data, measured=allocation == "measured") if whole_model else {}
+    budget = (
+        _fisher_types(
+            model,
+            table,
+            fixed,
+            target,
+            data,
+            measured=allocation == "measured",
+            inputs=getattr(config, "llama_cpp_inputs", False),
+        )
+        if whole_model
+        else {}
+    )
 
     def block_types(index: int, block: nn.Module) -> dict[str, str | None]:
         """Each linear's block type: the user's, the whole model's budget, the block's budget (bits moved between
@@ -377,6 +402,7 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
             "size_of": None if recipe is None else recipe.recipe,
             "gguf_table_types": None if recipe is None else recipe.tables,
             "allocation": allocation if target is not None else None,
+            "llama_cpp_inputs": getattr(config, "llama_cpp_inputs", False) if whole_model else None,
             "tensor_types": mapped or None,
             "imatrix": importance_only,
             "imatrix_file": getattr(config, "imatrix_file", None),
@@ -397,11 +423,18 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
 
 
 def _fisher_types(
-    model: nn.Module, table, fixed: dict[str, str], target: float, windows, measured: bool = False
+    model: nn.Module,
+    table,
+    fixed: dict[str, str],
+    target: float,
+    windows,
+    measured: bool = False,
+    inputs: bool = False,
 ) -> dict[str, str]:
     """{BLOCK.PATH: type} spending `target` bits per weight over the whole float model, each type ranked by its
-    Fisher-weighted error (`bit_allocation`), rescaled per linear by a measured output divergence if `measured`;
-    `fixed` entries keep the user's type."""
+    Fisher-weighted error (`bit_allocation`), rescaled per linear by a measured output divergence if `measured`,
+    plus (`inputs`) the estimated loss of llama.cpp's rounding of the linear's input for that type; `fixed`
+    entries keep the user's type."""
     from leanlm.methods.calibration import kept_sensitivity, kept_type_errors, output_divergence, tensors_digest
 
     digest = tensors_digest(model)
@@ -441,10 +474,11 @@ def _fisher_types(
         weights,
         fixed,
         target,
-        lambda name: sensitivity[name][1],
-        lambda name: sensitivity[name][0],
+        lambda name: sensitivity[name].h,
+        lambda name: sensitivity[name].g,
         measure,
         keep=lambda names, measure_names: kept_type_errors(key.hexdigest(), names, measure_names),
+        input_errors=(lambda name: sensitivity[name].inputs) if inputs else (lambda name: {}),
     )
 
 
