@@ -71,9 +71,12 @@ def test_a_weight_fitted_a_few_rows_at_a_time_is_the_weight_fitted_at_once(name,
     codes = codes_for(kind, weight, statistics)
     monkeypatch.setattr(gguf_blocks, "FIT_WEIGHTS", 3 * weight.shape[1])  # rows 3, 3 and 1
     chunked = fit_statistics(kind, weight, importance)
-    for field in ("d", "dmin", "scales", "mins"):
-        ours, whole = getattr(chunked, field), getattr(statistics, field)
-        assert (ours is None and whole is None) or torch.equal(ours, whole)
+    # the importance as GPTQ passes it: the diagonal of a Hessian, a strided view
+    from_hessian = fit_statistics(kind, weight, torch.diag(importance).diagonal())
+    for fitted in (chunked, from_hessian):
+        for field in ("d", "dmin", "scales", "mins"):
+            ours, whole = getattr(fitted, field), getattr(statistics, field)
+            assert (ours is None and whole is None) or torch.equal(ours, whole)
     assert torch.equal(codes_for(kind, weight, statistics), codes)
 
 

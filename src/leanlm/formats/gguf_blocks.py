@@ -473,6 +473,8 @@ def fit_statistics(kind: BlockType, weight: torch.Tensor, importance: torch.Tens
     per column (the Hessian's diagonal, an importance matrix) for the sub-block search, else all alike. Each row's
     are its own: the rows are fitted a few at a time."""
     chunks = row_slices(weight.shape[0], weight.shape[1], FIT_WEIGHTS)
+    if importance is not None:  # a Hessian's diagonal is a view a whole row apart: every pass would stride over H
+        importance = importance.float().contiguous()
     return _joined([_fit_rows(kind, weight[rows], importance) for rows in chunks])
 
 

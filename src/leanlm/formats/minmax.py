@@ -57,7 +57,7 @@ def search_symmetric(
     alike. Slices are searched SEARCH_WEIGHTS weights at a time along the first dimension where the weights do
     not vary along it."""
     half = 2 ** (bits - 1)
-    weights = torch.ones(x.shape[-1]) if importance is None else importance.float()
+    weights = torch.ones(x.shape[-1]) if importance is None else importance.float().contiguous()
     slices = [slice(None)]
     if x.dim() > 1 and weights.dim() < x.dim():
         slices = row_slices(x.shape[0], x.numel() // max(x.shape[0], 1), SEARCH_WEIGHTS)
