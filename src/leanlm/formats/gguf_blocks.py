@@ -420,10 +420,12 @@ def _affine_search(x: torch.Tensor, weights: torch.Tensor, top: int, nonpositive
             - x
         ).square()
     ).sum(-1)
+    sw, sx = weights.sum(-1).expand_as(low), (weights * x).sum(-1)  # the same for every candidate
+    shifted = x - low[..., None]
     for step in range(-steps, steps + 1):
-        q = torch.clamp(torch.round((x - low[..., None]) * ((top + 0.1 * step) / span)[..., None]), 0, top)
-        sw, sq, sqq = weights.sum(-1).expand_as(low), (weights * q).sum(-1), (weights * q * q).sum(-1)
-        sx, sqx = (weights * x).sum(-1), (weights * q * x).sum(-1)
+        q = torch.round(shifted * ((top + 0.1 * step) / span)[..., None]).clamp_(0, top)
+        weighted = weights * q
+        sq, sqq, sqx = weighted.sum(-1), (weighted * q).sum(-1), weighted.mul_(x).sum(-1)
         det = sw * sqq - sq * sq
         solvable = det > 0
         safe = torch.where(solvable, det, 1.0)
@@ -434,7 +436,7 @@ def _affine_search(x: torch.Tensor, weights: torch.Tensor, top: int, nonpositive
             a = torch.where(clipped, sqx / torch.where(sqq > 0, sqq, 1.0), a)
             b = torch.where(clipped, torch.zeros_like(b), b)
         a = a.clamp(min=0)
-        error = (weights * (a[..., None] * q + b[..., None] - x).square()).sum(-1)
+        error = q.mul_(a[..., None]).add_(b[..., None]).sub_(x).square_().mul_(weights).sum(-1)  # q is done with
         better = error < best_error
         best_a, best_b, best_error = (
             torch.where(better, new, old) for new, old in ((a, best_a), (b, best_b), (error, best_error))
