@@ -411,17 +411,15 @@ def _affine_search(x: torch.Tensor, weights: torch.Tensor, top: int, nonpositive
         low = low.clamp(max=0)
     span = x.amax(dim=-1) - low
     span = torch.where(span > 0, span, 1.0)
+    shifted = x - low[..., None]
     best_a, best_b = span / top, low
     best_error = (
         weights
         * (
-            best_a[..., None] * torch.clamp(torch.round((x - low[..., None]) / best_a[..., None]), 0, top)
-            + low[..., None]
-            - x
+            best_a[..., None] * torch.clamp(torch.round(shifted / best_a[..., None]), 0, top) + low[..., None] - x
         ).square()
     ).sum(-1)
     sw, sx = weights.sum(-1).expand_as(low), (weights * x).sum(-1)  # the same for every candidate
-    shifted = x - low[..., None]
     for step in range(-steps, steps + 1):
         q = torch.round(shifted * ((top + 0.1 * step) / span)[..., None]).clamp_(0, top)
         weighted = weights * q
@@ -436,7 +434,7 @@ def _affine_search(x: torch.Tensor, weights: torch.Tensor, top: int, nonpositive
             a = torch.where(clipped, sqx / torch.where(sqq > 0, sqq, 1.0), a)
             b = torch.where(clipped, torch.zeros_like(b), b)
         a = a.clamp(min=0)
-        error = q.mul_(a[..., None]).add_(b[..., None]).sub_(x).square_().mul_(weights).sum(-1)  # q is done with
+        error = q.mul_(a[..., None]).add_(b[..., None]).sub_(x).square_().mul_(weights).sum(-1)  # q, in place
         better = error < best_error
         best_a, best_b, best_error = (
             torch.where(better, new, old) for new, old in ((a, best_a), (b, best_b), (error, best_error))
