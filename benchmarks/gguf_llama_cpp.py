@@ -31,7 +31,10 @@ Hessian shrunk by half on each of Q3_K-Q6_K (`--gguf-type`); and leanlm GPTQ wit
 llama.cpp's Q3_K_M, IQ4_XS, Q4_K_M and Q5_K_M files (`--size-of`: the bits per weight of the block linears of the
 smaller of llama.cpp's two files of that type, checked against the files themselves), so that leanlm's file is
 never larger: the token embedding and output head of a mix take the types they have in that llama.cpp file
-(rounded to nearest at export), and leanlm scores the mix with them rounded so. In the other leanlm rows the tensors that are not block linears take
+(rounded to nearest at export), and leanlm scores the mix with them rounded so. The speed-kept mixes also keep
+llama.cpp's decode time to its file's (`--decode-costs`), by the costs the type-speed part measures on this CPU:
+llama.cpp's decode speed on files that store every block linear as one type, each beside the all-Q4_K file
+(`--only type_speed`, before the speed-kept rows). In the other leanlm rows the tensors that are not block linears take
 the type llama.cpp's Q4_0 gives them on SmolLM2 and Gemma (token_embd Q8_0, norms F32), so files of one block
 type have the same size there. SmolLM2's weights are de-quantized Q4_1 (asymmetric groups of 32): Q4_0's symmetric
 grid does not contain them, so every Q4_0 row re-rounds.
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import shutil
 import time
@@ -69,9 +73,10 @@ from leanlm.evaluation.perplexity import perplexity_windows, windows_perplexity 
 from leanlm.export import export_gguf  # noqa: E402
 from leanlm.export.to_gguf import source_gguf, table_blocks  # noqa: E402
 from leanlm.formats.ggml_inputs import INPUT_ROUNDING  # noqa: E402
+from leanlm.formats.gguf_blocks import BLOCK_TYPES  # noqa: E402
 from leanlm.formats.gguf_blocks import dequantize as blocks_dequantized  # noqa: E402
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, quantize_, save_quantized  # noqa: E402
-from leanlm.methods.bit_allocation import recipe_budget  # noqa: E402
+from leanlm.methods.bit_allocation import CANDIDATES, recipe_budget, recipe_rows  # noqa: E402
 from leanlm.methods.calibration import collect_importance  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
@@ -134,6 +139,10 @@ def rows(calibration_samples: int) -> dict:
                 allocation,
             )
             for allocation in ("fisher", "measured")
+            for kind in ("q3_k_m", "iq4_xs", "q4_k_m", "q5_k_m")
+        },
+        **{
+            f"leanlm GPTQ speed-kept mix, size of {kind.upper()}": ("mix", kind, "fisher", "speed")
             for kind in ("q3_k_m", "iq4_xs", "q4_k_m", "q5_k_m")
         },
     }
@@ -317,6 +326,41 @@ def report(payload: dict) -> str:
         + _pareto_text(table)
         + _shipped_text(payload)
         + _decode_text(payload)
+        + _type_speed_text(payload)
+    )
+
+
+def _type_speed_text(payload: dict) -> str:
+    rows = payload.get("type_speed", {})
+    if not rows:
+        return ""
+    lines = [
+        [
+            kind.upper(),
+            f"{value['tokens_per_second']:.1f}",
+            f"{value['reference_tokens_per_second']:.1f}",
+            f"{value['relative_time']:.3f}",
+            " / ".join(f"{load:.1f}" for load in value["load_average"]),
+            measured_on(payload, f"type_speed/{kind}") or "not recorded",
+        ]
+        for kind, value in rows.items()
+    ]
+    return (
+        f"\n\nllama.cpp's decode speed with every block linear of one type (llama.cpp's own rounding; token "
+        f"embedding and output head Q8_0), each beside the all-{SPEED_REFERENCE.upper()} file: the decode costs "
+        "of the speed-kept mixes (`--decode-costs`)\n\n"
+        + format_table(
+            [
+                "block type",
+                "tokens/s",
+                f"{SPEED_REFERENCE.upper()} tokens/s",
+                f"time / {SPEED_REFERENCE.upper()}'s",
+                "load (1/5/15 min)",
+                "CPU",
+            ],
+            lines,
+            markdown=True,
+        )
     )
 
 
@@ -364,6 +408,8 @@ def _system(name: str) -> str:
     if name.startswith("llama.cpp"):
         return "llama.cpp + imatrix" if "imatrix" in name else "llama.cpp"
     if name.startswith("leanlm"):
+        if "speed-kept" in name:
+            return "leanlm GPTQ, budget and decode time"
         if "mix" in name:
             return "leanlm GPTQ, measured budget" if "measured" in name else "leanlm GPTQ, budget"
         return f"leanlm {name.split()[1]}{name.partition(',')[2]}"
@@ -460,6 +506,7 @@ def main() -> None:
             importance.update(importance_matrix(loaded.model, calibration.batches()))
         return quantize_gguf(float_file, path, kind, threads=args.threads, importance=importance if weighted else None)
 
+    measure_type_speed(study, work, float_file, loaded.model, windows[0], args)
     measured = set()  # the rows whose files this run made
     for row in study.todo("rows", recipes):
         recipe = recipes[row]
@@ -475,11 +522,18 @@ def main() -> None:
                 references.append(reference if reference.exists() else llama_cpp_file(reference, recipe[1], weighted))
             check_recipe(budget, references, getattr(loaded.model.config, "tie_word_embeddings", False))
             tables = budget.tables
+            costs = None
+            if recipe[3:] == ("speed",):  # the type-speed part's decode times, which the mix's must not exceed
+                if not decode_costs(study.payload):
+                    raise SystemExit(f"{row}: measure the type_speed part first (--only type_speed)")
+                costs = work / "decode_costs.json"
+                costs.write_text(json.dumps(decode_costs(study.payload)))
             recipe = GPTQConfig(
                 size_of=recipe[1],
                 allocation=recipe[2],
                 hessian_shrinkage=0.5,
                 calibration_samples=args.calib_samples,
+                decode_costs=None if costs is None else str(costs),
             )
         with peak_memory() as memory:
             ours = None
@@ -500,6 +554,8 @@ def main() -> None:
                 path = _export(loaded, model, record, row_file(work, row).with_suffix(""), tables)
                 round_tables_(model, tables)
                 ours = {"quantize_seconds": seconds, **leanlm_perplexity(model, path, embedding_q8_0=not tables)}
+                if record.get("decode_cost") is not None:  # the mix's decode time over its recipe's, by the costs
+                    ours["decode_cost"] = record["decode_cost"]
                 del model
         engine = LlamaCpp(path, context=args.seq_len, threads=args.threads)
         scored = engine.perplexity(windows)
@@ -567,6 +623,55 @@ def _shipped_text(payload: dict) -> str:
 
 
 DECODE_PROMPT, DECODE_STEPS = 8, 128  # tokens read in one batch, then decoded one at a time
+SPEED_REFERENCE = "q4_k"  # the block type every other type's decode time is a ratio to
+
+
+def speed_types(model) -> list[str]:
+    """The candidate block types that tile every block linear's rows of `model` (those a file can give them all)."""
+    rows, _, _ = recipe_rows(model)
+    linears = [length for name, length in rows.items() if name not in ("token_embd", "output")]
+    return [kind for kind in CANDIDATES if all(length % BLOCK_TYPES[kind].block == 0 for length in linears)]
+
+
+def pure_file(work: Path, kind: str) -> Path:
+    return work / f"llama.cpp_all_{kind}.gguf"
+
+
+def measure_type_speed(study: Study, work: Path, float_file: Path, model, ids: list[int], args) -> None:
+    """llama.cpp's decode time of files that store every block linear as one block type (llama.cpp's own RTN of
+    the F32 file, the token embedding and output head Q8_0 in all), each timed beside the SPEED_REFERENCE file
+    (interleaved rounds, medians): the decode costs a mix's allocation keeps to its recipe's (`--decode-costs`)."""
+    kinds = speed_types(model)
+    if SPEED_REFERENCE not in kinds:
+        return
+    tokens = ids[: DECODE_PROMPT + DECODE_STEPS]
+    for kind in study.todo("type_speed", kinds):
+        paths = {}
+        for name in dict.fromkeys((SPEED_REFERENCE, kind)):
+            paths[name] = pure_file(work, name)
+            if not paths[name].exists():
+                quantize_gguf(float_file, paths[name], name, threads=args.threads, pure=True, tables="q8_0")
+        engines = {name: LlamaCpp(path, context=args.seq_len, threads=args.threads) for name, path in paths.items()}
+        timings = time_interleaved(
+            {name: (lambda engine=engine: engine.decode(tokens, DECODE_PROMPT)) for name, engine in engines.items()},
+            repeats=args.decode_rounds,
+        )
+        del engines
+        if kind != SPEED_REFERENCE:
+            paths[kind].unlink()
+        value = {
+            "tokens_per_second": DECODE_STEPS / timings[kind].median,
+            "reference_tokens_per_second": DECODE_STEPS / timings[SPEED_REFERENCE].median,
+            "rounds": timings[kind].repeats,
+            "relative_time": timings[kind].median / timings[SPEED_REFERENCE].median,
+            "load_average": list(os.getloadavg()),
+        }
+        study.record("type_speed", kind, value, summary=lambda v: f"decode time / Q4_K's {v['relative_time']:.3f}")
+
+
+def decode_costs(payload: dict) -> dict[str, float]:
+    """{block type: decode time relative to SPEED_REFERENCE's} of the types the type-speed part measured."""
+    return {kind: value["relative_time"] for kind, value in payload.get("type_speed", {}).items()}
 
 
 def decode_pairs(table: dict) -> dict[str, tuple[str, str]]:

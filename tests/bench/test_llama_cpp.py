@@ -1,5 +1,6 @@
 """llama.cpp's input rounding, emulated: each linear of a GGUF file is paired with the rounding llama.cpp's CPU
-matmul gives its stored type, and the rounding is gone once the context ends."""
+matmul gives its stored type, and the rounding is gone once the context ends; the bindings' quantizer is asked only
+for the file types it makes."""
 
 import pytest
 import torch
@@ -55,3 +56,15 @@ def test_a_type_without_a_known_rounding_is_refused():
     model = torch.nn.Sequential(torch.nn.Linear(32, 32))
     with pytest.raises(ConfigError, match="iq2_xxs"), llama_cpp_inputs(model, {"0": "iq2_xxs"}):
         pass
+
+
+def test_a_file_of_one_block_type_names_a_type_the_bindings_make_every_linear():
+    from leanlm.bench.llama_cpp import PURE_FILE_TYPE, QUANTIZE_TYPES, quantize_gguf
+    from leanlm.methods.bit_allocation import CANDIDATES
+
+    assert set(CANDIDATES) <= set(PURE_FILE_TYPE)  # every type a budget chooses can be timed on its own
+    assert set(PURE_FILE_TYPE.values()) <= set(QUANTIZE_TYPES)
+    with pytest.raises(ValueError, match="got 'q4_k'"):
+        quantize_gguf("in.gguf", "out.gguf", "q4_k")  # a block type, not a file type, without pure
+    with pytest.raises(ValueError, match="got 'q4_k_m'"):
+        quantize_gguf("in.gguf", "out.gguf", "q4_k_m", pure=True)

@@ -390,3 +390,72 @@ def test_size_of_and_target_bits_are_one_or_the_other():
         RTNConfig(target_bits=5.0, size_of="q4_k_m")
     with pytest.raises(ConfigError, match="must be one of"):
         GPTQConfig(size_of="q4_k_x")
+
+
+def test_decode_costs_keep_the_summed_time_and_choose_only_the_types_they_name():
+    sizes = {"a": 1000, "b": 1000}
+    errors = {
+        "a": {"q4_1": 1.0, "q4_k": 3.0, "q6_k": 0.5},
+        "b": {"q4_1": 1.0, "q4_k": 3.0, "q6_k": 0.5},
+    }
+    assert allocate(errors, sizes, target_bits=5.0) == {"a": "q4_1", "b": "q4_1"}
+    costs = {"q4_1": 2.0, "q4_k": 1.0, "q6_k": 1.5}
+    # the recipe's q4_k on both costs 2000: one q4_1 (2.0) needs the other's q4_k's saving and then some
+    assert allocate(errors, sizes, 5.0, costs, cost_limit=2000.0) == {"a": "q4_k", "b": "q4_k"}
+    slower = allocate(errors, sizes, 5.0, costs, cost_limit=3000.0)
+    assert sorted(slower.values()) == ["q4_1", "q4_k"]
+    assert sum(costs[t] * sizes[n] for n, t in slower.items()) <= 3000.0
+    assert allocate(errors, sizes, 5.0, costs, cost_limit=1e9) == {"a": "q4_1", "b": "q4_1"}
+    # a type without a cost is never chosen
+    assert set(allocate(errors, sizes, 8.0, {"q4_k": 1.0, "q4_1": 1.0}, cost_limit=1e9).values()) == {"q4_1"}
+
+
+def test_decode_costs_are_a_type_map_or_the_benchmarks_results_and_need_size_of(tmp_path):
+    from leanlm.methods.bit_allocation import read_decode_costs
+
+    plain = tmp_path / "costs.json"
+    plain.write_text(json.dumps({"Q4_K": 1.0, "q4_1": 1.3}))
+    assert read_decode_costs(str(plain)) == {"q4_k": 1.0, "q4_1": 1.3}
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"type_speed": {"q4_k": {"relative_time": 1.0}, "q8_0": {"relative_time": 1.4}}}))
+    assert read_decode_costs(str(results)) == {"q4_k": 1.0, "q8_0": 1.4}
+    for text, reason in (
+        ("[1, 2]", "expected a JSON object"),
+        ('{"q4_k": -1}', "must be a positive number"),
+        ('{"q4_k": true}', "must be a positive number"),
+        ('{"q9_z": 1}', "q9_z"),
+        ("{", "not a readable JSON file"),
+    ):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=reason):
+            GPTQConfig(size_of="q4_k_m", decode_costs=str(bad))
+    with pytest.raises(ConfigError, match="give --size-of with it"):
+        RTNConfig(target_bits=5.0, decode_costs=str(plain))
+    with pytest.raises(ConfigError, match="--allocation fisher or measured"):
+        GPTQConfig(size_of="q4_k_m", allocation="block", decode_costs=str(plain))
+
+
+def test_a_mix_kept_to_its_recipes_decode_cost_spends_its_bits_and_records_the_cost(tmp_path):
+    """`--size-of q4_k_m --decode-costs`: the mix stays within Q4_K_M's bits and, by the costs given, within its
+    recipe's decode time; a recipe type the costs lack is named."""
+    from leanlm.methods.bit_allocation import recipe_budget
+
+    model = tiny_model("llama", vocab_size=258, width=256, layers=2)
+    budget = recipe_budget(model, "q4_k_m")
+    costs = {"q4_k": 1.0, "q5_k": 1.2, "q6_k": 1.3, "q8_0": 3.0, "q4_1": 3.0}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(costs))
+    calibration = Calibration(token_ids=token_ids(4, 32, seed=1, vocab_size=258))
+    record = quantize_(model, RTNConfig(size_of="q4_k_m", decode_costs=str(path)), calibration=calibration)
+    assert record["avg_bits"] <= budget.bits and record["decode_costs"] == costs
+    assert 0 < record["decode_cost"] <= 1.0
+    used = {kind for kind in record["tensor_types"].values()}
+    assert used <= set(costs)
+    path.write_text(json.dumps({"q4_k": 1.0}))
+    with pytest.raises(ConfigError, match="no cost for q6_k"):
+        quantize_(
+            tiny_model("llama", vocab_size=258, width=256, layers=2),
+            GPTQConfig(size_of="q4_k_m", decode_costs=str(path)),
+            calibration=calibration,
+        )

@@ -31,7 +31,11 @@ from leanlm.errors import ConfigError
 from leanlm.formats.ggml_inputs import INPUT_ROUNDING, ROUNDINGS
 
 INSTALL = "pip install llama-cpp-python==0.3.36 (or the `llama` extra; it compiles llama.cpp, 15-35 min on 2 cores)"
-QUANTIZE_TYPES = ("q4_0", "q4_1", "q8_0", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k", "iq4_xs")
+QUANTIZE_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k", "iq4_xs", "iq4_nl")
+# The file type whose recipe stores its block linears in each block type (what `quantize_gguf(..., pure=True)` uses)
+PURE_FILE_TYPE = {"q3_k": "q3_k_m", "q4_k": "q4_k_m", "q5_k": "q5_k_m"} | {
+    kind: kind for kind in QUANTIZE_TYPES if not kind.endswith("_m")
+}
 
 
 def llama_cpp_module():
@@ -164,17 +168,26 @@ def quantize_gguf(
     *,
     threads: int = 2,
     importance: dict[str, np.ndarray] | None = None,
+    pure: bool = False,
+    tables: str | None = None,
 ) -> Path:
-    """llama.cpp's own quantization of the GGUF `source` to `kind` (one of QUANTIZE_TYPES), optionally weighted by
-    an importance matrix {GGUF tensor name: (input columns,) mean squared activation}; written atomically."""
+    """llama.cpp's own quantization of the GGUF `source` to `kind` (one of QUANTIZE_TYPES; with `pure`, a block type
+    of PURE_FILE_TYPE given to every quantized tensor instead of the file type's recipe), optionally weighted by an
+    importance matrix {GGUF tensor name: (input columns,) mean squared activation}, the token embedding and output
+    head stored as block type `tables` if given; written atomically."""
+    file_type = PURE_FILE_TYPE.get(kind) if pure else kind if kind in QUANTIZE_TYPES else None
+    if file_type is None:
+        known = PURE_FILE_TYPE if pure else QUANTIZE_TYPES
+        raise ValueError(f"kind must be one of {', '.join(known)}, got {kind!r}")
     llama_cpp = llama_cpp_module()
-    if kind not in QUANTIZE_TYPES:
-        raise ValueError(f"kind must be one of {', '.join(QUANTIZE_TYPES)}, got {kind!r}")
     out = Path(out)
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = threads
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind.upper()}")
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type.upper()}")
+    params.pure = pure
+    if tables is not None:
+        params.token_embedding_type = params.output_tensor_type = getattr(llama_cpp, f"GGML_TYPE_{tables.upper()}")
     keep_alive = []  # the C side reads these arrays during the call
     if importance:
         entries = (llama_cpp.llama_cpp.llama_model_imatrix_data * (len(importance) + 1))()  # NULL-terminated

@@ -17,7 +17,10 @@ each column (llama.cpp's importance matrix) and g:
   against Q and K, down against gate and up); it needs no backward pass and runs on streamed (out-of-core) models.
 For a budget B, every linear takes the type that minimises error + lambda * bits, with lambda the smallest at
 which the stored bits fit B (the Lagrangian of the knapsack; a type is a candidate only where a row is a whole
-number of its blocks).
+number of its blocks). Given decode costs (each type's decode time per weight in llama.cpp on one CPU, measured by
+benchmarks/gguf_llama_cpp.py's type-speed part), the choice also keeps the summed cost of the linears at most a
+limit (the cost of llama.cpp's recipe at that size): error + lambda * bits + mu * cost, mu the smallest that keeps
+the limit, only the types with a cost as candidates.
 """
 
 from __future__ import annotations
@@ -60,6 +63,26 @@ def _entries(spec: str) -> list[str]:
     if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
         raise ConfigError(f"tensor types {spec}: expected a JSON object of pattern: type")
     return [f"{pattern}={name}" for pattern, name in mapping.items()]
+
+
+def read_decode_costs(spec: str) -> dict[str, float]:
+    """{block type: decode time per weight, in any one unit} from the JSON file `spec`: an object of type: number,
+    or the results of benchmarks/gguf_llama_cpp.py (its type-speed part's relative times); a ConfigError naming
+    what is wrong."""
+    path = Path(spec).expanduser()
+    try:
+        costs = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"decode costs {spec}: not a readable JSON file ({error})") from None
+    if isinstance(costs, dict) and isinstance(costs.get("type_speed"), dict):
+        costs = {kind: value.get("relative_time") for kind, value in costs["type_speed"].items()}
+    if not isinstance(costs, dict) or not costs:
+        raise ConfigError(f"decode costs {spec}: expected a JSON object of block type: decode time per weight")
+    for kind, cost in costs.items():
+        block_type(kind.lower())
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not cost > 0:
+            raise ConfigError(f"decode costs {spec}: the cost of {kind} must be a positive number, got {cost!r}")
+    return {kind.lower(): float(cost) for kind, cost in costs.items()}
 
 
 def parse_tensor_types(specs: tuple[str, ...]) -> list[tuple[re.Pattern, str]]:
@@ -149,11 +172,13 @@ def budget_types(
     measure: Callable[[str, torch.Tensor], float] | None = None,
     keep: Callable[[list[str], Callable[[list[str]], dict]], dict] | None = None,
     input_errors: Callable[[str], dict[str, float]] = lambda name: {},
+    speed: tuple[dict[str, float], float] | None = None,
 ) -> dict[str, str]:
     """{name: type} spending at most `target_bits` per weight over `weights` ({name: (out, in) weight}): the
     `fixed` names keep their type, the others' candidates are ranked by `type_error_table`. `keep(names,
     measure_names)`: the errors of `names`, those a cache holds read back and the rest measured by
-    `measure_names(missing)`; None measures them all."""
+    `measure_names(missing)`; None measures them all. `speed`: (decode cost per weight of each type, the most
+    the linears may cost in all), as `allocate` takes them."""
     free = [name for name in weights if name not in fixed]
 
     def measure_names(names: list[str]) -> dict[str, dict[str, float]]:
@@ -162,7 +187,10 @@ def budget_types(
     errors = keep(free, measure_names) if keep is not None else measure_names(free)
     errors = {name: with_input_errors(errors[name], input_errors(name)) for name in free}
     errors.update({name: {fixed[name]: 0.0} for name in weights if name in fixed})
-    return allocate(errors, {name: weight.numel() for name, weight in weights.items()}, target_bits)
+    sizes = {name: weight.numel() for name, weight in weights.items()}
+    if speed is None:
+        return allocate(errors, sizes, target_bits)
+    return allocate(errors, sizes, target_bits, *speed)
 
 
 def with_input_errors(errors: dict[str, float], inputs: dict[str, float]) -> dict[str, float]:
@@ -198,41 +226,101 @@ def type_error_table(
     return errors
 
 
-def allocate(errors: dict[str, dict[str, float]], sizes: dict[str, int], target_bits: float) -> dict[str, str]:
+def allocate(
+    errors: dict[str, dict[str, float]],
+    sizes: dict[str, int],
+    target_bits: float,
+    costs: dict[str, float] | None = None,
+    cost_limit: float | None = None,
+) -> dict[str, str]:
     """{tensor: type} minimising the summed error with at most `target_bits` per weight over `sizes` (weights per
-    tensor); `errors`: each tensor's candidates and their errors. Bisection on lambda; the result never exceeds
-    the budget (the cheapest choice is taken where nothing fits)."""
+    tensor); `errors`: each tensor's candidates and their errors. With `costs` ({type: decode cost per weight}),
+    only the types they name are candidates and the summed cost stays at most `cost_limit` where a choice can keep
+    it. Bisection on lambda (and on mu, the price of cost, outside it; then, tensor by tensor in order of error
+    saved per cost, the types of the highest price that breaks the limit wherever both limits still hold); the result
+    never exceeds the budget (the cheapest choice is taken where nothing fits)."""
     total = sum(sizes.values())
+    if costs is not None:
+        errors = {
+            tensor: {t: e for t, e in options.items() if t in costs} or options for tensor, options in errors.items()
+        }
 
-    def choice(penalty: float) -> dict[str, str]:
+    def choice(penalty: float, price: float = 0.0) -> dict[str, str]:
         return {
-            tensor: min(options, key=lambda t: options[t] + penalty * BLOCK_TYPES[t].bits_per_weight * sizes[tensor])
+            tensor: min(
+                options,
+                key=lambda t: (
+                    options[t]
+                    + penalty * BLOCK_TYPES[t].bits_per_weight * sizes[tensor]
+                    + (price * costs.get(t, 0.0) * sizes[tensor] if price else 0.0)
+                ),
+            )
             for tensor, options in errors.items()
         }
 
     def bits(chosen: dict[str, str]) -> float:
         return sum(BLOCK_TYPES[t].bits_per_weight * sizes[tensor] for tensor, t in chosen.items()) / total
 
+    def cost(chosen: dict[str, str]) -> float:
+        return sum(costs.get(t, 0.0) * sizes[tensor] for tensor, t in chosen.items())
+
+    def within_bits(price: float) -> dict[str, str]:
+        low, high = 0.0, 1.0
+        while bits(choice(high, price)) > target_bits and high < 1e30:
+            high *= 10
+        if bits(choice(0.0, price)) <= target_bits:
+            return choice(0.0, price)
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (middle, high) if bits(choice(middle, price)) > target_bits else (low, middle)
+        return choice(high, price)
+
+    chosen = within_bits(0.0)
+    if costs is None or cost_limit is None or cost(chosen) <= cost_limit:
+        return chosen
     low, high = 0.0, 1.0
-    while bits(choice(high)) > target_bits and high < 1e30:
+    while cost(within_bits(high)) > cost_limit and high < 1e30:
         high *= 10
-    if bits(choice(0.0)) <= target_bits:
-        return choice(0.0)
-    for _ in range(60):
+    for _ in range(40):
         middle = (low + high) / 2
-        low, high = (middle, high) if bits(choice(middle)) > target_bits else (low, middle)
-    return choice(high)
+        low, high = (middle, high) if cost(within_bits(middle)) > cost_limit else (low, middle)
+    chosen, wanted = within_bits(high), within_bits(low)
+    # tensors alike switch at one price together: take the cheaper price's types one by one where both limits allow
+    gains = {
+        tensor: (errors[tensor][chosen[tensor]] - errors[tensor][kind])
+        / max(costs.get(kind, 0.0) - costs.get(chosen[tensor], 0.0), 1e-12)
+        for tensor, kind in wanted.items()
+        if kind != chosen[tensor]
+    }
+    for tensor in sorted(gains, key=gains.get, reverse=True):
+        trial = {**chosen, tensor: wanted[tensor]}
+        if bits(trial) <= target_bits and cost(trial) <= cost_limit:
+            chosen = trial
+    return chosen
 
 
 @dataclass(frozen=True)
 class RecipeBudget:
     """What llama.cpp's file of one type (`--size-of`) spends on a model: `bits` per weight in the block linears
     (the smaller of its plain and importance-matrix recipes) and the types it gives the token embedding and the
-    output head (`tables`: {"token_embd": type, "output": type}, no "output" for a tied head)."""
+    output head (`tables`: {"token_embd": type, "output": type}, no "output" for a tied head); `linears`: {GGUF
+    name: (type, weights)} of its block linears."""
 
     recipe: str
     bits: float
     tables: dict[str, str]
+    linears: dict[str, tuple[str, int]]
+
+    def decode_cost(self, costs: dict[str, float]) -> float:
+        """The summed decode cost of the recipe's block linears (`costs`: {type: cost per weight}); a ConfigError
+        naming a type of the recipe that `costs` lacks."""
+        missing = sorted({kind for kind, _ in self.linears.values() if kind not in costs})
+        if missing:
+            raise ConfigError(
+                f"the decode costs give no cost for {', '.join(missing)}, which llama.cpp's {self.recipe.upper()} "
+                "file gives this model's linears"
+            )
+        return sum(costs[kind] * size for kind, size in self.linears.values())
 
 
 def recipe_rows(model: nn.Module) -> tuple[dict[str, int], dict[str, int], float]:
@@ -274,4 +362,4 @@ def budget_of(recipe: str, rows: dict[str, int], sizes: dict[str, int], gqa: flo
     both = [llama_cpp_recipes.recipe_types(recipe, rows, gqa, importance) for importance in (False, True)]
     types = min(both, key=bits)
     tables = {name: types[name] for name in ("token_embd", "output") if name in types}
-    return RecipeBudget(recipe, bits(types), tables)
+    return RecipeBudget(recipe, bits(types), tables, {name: (types[name], size) for name, size in sizes.items()})

@@ -55,6 +55,15 @@ class _SolverChecks:
         allocation = getattr(self, "allocation", bit_allocation.ALLOCATIONS[0])
         if allocation not in bit_allocation.ALLOCATIONS:
             raise ConfigError(f"allocation must be one of {', '.join(bit_allocation.ALLOCATIONS)}, got {allocation!r}")
+        costs = getattr(self, "decode_costs", None)
+        if costs is not None:
+            if size_of is None:
+                raise ConfigError(
+                    "--decode-costs keeps the decode time of llama.cpp's file of one type: give --size-of with it"
+                )
+            if allocation == "block":
+                raise ConfigError("--decode-costs needs --allocation fisher or measured (one budget for the model)")
+            bit_allocation.read_decode_costs(costs)
 
 
 def _scale_search_option():
@@ -123,6 +132,17 @@ def _llama_cpp_inputs_option():
     )
 
 
+def _decode_costs_option():
+    """RTN's and GPTQ's `decode_costs` field (one text for both)."""
+    return option(
+        None,
+        "with --size-of: a JSON file of each block type's llama.cpp decode time per weight on the CPU the file is "
+        "for ({type: time}, or benchmarks/gguf_llama_cpp.py's results); only those types are chosen, and the mix's "
+        "summed time stays at most that of llama.cpp's file",
+        none_word="none",
+    )
+
+
 def _tensor_types_option():
     """RTN's and GPTQ's `tensor_types` field (one text for both)."""
     return option(
@@ -171,6 +191,7 @@ class RTNConfig(_SolverChecks):
     size_of: str | None = _size_of_option()
     allocation: str = _allocation_option()
     llama_cpp_inputs: bool = _llama_cpp_inputs_option()
+    decode_costs: str | None = _decode_costs_option()
     tensor_types: tuple[str, ...] = _tensor_types_option()
 
     def __post_init__(self):
@@ -224,6 +245,7 @@ class GPTQConfig(_SolverChecks):
     size_of: str | None = _size_of_option()
     allocation: str = _allocation_option()
     llama_cpp_inputs: bool = _llama_cpp_inputs_option()
+    decode_costs: str | None = _decode_costs_option()
     tensor_types: tuple[str, ...] = _tensor_types_option()
 
     def solver(self) -> SolverSettings:
@@ -329,6 +351,13 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     target, recipe = _budget(model, config)
     shapes = _linear_shapes(model, table)
     fixed = _fixed_types(shapes, config, target)
+    speed = None  # (each type's decode cost, the most the linears may cost: llama.cpp's recipe's)
+    if getattr(config, "decode_costs", None) is not None:
+        costs = bit_allocation.read_decode_costs(config.decode_costs)
+        speed = (costs, recipe.decode_cost(costs))
+        uncosted = sorted({kind for kind in fixed.values() if kind not in costs})
+        if uncosted:
+            raise ConfigError(f"--tensor-type gives {uncosted[0]}, for which --decode-costs gives no decode time")
     given = _importance_from_file(model, table, shapes, getattr(config, "imatrix_file", None))
     hessians = _HessianObserver(table, diagonal_only=not settings.error_feedback)
     allocation = getattr(config, "allocation", "block")  # a streamed run is always "block" (_whole_model_for_budget)
@@ -345,6 +374,7 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
             data,
             measured=allocation == "measured",
             inputs=getattr(config, "llama_cpp_inputs", False),
+            speed=speed,
         )
         if whole_model
         else {}
@@ -381,6 +411,8 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
                 kind, statistics = solved.blocks
                 quantized = GGUFLinear.from_codes(kind, solved.codes, statistics, bias)
                 counts[f"^{re.escape(f'{index}.{path}')}$={kind.name}"] = 1  # the map the record keeps
+                if speed is not None:
+                    counts["decode_cost"] = counts.get("decode_cost", 0.0) + speed[0][kind.name] * weight.numel()
             else:
                 quantized = SpQRLinear.from_solved(solved, settings, bias)
             block.set_submodule(path, quantized)
@@ -403,6 +435,9 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
             "gguf_table_types": None if recipe is None else recipe.tables,
             "allocation": allocation if target is not None else None,
             "llama_cpp_inputs": getattr(config, "llama_cpp_inputs", False) if whole_model else None,
+            "decode_costs": None if speed is None else speed[0],
+            # the block linears' summed decode cost as a fraction of llama.cpp's recipe's, by the costs given
+            "decode_cost": None if speed is None else counts.get("decode_cost", 0.0) / speed[1],
             "tensor_types": mapped or None,
             "imatrix": importance_only,
             "imatrix_file": getattr(config, "imatrix_file", None),
@@ -430,11 +465,12 @@ def _fisher_types(
     windows,
     measured: bool = False,
     inputs: bool = False,
+    speed: tuple[dict[str, float], float] | None = None,
 ) -> dict[str, str]:
     """{BLOCK.PATH: type} spending `target` bits per weight over the whole float model, each type ranked by its
     Fisher-weighted error (`bit_allocation`), rescaled per linear by a measured output divergence if `measured`,
-    plus (`inputs`) the estimated loss of llama.cpp's rounding of the linear's input for that type; `fixed`
-    entries keep the user's type."""
+    plus (`inputs`) the estimated loss of llama.cpp's rounding of the linear's input for that type, within
+    `speed`'s decode cost if given; `fixed` entries keep the user's type."""
     from leanlm.methods.calibration import kept_sensitivity, kept_type_errors, output_divergence, tensors_digest
 
     digest = tensors_digest(model)
@@ -479,6 +515,7 @@ def _fisher_types(
         measure,
         keep=lambda names, measure_names: kept_type_errors(key.hexdigest(), names, measure_names),
         input_errors=(lambda name: sensitivity[name].inputs) if inputs else (lambda name: {}),
+        speed=speed,
     )
 
 
