@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import shutil
 import time
@@ -73,10 +72,9 @@ from leanlm.evaluation.perplexity import perplexity_windows, windows_perplexity 
 from leanlm.export import export_gguf  # noqa: E402
 from leanlm.export.to_gguf import source_gguf, table_blocks  # noqa: E402
 from leanlm.formats.ggml_inputs import INPUT_ROUNDING  # noqa: E402
-from leanlm.formats.gguf_blocks import BLOCK_TYPES  # noqa: E402
 from leanlm.formats.gguf_blocks import dequantize as blocks_dequantized  # noqa: E402
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, quantize_, save_quantized  # noqa: E402
-from leanlm.methods.bit_allocation import CANDIDATES, recipe_budget, recipe_rows  # noqa: E402
+from leanlm.methods.bit_allocation import CANDIDATES, candidates_for, recipe_budget, recipe_rows  # noqa: E402
 from leanlm.methods.calibration import collect_importance  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
@@ -522,18 +520,15 @@ def main() -> None:
                 references.append(reference if reference.exists() else llama_cpp_file(reference, recipe[1], weighted))
             check_recipe(budget, references, getattr(loaded.model.config, "tie_word_embeddings", False))
             tables = budget.tables
-            costs = None
-            if recipe[3:] == ("speed",):  # the type-speed part's decode times, which the mix's must not exceed
-                if not decode_costs(study.payload):
-                    raise SystemExit(f"{row}: measure the type_speed part first (--only type_speed)")
-                costs = work / "decode_costs.json"
-                costs.write_text(json.dumps(decode_costs(study.payload)))
+            speed_kept = recipe[3:] == ("speed",)  # the type-speed part's decode times, which the mix's must not exceed
+            if speed_kept and not study.payload.get("type_speed"):
+                raise SystemExit(f"{row}: measure the type_speed part first (--only type_speed)")
             recipe = GPTQConfig(
                 size_of=recipe[1],
                 allocation=recipe[2],
                 hessian_shrinkage=0.5,
                 calibration_samples=args.calib_samples,
-                decode_costs=None if costs is None else str(costs),
+                decode_costs=str(study.path) if speed_kept else None,  # the results file, as saved so far
             )
         with peak_memory() as memory:
             ours = None
@@ -626,11 +621,22 @@ DECODE_PROMPT, DECODE_STEPS = 8, 128  # tokens read in one batch, then decoded o
 SPEED_REFERENCE = "q4_k"  # the block type every other type's decode time is a ratio to
 
 
+def time_decode(paths: dict[str, Path], ids: list[int], args: argparse.Namespace) -> dict:
+    """{name: Timing} of llama.cpp decoding DECODE_STEPS one-token steps after a DECODE_PROMPT-token prompt with
+    each GGUF file of `paths`, all loaded at once and timed in interleaved rounds."""
+    engines = {name: LlamaCpp(path, context=args.seq_len, threads=args.threads) for name, path in paths.items()}
+    tokens = ids[: DECODE_PROMPT + DECODE_STEPS]
+    return time_interleaved(
+        {name: (lambda engine=engine: engine.decode(tokens, DECODE_PROMPT)) for name, engine in engines.items()},
+        repeats=args.decode_rounds,
+    )
+
+
 def speed_types(model) -> list[str]:
     """The candidate block types that tile every block linear's rows of `model` (those a file can give them all)."""
     rows, _, _ = recipe_rows(model)
-    linears = [length for name, length in rows.items() if name not in ("token_embd", "output")]
-    return [kind for kind in CANDIDATES if all(length % BLOCK_TYPES[kind].block == 0 for length in linears)]
+    lengths = {length for name, length in rows.items() if name not in ("token_embd", "output")}
+    return [kind for kind in CANDIDATES if all(kind in candidates_for(length) for length in lengths)]
 
 
 def pure_file(work: Path, kind: str) -> Path:
@@ -644,19 +650,13 @@ def measure_type_speed(study: Study, work: Path, float_file: Path, model, ids: l
     kinds = speed_types(model)
     if SPEED_REFERENCE not in kinds:
         return
-    tokens = ids[: DECODE_PROMPT + DECODE_STEPS]
     for kind in study.todo("type_speed", kinds):
         paths = {}
         for name in dict.fromkeys((SPEED_REFERENCE, kind)):
             paths[name] = pure_file(work, name)
             if not paths[name].exists():
                 quantize_gguf(float_file, paths[name], name, threads=args.threads, pure=True, tables="q8_0")
-        engines = {name: LlamaCpp(path, context=args.seq_len, threads=args.threads) for name, path in paths.items()}
-        timings = time_interleaved(
-            {name: (lambda engine=engine: engine.decode(tokens, DECODE_PROMPT)) for name, engine in engines.items()},
-            repeats=args.decode_rounds,
-        )
-        del engines
+        timings = time_decode(paths, ids, args)
         if kind != SPEED_REFERENCE:
             paths[kind].unlink()
         value = {
@@ -666,12 +666,12 @@ def measure_type_speed(study: Study, work: Path, float_file: Path, model, ids: l
             "relative_time": timings[kind].median / timings[SPEED_REFERENCE].median,
             "load_average": list(os.getloadavg()),
         }
-        study.record("type_speed", kind, value, summary=lambda v: f"decode time / Q4_K's {v['relative_time']:.3f}")
-
-
-def decode_costs(payload: dict) -> dict[str, float]:
-    """{block type: decode time relative to SPEED_REFERENCE's} of the types the type-speed part measured."""
-    return {kind: value["relative_time"] for kind, value in payload.get("type_speed", {}).items()}
+        study.record(
+            "type_speed",
+            kind,
+            value,
+            summary=lambda v: f"decode time / {SPEED_REFERENCE.upper()}'s {v['relative_time']:.3f}",
+        )
 
 
 def decode_pairs(table: dict) -> dict[str, tuple[str, str]]:
@@ -690,15 +690,7 @@ def measure_decode(study: Study, work: Path, ids: list[int], args: argparse.Name
     steps after a DECODE_PROMPT-token prompt, interleaved rounds, medians."""
     pairs = decode_pairs(study.payload.get("rows", {}))
     for row in study.todo("decode", pairs):
-        engines = {
-            name: LlamaCpp(row_file(work, name), context=args.seq_len, threads=args.threads) for name in pairs[row]
-        }
-        tokens = ids[: DECODE_PROMPT + DECODE_STEPS]
-        timings = time_interleaved(
-            {name: (lambda engine=engine: engine.decode(tokens, DECODE_PROMPT)) for name, engine in engines.items()},
-            repeats=args.decode_rounds,
-        )
-        del engines
+        timings = time_decode({name: row_file(work, name) for name in pairs[row]}, ids, args)
         value = {
             name: {"tokens_per_second": DECODE_STEPS / timing.median, "rounds": timing.repeats}
             for name, timing in timings.items()

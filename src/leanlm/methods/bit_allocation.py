@@ -187,10 +187,7 @@ def budget_types(
     errors = keep(free, measure_names) if keep is not None else measure_names(free)
     errors = {name: with_input_errors(errors[name], input_errors(name)) for name in free}
     errors.update({name: {fixed[name]: 0.0} for name in weights if name in fixed})
-    sizes = {name: weight.numel() for name, weight in weights.items()}
-    if speed is None:
-        return allocate(errors, sizes, target_bits)
-    return allocate(errors, sizes, target_bits, *speed)
+    return allocate(errors, {name: weight.numel() for name, weight in weights.items()}, target_bits, *(speed or ()))
 
 
 def with_input_errors(errors: dict[str, float], inputs: dict[str, float]) -> dict[str, float]:
