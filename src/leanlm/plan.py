@@ -27,6 +27,7 @@ import re
 import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +39,9 @@ from leanlm.errors import ConfigError, UnsupportedArchitectureError
 from leanlm.formats.ggml_inputs import int8_roundings
 from leanlm.kernels.kbit_gemm import TILE_ROWS
 from leanlm.settings import option
+
+if TYPE_CHECKING:
+    from leanlm.methods.bit_allocation import RecipeBudget
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -142,9 +146,14 @@ class ModelFacts:
     tied_embeddings: bool  # the output head is the token embedding
     stored_dtype: torch.dtype = torch.float32  # of a float model's weights as loading reads them
     block_prefix: str = ""  # what a linear's name starts with before BLOCK.PATH, as tensor-type patterns name it
-    # bits per weight llama.cpp's file of each type spends on the block linears (--size-of), where leanlm knows
-    # the family's GGUF layout
-    recipe_bits: dict[str, float] = field(default_factory=dict)
+    # what llama.cpp's file of each type spends on the block linears (--size-of), where leanlm knows the family's
+    # GGUF layout
+    recipes: dict[str, RecipeBudget] = field(default_factory=dict)
+
+    @property
+    def recipe_bits(self) -> dict[str, float]:
+        """{llama.cpp file type: the bits per weight its recipe spends on the block linears}."""
+        return {recipe: budget.bits for recipe, budget in self.recipes.items()}
 
 
 def model_facts(source: str) -> ModelFacts:
@@ -185,13 +194,13 @@ def model_facts(source: str) -> ModelFacts:
         tied_embeddings=bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))),
         stored_dtype=stored_float_dtype(source),
         block_prefix=f"{table.blocks}.",
-        recipe_bits=_recipe_bits(model),
+        recipes=_recipes(model),
     )
 
 
-def _recipe_bits(model) -> dict[str, float]:
-    """{llama.cpp file type: the bits per weight its recipe spends on `model`'s block linears}; {} for a family
-    whose GGUF layout leanlm does not know."""
+def _recipes(model) -> dict[str, RecipeBudget]:
+    """{llama.cpp file type: what its recipe spends on `model`'s block linears}; {} for a family whose GGUF layout
+    leanlm does not know."""
     from leanlm.formats.llama_cpp_recipes import RECIPES
     from leanlm.methods.bit_allocation import budget_of, recipe_rows
 
@@ -199,7 +208,7 @@ def _recipe_bits(model) -> dict[str, float]:
         read = recipe_rows(model)
     except (ConfigError, UnsupportedArchitectureError):
         return {}
-    return {recipe: budget_of(recipe, *read).bits for recipe in RECIPES}
+    return {recipe: budget_of(recipe, *read) for recipe in RECIPES}
 
 
 def stored_float_dtype(source: str) -> torch.dtype:
@@ -751,14 +760,21 @@ def check_quantizing(source: str, configs: tuple) -> str | None:
     """What `leanlm quantize` checks from `source`'s config before it reads a weight: raises ConfigError for a
     request the model rules out; returns a warning line when the predicted peak exceeds this machine's available
     memory, else None."""
+    from leanlm.methods import bit_allocation
+
     facts = model_facts(source)
+    names = [name.removeprefix(facts.block_prefix) for name, *_ in facts.linears]  # BLOCK.PATH, as patterns see them
     for config in configs:
         size_of = getattr(config, "size_of", None)
-        if size_of is not None and not facts.recipe_bits:
+        if size_of is not None and not facts.recipes:
             raise ConfigError(
                 f"--size-of {size_of}: leanlm does not know the GGUF layout of {source}'s family, so it cannot "
                 "read llama.cpp's recipe for it (give --target-bits instead)"
             )
+        if getattr(config, "decode_costs", None) is not None:
+            patterns = bit_allocation.parse_tensor_types(getattr(config, "tensor_types", ()))
+            fixed = bit_allocation.fixed_types(names, patterns)
+            bit_allocation.decode_budget(config.decode_costs, facts.recipes[size_of], fixed)
     row = plan_row(facts, "quantize", "", tuple(configs), PlanSettings(), current_rss())
     peak, available = row.quantizing.total, available_memory()
     if peak <= available:

@@ -385,6 +385,36 @@ def test_size_of_a_family_without_a_gguf_layout_is_refused_before_any_weight_is_
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("costs", "flags", "named"),
+    [
+        ({"q4_k": 1.0}, (), "no cost for q6_k"),
+        ({"q4_k": 1.0, "q6_k": 1.3}, ("--tensor-type", "down_proj=q8_0"), "gives q8_0, for which --decode-costs"),
+    ],
+)
+def test_decode_costs_missing_a_type_are_refused_before_any_weight_is_read(
+    tmp_path, capsys, monkeypatch, costs, flags, named
+):
+    from tiny import byte_tokenizer
+
+    import leanlm.methods.out_of_core as out_of_core
+    from leanlm.cli.main import main
+
+    source = tmp_path / "llama"
+    tiny_model("llama", vocab_size=258, width=256, layers=2).save_pretrained(source)
+    byte_tokenizer().save_pretrained(source)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(costs))
+    monkeypatch.setattr(out_of_core, "quantize_checkpoint", lambda *a, **k: pytest.fail("weights were read"))
+    out = tmp_path / "q"
+    capsys.readouterr()
+    argv = ["quantize", str(source), "--method", "gptq", "--size-of", "q4_k_m", "--decode-costs", str(path), *flags]
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0], err
+    assert not out.exists()
+
+
 def test_size_of_and_target_bits_are_one_or_the_other():
     with pytest.raises(ConfigError, match="give --target-bits or --size-of"):
         RTNConfig(target_bits=5.0, size_of="q4_k_m")

@@ -320,6 +320,18 @@ class RecipeBudget:
         return sum(costs[kind] * size for kind, size in self.linears.values())
 
 
+def decode_budget(spec: str, recipe: RecipeBudget, fixed: dict[str, str]) -> tuple[dict[str, float], float]:
+    """(each block type's decode cost from the file `spec`, the most a mix's block linears may cost: `recipe`'s);
+    a ConfigError naming a type of the recipe, or of the user's map `fixed` ({linear: type}), that `spec` does not
+    cost."""
+    costs = read_decode_costs(spec)
+    limit = recipe.decode_cost(costs)
+    uncosted = sorted({kind for kind in fixed.values() if kind not in costs})
+    if uncosted:
+        raise ConfigError(f"--tensor-type gives {uncosted[0]}, for which --decode-costs gives no decode time")
+    return costs, limit
+
+
 def recipe_rows(model: nn.Module) -> tuple[dict[str, int], dict[str, int], float]:
     """What llama.cpp's recipes read of `model` (an empty model on the meta device will do): ({GGUF tensor name:
     row length} of the block linears, the token embedding and an untied output head, {block linear's GGUF name:

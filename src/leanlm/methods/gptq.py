@@ -353,11 +353,7 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     fixed = _fixed_types(shapes, config, target)
     speed = None  # (each type's decode cost, the most the linears may cost: llama.cpp's recipe's)
     if getattr(config, "decode_costs", None) is not None:
-        costs = bit_allocation.read_decode_costs(config.decode_costs)
-        speed = (costs, recipe.decode_cost(costs))
-        uncosted = sorted({kind for kind in fixed.values() if kind not in costs})
-        if uncosted:
-            raise ConfigError(f"--tensor-type gives {uncosted[0]}, for which --decode-costs gives no decode time")
+        speed = bit_allocation.decode_budget(config.decode_costs, recipe, fixed)
     given = _importance_from_file(model, table, shapes, getattr(config, "imatrix_file", None))
     hessians = _HessianObserver(table, diagonal_only=not settings.error_feedback)
     allocation = getattr(config, "allocation", "block")  # a streamed run is always "block" (_whole_model_for_budget)
