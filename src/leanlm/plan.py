@@ -763,7 +763,10 @@ def check_quantizing(source: str, configs: tuple) -> str | None:
     from leanlm.methods import bit_allocation
 
     facts = model_facts(source)
-    names = [name.removeprefix(facts.block_prefix) for name, *_ in facts.linears]  # BLOCK.PATH, as patterns see them
+    shapes = {  # {BLOCK.PATH, as patterns see them: (out, in)}
+        name.removeprefix(facts.block_prefix): (out_features, in_features)
+        for name, in_features, out_features, _ in facts.linears
+    }
     for config in configs:
         size_of = getattr(config, "size_of", None)
         if size_of is not None and not facts.recipes:
@@ -771,9 +774,9 @@ def check_quantizing(source: str, configs: tuple) -> str | None:
                 f"--size-of {size_of}: leanlm does not know the GGUF layout of {source}'s family, so it cannot "
                 "read llama.cpp's recipe for it (give --target-bits instead)"
             )
+        target = facts.recipe_bits[size_of] if size_of is not None else getattr(config, "target_bits", None)
+        fixed = bit_allocation.checked_types(shapes, config, target)
         if getattr(config, "decode_costs", None) is not None:
-            patterns = bit_allocation.parse_tensor_types(getattr(config, "tensor_types", ()))
-            fixed = bit_allocation.fixed_types(names, patterns)
             bit_allocation.decode_budget(config.decode_costs, facts.recipes[size_of], fixed)
     row = plan_row(facts, "quantize", "", tuple(configs), PlanSettings(), current_rss())
     peak, available = row.quantizing.total, available_memory()

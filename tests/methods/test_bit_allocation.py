@@ -395,6 +395,27 @@ def test_size_of_a_family_without_a_gguf_layout_is_refused_before_any_weight_is_
 def test_decode_costs_missing_a_type_are_refused_before_any_weight_is_read(
     tmp_path, capsys, monkeypatch, costs, flags, named
 ):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(costs))
+    flags = ("--method", "gptq", "--size-of", "q4_k_m", "--decode-costs", str(path), *flags)
+    _refused_before_any_weight_is_read(tmp_path, capsys, monkeypatch, flags, named)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--target-bits", "3.0"), "take at least 3.438 bits per weight"),
+        (("--gguf-type", "q4_k", "--tensor-type", "attn_v=q6_k"), "pattern 'attn_v' finds no linear"),
+        (("--tensor-type", "mlp=q6_k"), "no type: add --gguf-type or --target-bits"),
+    ],
+)
+def test_bad_maps_and_budgets_are_refused_before_any_weight_is_read(tmp_path, capsys, monkeypatch, flags, named):
+    _refused_before_any_weight_is_read(tmp_path, capsys, monkeypatch, ("--method", "rtn", *flags), named)
+
+
+def _refused_before_any_weight_is_read(tmp_path, capsys, monkeypatch, flags, named):
+    """`leanlm quantize` of a tiny saved llama with `flags` fails in one line containing `named`, writing nothing
+    and reading no weight."""
     from tiny import byte_tokenizer
 
     import leanlm.methods.out_of_core as out_of_core
@@ -403,13 +424,10 @@ def test_decode_costs_missing_a_type_are_refused_before_any_weight_is_read(
     source = tmp_path / "llama"
     tiny_model("llama", vocab_size=258, width=256, layers=2).save_pretrained(source)
     byte_tokenizer().save_pretrained(source)
-    path = tmp_path / "costs.json"
-    path.write_text(json.dumps(costs))
     monkeypatch.setattr(out_of_core, "quantize_checkpoint", lambda *a, **k: pytest.fail("weights were read"))
     out = tmp_path / "q"
     capsys.readouterr()
-    argv = ["quantize", str(source), "--method", "gptq", "--size-of", "q4_k_m", "--decode-costs", str(path), *flags]
-    assert main([*argv, "--out", str(out)]) == 2
+    assert main(["quantize", str(source), *flags, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0], err
     assert not out.exists()

@@ -116,6 +116,34 @@ def unmatched(names: list[str], patterns: list[tuple[re.Pattern, str]]) -> list[
     return [pattern.pattern for pattern, _ in patterns if not any(pattern.search(name) for name in names)]
 
 
+def checked_types(shapes: dict[str, tuple[int, int]], config, target: float | None) -> dict[str, str]:
+    """{BLOCK.PATH: type} the user's patterns give, checked before any slow work: every pattern must find a
+    linear, and a budget (`target` bits per weight) must be one the linears' block types can spend."""
+    patterns = parse_tensor_types(getattr(config, "tensor_types", ()))
+    if not patterns and target is None:
+        return {}
+    missing = unmatched(list(shapes), patterns)
+    if missing:
+        example = next(iter(shapes))
+        raise ConfigError(f"tensor type pattern {missing[0]!r} finds no linear (they are named like {example!r})")
+    fixed = fixed_types(list(shapes), patterns)
+    untyped = [name for name in shapes if name not in fixed]
+    if untyped and target is None and getattr(config, "gguf_type", None) is None:
+        raise ConfigError(
+            f"--tensor-type gives {untyped[0]} (and {len(untyped) - 1} more) no type: add --gguf-type or "
+            "--target-bits for the rest"
+        )
+    if target is not None:
+        low, high = reachable_bits(shapes, fixed)
+        size_of = getattr(config, "size_of", None)
+        asked = f"--target-bits {target}" if size_of is None else f"--size-of {size_of} ({target:.3f} bits)"
+        if not low <= target:
+            raise ConfigError(f"{asked}: this model's linears take at least {low:.3f} bits per weight")
+        if target > high:
+            raise ConfigError(f"{asked}: this model's linears take at most {high:.3f} bits per weight")
+    return fixed
+
+
 def candidates_for(columns: int, names: tuple[str, ...] = CANDIDATES) -> list[str]:
     return [name for name in names if columns % BLOCK_TYPES[name].block == 0]
 

@@ -350,7 +350,7 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     importance_only = getattr(config, "imatrix", False)  # RTN's scale search weighted by the Hessian's diagonal
     target, recipe = _budget(model, config)
     shapes = _linear_shapes(model, table)
-    fixed = _fixed_types(shapes, config, target)
+    fixed = bit_allocation.checked_types(shapes, config, target)
     speed = None  # (each type's decode cost, the most the linears may cost: llama.cpp's recipe's)
     if getattr(config, "decode_costs", None) is not None:
         speed = bit_allocation.decode_budget(config.decode_costs, recipe, fixed)
@@ -546,34 +546,6 @@ def _importance_from_file(model: nn.Module, table, shapes: dict, path: str | Non
             )
         found[linear] = torch.from_numpy(matrix.mean_squares(name))
     return found
-
-
-def _fixed_types(shapes: dict[str, tuple[int, int]], config, target: float | None) -> dict[str, str]:
-    """{BLOCK.PATH: type} the user's patterns give, checked before any slow work: every pattern must find a
-    linear, and a budget (`target` bits per weight) must be one the linears' block types can spend."""
-    patterns = bit_allocation.parse_tensor_types(getattr(config, "tensor_types", ()))
-    if not patterns and target is None:
-        return {}
-    missing = bit_allocation.unmatched(list(shapes), patterns)
-    if missing:
-        example = next(iter(shapes))
-        raise ConfigError(f"tensor type pattern {missing[0]!r} finds no linear (they are named like {example!r})")
-    fixed = bit_allocation.fixed_types(list(shapes), patterns)
-    untyped = [name for name in shapes if name not in fixed]
-    if untyped and target is None and getattr(config, "gguf_type", None) is None:
-        raise ConfigError(
-            f"--tensor-type gives {untyped[0]} (and {len(untyped) - 1} more) no type: add --gguf-type or "
-            "--target-bits for the rest"
-        )
-    if target is not None:
-        low, high = bit_allocation.reachable_bits(shapes, fixed)
-        size_of = getattr(config, "size_of", None)
-        asked = f"--target-bits {target}" if size_of is None else f"--size-of {size_of} ({target:.3f} bits)"
-        if not low <= target:
-            raise ConfigError(f"{asked}: this model's linears take at least {low:.3f} bits per weight")
-        if target > high:
-            raise ConfigError(f"{asked}: this model's linears take at most {high:.3f} bits per weight")
-    return fixed
 
 
 GRAM_PANEL = 512  # rows of x^T x computed per product: only the panels' parts on and above the diagonal
