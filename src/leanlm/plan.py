@@ -478,9 +478,7 @@ def _planned_linears(facts: ModelFacts, quantizer) -> dict[tuple[int, int, bool,
     names = [name.removeprefix(facts.block_prefix) for name, *_ in facts.linears]  # BLOCK.PATH, as patterns see them
     patterns = bit_allocation.parse_tensor_types(getattr(quantizer, "tensor_types", ()))
     fixed = bit_allocation.fixed_types(names, patterns)
-    target = getattr(quantizer, "target_bits", None)
-    if getattr(quantizer, "size_of", None) is not None:
-        target = facts.recipe_bits.get(quantizer.size_of)
+    target = _budget_bits(facts, quantizer)
     planned: dict[tuple[int, int, bool, str | None], float] = {}
     for name, (_, in_features, out_features, bias) in zip(names, facts.linears, strict=True):
         types = [(fixed.get(name, getattr(quantizer, "gguf_type", None)), 1.0)]
@@ -496,6 +494,14 @@ def _planned_linears(facts: ModelFacts, quantizer) -> dict[tuple[int, int, bool,
             key = (in_features, out_features, bias, block_type)
             planned[key] = planned.get(key, 0) + share
     return planned
+
+
+def _budget_bits(facts: ModelFacts, config) -> float | None:
+    """The bits per weight `config` spends over the block linears (--target-bits, or llama.cpp's recipe's for
+    --size-of), or None."""
+    if getattr(config, "size_of", None) is not None:
+        return facts.recipe_bits.get(config.size_of)
+    return getattr(config, "target_bits", None)
 
 
 def _dequantized_per_call(facts: ModelFacts, configs: tuple) -> int:
@@ -774,8 +780,7 @@ def check_quantizing(source: str, configs: tuple) -> str | None:
                 f"--size-of {size_of}: leanlm does not know the GGUF layout of {source}'s family, so it cannot "
                 "read llama.cpp's recipe for it (give --target-bits instead)"
             )
-        target = facts.recipe_bits[size_of] if size_of is not None else getattr(config, "target_bits", None)
-        fixed = bit_allocation.checked_types(shapes, config, target)
+        fixed = bit_allocation.checked_types(shapes, config, _budget_bits(facts, config))
         if getattr(config, "decode_costs", None) is not None:
             bit_allocation.decode_budget(config.decode_costs, facts.recipes[size_of], fixed)
     row = plan_row(facts, "quantize", "", tuple(configs), PlanSettings(), current_rss())

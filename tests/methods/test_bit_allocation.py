@@ -368,21 +368,9 @@ def test_size_of_spends_llama_cpps_bits_and_the_export_gives_the_tables_its_type
 
 
 def test_size_of_a_family_without_a_gguf_layout_is_refused_before_any_weight_is_read(tmp_path, capsys, monkeypatch):
-    from tiny import byte_tokenizer
-
-    import leanlm.methods.out_of_core as out_of_core
-    from leanlm.cli.main import main
-
-    source = tmp_path / "qwen3"
-    tiny_model("qwen3", vocab_size=258).save_pretrained(source)
-    byte_tokenizer().save_pretrained(source)
-    monkeypatch.setattr(out_of_core, "quantize_checkpoint", lambda *a, **k: pytest.fail("weights were read"))
-    out = tmp_path / "q"
-    capsys.readouterr()
-    assert main(["quantize", str(source), "--method", "rtn", "--size-of", "q4_k_m", "--out", str(out)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--size-of q4_k_m: leanlm does not know the GGUF layout" in err[0], err
-    assert not out.exists()
+    flags = ("--method", "rtn", "--size-of", "q4_k_m")
+    named = "--size-of q4_k_m: leanlm does not know the GGUF layout"
+    _refused_before_any_weight_is_read(tmp_path, capsys, monkeypatch, flags, named, tiny_model("qwen3", vocab_size=258))
 
 
 @pytest.mark.parametrize(
@@ -413,16 +401,16 @@ def test_bad_maps_and_budgets_are_refused_before_any_weight_is_read(tmp_path, ca
     _refused_before_any_weight_is_read(tmp_path, capsys, monkeypatch, ("--method", "rtn", *flags), named)
 
 
-def _refused_before_any_weight_is_read(tmp_path, capsys, monkeypatch, flags, named):
-    """`leanlm quantize` of a tiny saved llama with `flags` fails in one line containing `named`, writing nothing
-    and reading no weight."""
+def _refused_before_any_weight_is_read(tmp_path, capsys, monkeypatch, flags, named, model=None):
+    """`leanlm quantize` of `model` (a tiny llama if None), saved, with `flags` fails in one line containing
+    `named`, writing nothing and reading no weight."""
     from tiny import byte_tokenizer
 
     import leanlm.methods.out_of_core as out_of_core
     from leanlm.cli.main import main
 
-    source = tmp_path / "llama"
-    tiny_model("llama", vocab_size=258, width=256, layers=2).save_pretrained(source)
+    source = tmp_path / "model"
+    (model or tiny_model("llama", vocab_size=258, width=256, layers=2)).save_pretrained(source)
     byte_tokenizer().save_pretrained(source)
     monkeypatch.setattr(out_of_core, "quantize_checkpoint", lambda *a, **k: pytest.fail("weights were read"))
     out = tmp_path / "q"
