@@ -12,11 +12,20 @@ Note for SmolLM2: its weights are de-quantized Q4_1 (4-bit, groups of 32 input c
 each), so 4-bit min-max groups aligned to 32 columns reproduce them exactly; the rows use groups of 128
 (RTN/GPTQ) and 16 (SpQR) as the chapter does, and the numbers should be read with that in mind. The `grid` part
 measures it: the relative weight error of plain 4-bit min-max rounding at groups of 32, 64 and 128 (seconds).
+
+The `held_out` part asks whether GPTQ's error feedback carries over from the calibration text to other text: for
+every linear of four decoder blocks spread over the depth, the input Hessians of the float model on the
+calibration windows, on other windows of the same text, on LAMBADA test passages and on WikiText-2 test; RTN,
+GPTQ and GPTQ with Hessian shrinkage 0.5 (4-bit g128, each solved on the calibration Hessian), and each one's
+relative output error on every text, tr(dW H dW^T) / tr(W H W^T). Without the table:
+
+    python benchmarks/gptq_spqr.py --model qwen2.5-coder-1.5b --only held_out
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import matplotlib
 
@@ -27,12 +36,15 @@ from torch import nn  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_name, study_arguments, time_modules, titled  # noqa: E402
 from leanlm.bench.harness import cpu_description, float_paths, speed_table  # noqa: E402
+from leanlm.data.datasets import wikitext2_test_text  # noqa: E402
+from leanlm.data.tokens import token_ids  # noqa: E402
 from leanlm.evaluation import EvalSettings, evaluate  # noqa: E402
 from leanlm.formats.gptq import SolverSettings, solve  # noqa: E402
 from leanlm.formats.minmax import round_trip_minmax  # noqa: E402
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, SpQRConfig  # noqa: E402
+from leanlm.methods.gptq import input_hessians  # noqa: E402
 from leanlm.models import architecture_for, iter_quantizable_linears  # noqa: E402
-from leanlm.models.architectures import linear_weight_out_in  # noqa: E402
+from leanlm.models.architectures import decoder_blocks, linear_weight_out_in  # noqa: E402
 from leanlm.nn import SpQRLinear  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
@@ -81,6 +93,80 @@ def grid_alignment(model: nn.Module, bits: int = 4, groups: tuple[int, ...] = (3
     return errors
 
 
+HELD_OUT_SOLVERS = {
+    "RTN 4-bit g128": RTNConfig(4, 128),
+    "GPTQ 4-bit g128": GPTQConfig(4, 128),
+    "GPTQ 4-bit g128, shrinkage 0.5": GPTQConfig(4, 128, hessian_shrinkage=0.5),
+}
+PROBED_BLOCKS = 4
+
+
+def held_out_texts(tokenizer, calibration: Calibration, samples: int, windows: int) -> dict[str, torch.Tensor]:
+    """The calibration windows the solvers fit, and `windows` windows of the same length from three other
+    texts: other windows of the calibration text, LAMBADA test passages, and WikiText-2 test from its start."""
+    seq_len = calibration.seq_len
+    wikitext = torch.tensor(token_ids(tokenizer, wikitext2_test_text(), special_tokens=True))
+    return {
+        "calibration": calibration.batches(samples),
+        "other calibration windows": calibration.held_out(windows),
+        "LAMBADA test": Calibration(tokenizer, seq_len=seq_len, source="lambada-test").batches(windows),
+        "WikiText-2 test": wikitext[: windows * seq_len].reshape(windows, seq_len),
+    }
+
+
+def held_out(model: nn.Module, texts: dict[str, torch.Tensor]) -> dict:
+    """Per linear of PROBED_BLOCKS blocks spread over the depth: each solver's relative output error on every
+    text, the solvers fitted on the first text's Hessian."""
+    table = architecture_for(model)
+    count = len(decoder_blocks(model, table))
+    blocks = sorted({round(i * (count - 1) / (PROBED_BLOCKS - 1)) for i in range(PROBED_BLOCKS)})
+    hessians = {text: input_hessians(model, batches, blocks) for text, batches in texts.items()}
+    fitted_on = next(iter(texts))
+    linears = {}
+    for name, per_text in hessians[fitted_on].items():
+        weight = linear_weight_out_in(model.get_submodule(name), table).detach().float()
+        scale = {text: (weight @ hessians[text][name] * weight).sum().item() for text in texts}
+        errors = {}
+        for solver, config in HELD_OUT_SOLVERS.items():
+            delta = solve(weight, per_text, config.solver()).weight - weight
+            errors[solver] = {text: (delta @ hessians[text][name] * delta).sum().item() / scale[text] for text in texts}
+        linears[name] = errors
+        print(f"{name}: " + "; ".join(f"{s} " + ", ".join(f"{e:.2e}" for e in v.values()) for s, v in errors.items()))
+    return {"blocks": blocks, "windows": {text: list(b.shape) for text, b in texts.items()}, "linears": linears}
+
+
+def held_out_ratios(part: dict, solver: str, text: str) -> list[float]:
+    """`solver`'s output error over RTN's on `text`, one per probed linear."""
+    rtn = next(iter(HELD_OUT_SOLVERS))
+    return [errors[solver][text] / errors[rtn][text] for errors in part["linears"].values()]
+
+
+def held_out_table(part: dict) -> str:
+    texts = list(next(iter(part["linears"].values()))[next(iter(HELD_OUT_SOLVERS))])
+    rows = []
+    for solver in HELD_OUT_SOLVERS:
+        cells = []
+        for text in texts:
+            errors = [linear[solver][text] for linear in part["linears"].values()]
+            ratios = sorted(held_out_ratios(part, solver, text))
+            worse = sum(ratio > 1 for ratio in ratios)
+            cells.append(
+                f"{statistics.median(errors):.2e}"
+                + (
+                    ""
+                    if solver == next(iter(HELD_OUT_SOLVERS))
+                    else f" ({statistics.median(ratios):.2f}x; {worse} worse)"
+                )
+            )
+        rows.append([solver, *cells])
+    windows = part["windows"]
+    return format_table(
+        ["solver (fitted on the calibration windows)", *(f"{t}, {windows[t][0]} x {windows[t][1]}" for t in texts)],
+        rows,
+        markdown=True,
+    )
+
+
 def bench_speed(repeats: int) -> dict:
     """SpQRLinear (4-bit base, 3-bit statistics, tau 0.2; its default path: the k-bit kernel + sparse outliers)
     against FP32 on a 4096x4096 layer whose Hessian comes
@@ -108,8 +194,30 @@ def bench_speed(repeats: int) -> dict:
     return results
 
 
+def plot_held_out(part: dict, axis) -> None:
+    texts = list(part["windows"])
+    for offset, solver in enumerate(list(HELD_OUT_SOLVERS)[1:]):
+        for index, text in enumerate(texts):
+            ratios = held_out_ratios(part, solver, text)
+            xs = [index + 0.2 * (2 * offset - 1)] * len(ratios)
+            axis.scatter(xs, ratios, s=14, color=f"C{offset}", label=solver if index == 0 else None)
+    axis.axhline(1.0, color="black", linestyle="--", linewidth=0.8, label="RTN 4-bit g128")
+    axis.set_xticks(range(len(texts)), texts, fontsize=7)
+    axis.set_yscale("log")
+    axis.set_ylabel("output error / RTN's, per linear")
+    axis.legend(fontsize=7)
+
+
 def plot_results(payload: dict, path) -> None:
-    fig, axis = plt.subplots(figsize=(7, 4.2))
+    part = payload.get("held_out")
+    if part and not payload.get("table"):
+        fig, axis = plt.subplots(figsize=(7, 4.2))
+        plot_held_out(part, axis)
+        return save_figure(fig, path, titled(payload, "error feedback on text it was not fitted on"))
+    fig, axis = plt.subplots(figsize=(7, 4.2)) if not part else plt.subplots(1, 2, figsize=(13, 4.2))
+    if part:
+        axis, held_axis = axis
+        plot_held_out(part, held_axis)
     for name, row in payload.get("table", {}).items():
         if row.get("avg_bits") is None:
             axis.axhline(row["wikitext2"], color="black", linestyle="--", linewidth=0.8, label=name)
@@ -125,6 +233,18 @@ def plot_results(payload: dict, path) -> None:
 
 
 def report(payload: dict) -> str:
+    tables = [table_report(payload)] if payload.get("table") else []
+    if "held_out" in payload:
+        part = payload["held_out"]
+        tables.append(
+            f"Relative output error, median over the {len(part['linears'])} linears of blocks "
+            f"{', '.join(map(str, part['blocks']))} (in brackets: the median of each linear's ratio to RTN's, and how many linears are worse than RTN's)\n\n"
+            + held_out_table(part)
+        )
+    return "\n\n".join(tables)
+
+
+def table_report(payload: dict) -> str:
     rows = payload.get("table", {})
     fp32 = rows.get("FP32", {}).get("wikitext2")
     table = [
@@ -193,6 +313,7 @@ def main() -> None:
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--held-out-windows", type=int, default=16, help="windows of each other text (held_out)")
     args = parser.parse_args()
     name = results_name("gptq_spqr", args.model)
     if args.report:
@@ -226,6 +347,9 @@ def main() -> None:
             f"{study.payload['grid_alignment']['relative_error_by_group']}",
             flush=True,
         )
+    if study.pending("held_out"):
+        texts = held_out_texts(loaded.tokenizer, data, args.calib_samples, args.held_out_windows)
+        study.set("held_out", held_out(loaded.model, texts))
     if study.pending("speed_4096"):
         study.set("speed_4096", bench_speed(args.repeats))
     print(report(study.payload))

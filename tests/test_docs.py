@@ -42,7 +42,7 @@ REPORTED = {
         "gguf_llama_cpp_gemma3-270m_windows0",
     ],
     "export_compressed_tensors": ["compressed_tensors_smollm2-135m", "compressed_tensors_smollm2-135m_windows0"],
-    "gptq_spqr": ["gptq_spqr_smollm2-135m", "gptq_spqr_gemma3-270m"],
+    "gptq_spqr": ["gptq_spqr_smollm2-135m", "gptq_spqr_gemma3-270m", "gptq_spqr_qwen2.5-coder-1.5b"],
     "kbit_speed": ["kbit_speed"],
     "kbit_sweep": ["kbit_sweep_smollm2-135m", "kbit_sweep_gemma3-270m"],
     "llm_int8": ["llm_int8"],

@@ -98,6 +98,29 @@ def test_the_hessian_sum_is_x_transposed_x_from_its_upper_panels(columns):
     assert torch.equal(total, total.T)
 
 
+def test_input_hessians_are_the_float_models_inputs_gram_of_the_asked_blocks():
+    from leanlm.methods.gptq import input_hessians
+
+    model, ids = tiny_model("llama", layers=3), _calibration(samples=4)
+    inputs = {}
+    hooks = [
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda module, args, name=name: inputs.setdefault(name, []).append(args[0].reshape(-1, args[0].shape[-1]))
+        )
+        for name in ("model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj")
+    ]
+    with torch.inference_mode():
+        model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    hessians = input_hessians(model, ids, [1])
+    assert {name.split(".")[2] for name in hessians} == {"1"} and len(hessians) == 7
+    torch.testing.assert_close(hessians["model.layers.1.self_attn.k_proj"], hessians["model.layers.1.self_attn.q_proj"])
+    for name, seen in inputs.items():
+        x = torch.cat(seen).double()
+        torch.testing.assert_close(hessians[name].double(), 2 * x.T @ x / len(x), rtol=1e-4, atol=1e-5)
+
+
 def test_gptq_with_its_hessian_shrunk_to_the_diagonal_is_the_imatrix_rtn():
     """`--hessian-shrinkage 1` leaves GPTQ no feedback: every block's codes and scales are the importance-matrix
     RTN's, whose importance is the Hessian's diagonal collected through the same block pipeline."""

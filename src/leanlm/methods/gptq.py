@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from leanlm.formats.gguf_blocks import BLOCK_TYPES
 from leanlm.formats.gptq import SolverSettings, solve
 from leanlm.formats.minmax import GRIDS
 from leanlm.methods import bit_allocation
-from leanlm.methods.blocks import observe_inputs
+from leanlm.methods.blocks import observe_inputs, walk_blocks
 from leanlm.methods.quantize import BlockPlan, QuantRun, register_method
 from leanlm.models.architectures import architecture_for, decoder_blocks, linear_weight_out_in
 from leanlm.nn.gguf_linear import GGUFLinear
@@ -628,3 +630,23 @@ class _HessianObserver:
             return 2.0 * whole / self.tokens[key]
         del self.sums[key]
         return whole.mul_(2.0).div_(self.tokens[key])  # the same numbers, without a second copy
+
+
+def input_hessians(model: nn.Module, batches: torch.Tensor, blocks: Iterable[int]) -> dict[str, torch.Tensor]:
+    """{BLOCK.PATH: H} for every quantizable linear of the decoder blocks numbered `blocks`: the Hessian GPTQ solves
+    with, 2/N sum_x x x^T over the tokens of `batches` (windows, seq_len), observed on the float model (every
+    block reads the float blocks' outputs, not quantized ones)."""
+    table = architecture_for(model)
+    wanted = set(blocks)
+    observer = _HessianObserver(table)
+    found: dict[str, torch.Tensor] = {}
+
+    def observe(index: int, block: nn.Module):
+        return observer.observe(index, block) if index in wanted else nullcontext()
+
+    def take(index: int, block: nn.Module) -> None:
+        if index in wanted:
+            found.update({f"{table.blocks}.{index}.{path}": observer.take(path) for path in table.quantizable_linears})
+
+    walk_blocks(model, batches, observe=observe, quantize_block=take, feed_quantized=False, desc="hessians")
+    return found
