@@ -93,8 +93,9 @@ def grid_alignment(model: nn.Module, bits: int = 4, groups: tuple[int, ...] = (3
     return errors
 
 
+HELD_OUT_BASELINE = "RTN 4-bit g128"
 HELD_OUT_SOLVERS = {
-    "RTN 4-bit g128": RTNConfig(4, 128),
+    HELD_OUT_BASELINE: RTNConfig(4, 128),
     "GPTQ 4-bit g128": GPTQConfig(4, 128),
     "GPTQ 4-bit g128, shrinkage 0.5": GPTQConfig(4, 128, hessian_shrinkage=0.5),
 }
@@ -137,27 +138,21 @@ def held_out(model: nn.Module, texts: dict[str, torch.Tensor]) -> dict:
 
 def held_out_ratios(part: dict, solver: str, text: str) -> list[float]:
     """`solver`'s output error over RTN's on `text`, one per probed linear."""
-    rtn = next(iter(HELD_OUT_SOLVERS))
-    return [errors[solver][text] / errors[rtn][text] for errors in part["linears"].values()]
+    return [errors[solver][text] / errors[HELD_OUT_BASELINE][text] for errors in part["linears"].values()]
 
 
 def held_out_table(part: dict) -> str:
-    texts = list(next(iter(part["linears"].values()))[next(iter(HELD_OUT_SOLVERS))])
+    texts = list(part["windows"])
     rows = []
     for solver in HELD_OUT_SOLVERS:
         cells = []
         for text in texts:
             errors = [linear[solver][text] for linear in part["linears"].values()]
-            ratios = sorted(held_out_ratios(part, solver, text))
-            worse = sum(ratio > 1 for ratio in ratios)
-            cells.append(
-                f"{statistics.median(errors):.2e}"
-                + (
-                    ""
-                    if solver == next(iter(HELD_OUT_SOLVERS))
-                    else f" ({statistics.median(ratios):.2f}x; {worse} worse)"
-                )
-            )
+            cell = f"{statistics.median(errors):.2e}"
+            if solver != HELD_OUT_BASELINE:
+                ratios = held_out_ratios(part, solver, text)
+                cell += f" ({statistics.median(ratios):.2f}x; {sum(ratio > 1 for ratio in ratios)} worse)"
+            cells.append(cell)
         rows.append([solver, *cells])
     windows = part["windows"]
     return format_table(
@@ -196,12 +191,12 @@ def bench_speed(repeats: int) -> dict:
 
 def plot_held_out(part: dict, axis) -> None:
     texts = list(part["windows"])
-    for offset, solver in enumerate(list(HELD_OUT_SOLVERS)[1:]):
+    for offset, solver in enumerate(solver for solver in HELD_OUT_SOLVERS if solver != HELD_OUT_BASELINE):
         for index, text in enumerate(texts):
             ratios = held_out_ratios(part, solver, text)
             xs = [index + 0.2 * (2 * offset - 1)] * len(ratios)
             axis.scatter(xs, ratios, s=14, color=f"C{offset}", label=solver if index == 0 else None)
-    axis.axhline(1.0, color="black", linestyle="--", linewidth=0.8, label="RTN 4-bit g128")
+    axis.axhline(1.0, color="black", linestyle="--", linewidth=0.8, label=HELD_OUT_BASELINE)
     axis.set_xticks(range(len(texts)), texts, fontsize=7)
     axis.set_yscale("log")
     axis.set_ylabel("output error / RTN's, per linear")
@@ -214,10 +209,10 @@ def plot_results(payload: dict, path) -> None:
         fig, axis = plt.subplots(figsize=(7, 4.2))
         plot_held_out(part, axis)
         return save_figure(fig, path, titled(payload, "error feedback on text it was not fitted on"))
-    fig, axis = plt.subplots(figsize=(7, 4.2)) if not part else plt.subplots(1, 2, figsize=(13, 4.2))
+    fig, axes = plt.subplots(1, 2 if part else 1, figsize=(13 if part else 7, 4.2), squeeze=False)
+    axis = axes[0][0]
     if part:
-        axis, held_axis = axis
-        plot_held_out(part, held_axis)
+        plot_held_out(part, axes[0][1])
     for name, row in payload.get("table", {}).items():
         if row.get("avg_bits") is None:
             axis.axhline(row["wikitext2"], color="black", linestyle="--", linewidth=0.8, label=name)
@@ -238,8 +233,8 @@ def report(payload: dict) -> str:
         part = payload["held_out"]
         tables.append(
             f"Relative output error, median over the {len(part['linears'])} linears of blocks "
-            f"{', '.join(map(str, part['blocks']))} (in brackets: the median of each linear's ratio to RTN's, and how many linears are worse than RTN's)\n\n"
-            + held_out_table(part)
+            f"{', '.join(map(str, part['blocks']))} (in brackets: the median of each linear's ratio to RTN's, "
+            "and how many linears are worse than RTN's)\n\n" + held_out_table(part)
         )
     return "\n\n".join(tables)
 
