@@ -37,8 +37,8 @@ from torch import nn  # noqa: E402
 from leanlm.bench import Study, print_report, results_name, study_arguments, time_modules, titled  # noqa: E402
 from leanlm.bench.harness import cpu_description, float_paths, speed_table  # noqa: E402
 from leanlm.data.datasets import wikitext2_test_text  # noqa: E402
-from leanlm.data.tokens import token_ids  # noqa: E402
 from leanlm.evaluation import EvalSettings, evaluate  # noqa: E402
+from leanlm.evaluation.perplexity import perplexity_windows  # noqa: E402
 from leanlm.formats.gptq import SolverSettings, solve  # noqa: E402
 from leanlm.formats.minmax import round_trip_minmax  # noqa: E402
 from leanlm.methods import Calibration, GPTQConfig, RTNConfig, SpQRConfig  # noqa: E402
@@ -104,14 +104,15 @@ PROBED_BLOCKS = 4
 
 def held_out_texts(tokenizer, calibration: Calibration, samples: int, windows: int) -> dict[str, torch.Tensor]:
     """The calibration windows the solvers fit, and `windows` windows of the same length from three other
-    texts: other windows of the calibration text, LAMBADA test passages, and WikiText-2 test from its start."""
+    texts: other windows of the calibration text, LAMBADA test passages, and WikiText-2 test from its start (the
+    windows its perplexity scores, cut to the calibration's length)."""
     seq_len = calibration.seq_len
-    wikitext = torch.tensor(token_ids(tokenizer, wikitext2_test_text(), special_tokens=True))
+    wikitext = perplexity_windows(tokenizer, wikitext2_test_text(), seq_len=seq_len, max_tokens=windows * seq_len)
     return {
         "calibration": calibration.batches(samples),
         "other calibration windows": calibration.held_out(windows),
         "LAMBADA test": Calibration(tokenizer, seq_len=seq_len, source="lambada-test").batches(windows),
-        "WikiText-2 test": wikitext[: windows * seq_len].reshape(windows, seq_len),
+        "WikiText-2 test": torch.tensor(wikitext[:windows]),
     }
 
 
