@@ -157,6 +157,12 @@ def test_w8a8_with_a_cushion_round_trips_through_a_checkpoint(tiny_llama_dir, tm
     with torch.inference_mode():
         assert torch.equal(reloaded.model(input_ids=ids).logits, loaded.model(input_ids=ids).logits)
     assert saved["cushion"]["tokens"] == cushion.tokens
+    in_bf16, _ = load_quantized(out, dtype=torch.bfloat16)  # the stored cushion is float32
+    with torch.inference_mode():
+        logits = in_bf16.model(input_ids=ids).logits.float()
+        generated = in_bf16.model.generate(ids, max_new_tokens=4, do_sample=False)
+    torch.testing.assert_close(logits, loaded.model(input_ids=ids).logits, rtol=0.05, atol=0.05)
+    assert generated.shape == (1, 16)
 
 
 def test_sliding_window_models_are_refused():

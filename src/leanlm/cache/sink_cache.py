@@ -88,6 +88,8 @@ class SinkCacheLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif self.keys.dtype != key_states.dtype:  # what was read in first (a stored cushion) meets the layer's dtype
+            self.keys, self.values = self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
         self._evict_overflow()
         return super().update(key_states, value_states)
 
