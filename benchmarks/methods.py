@@ -71,7 +71,7 @@ def prepare_worker(model: str, row: str, out: str, calibration_samples: str) -> 
     """The row's checkpoint written to `out`, resuming a killed quantization's (for QLoRA: its adapters), with
     its record (the checkpoint's `leanlm_quant.json` less the per-module table: the method's settings, its time
     and what a search kept)."""
-    from leanlm.methods.checkpoint import read_record
+    from leanlm.methods.checkpoint import method_record
     from leanlm.methods.out_of_core import quantize_checkpoint
     from leanlm.methods.quantize import Calibration
 
@@ -86,8 +86,11 @@ def prepare_worker(model: str, row: str, out: str, calibration_samples: str) -> 
         return {"peak_rss_bytes": process_peak_rss_bytes(), "train_loss": record["train_loss_last"]}
     steps = _calibrated(rows()[row][1], int(calibration_samples) if calibration_samples != "default" else None)
     quantize_checkpoint(model, steps, out, calibration=Calibration(), resume=True, say=lambda line: None)
-    record = {key: value for key, value in read_record(out).items() if key != "modules"}
-    return {"peak_rss_bytes": process_peak_rss_bytes(), "stored_bytes": checkpoint_bytes(out), "record": record}
+    return {
+        "peak_rss_bytes": process_peak_rss_bytes(),
+        "stored_bytes": checkpoint_bytes(out),
+        "record": method_record(out),
+    }
 
 
 def evaluate_worker(source: str, dtype: str, adapter: str, task: str, limit: str, max_tokens: str) -> dict:

@@ -338,7 +338,7 @@ def command_finetune(args) -> None:
 
     from leanlm.memory import return_freed_memory_at_once
     from leanlm.methods import LORA_BASES, LoRAConfig, add_lora_, is_quantized_checkpoint, load_any
-    from leanlm.methods.checkpoint import read_record
+    from leanlm.methods.checkpoint import method_record, read_record
     from leanlm.methods.out_of_core import load_quantizing
     from leanlm.models import load_tokenizer
     from leanlm.models.loading import read_tokenizer
@@ -377,7 +377,7 @@ def command_finetune(args) -> None:
     base_record = None
     if quantized_base:
         loaded = load_any(args.model)
-        base_record = {key: value for key, value in read_record(args.model).items() if key != "modules"}
+        base_record = method_record(args.model)
     elif args.method == "qlora":  # the base is quantized as it loads: never more than one block in float
         loaded, base_record = load_quantizing(args.model, LORA_BASES[lora.base])
     else:

@@ -179,6 +179,11 @@ def read_record(directory: str | os.PathLike) -> dict:
     return check_record(record, path)
 
 
+def method_record(directory: str | os.PathLike) -> dict:
+    """A checkpoint's record less its per-module table: the method, its settings and what quantizing it measured."""
+    return {key: value for key, value in read_record(directory).items() if key != "modules"}
+
+
 def check_record(record, path) -> dict:
     """`record` (read from `path`), checked: an object naming a known method (and level) and the modules to
     rebuild as {name: {"class", "args"}}."""
