@@ -34,6 +34,7 @@ REPORTED = {
         "decode_smollm2-135m_gptq-prefill",
         "decode_smollm2-135m_prefetch",
     ],
+    "gguf_conversion": ["gguf_conversion_smollm2-135m", "gguf_conversion_qwen2.5-coder-1.5b"],
     "gguf_llama_cpp": [
         "gguf_llama_cpp_smollm2-135m",
         "gguf_llama_cpp_gemma3-270m",

@@ -34,7 +34,7 @@ def test_equals_dense_attention_until_the_cache_is_full(family):
     assert torch.equal(dense, streamed)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "qwen3", "phi3", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen3", "phi3", "gpt_neox"])
 @pytest.mark.parametrize("sinks", [0, 4])
 def test_after_eviction_each_token_sees_the_kept_tokens_at_cache_positions(family, sinks):
     # With one layer a token's key and value depend only on the token and its position, so the streamed logits
