@@ -4,7 +4,8 @@ Each row runs in a fresh process on the model's GGUF file (a registry name or a 
 seconds and peak resident memory. "leanlm" is the conversion every first use of a GGUF runs (`convert_gguf`:
 de-quantize one tensor, rename it, add it to a safetensors shard written when full) into a scratch directory
 that is deleted after; "transformers" is `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` in float32,
-how a transformers user opens a GGUF. Peak RSS counts the imports. The float32 bytes are the model's weights as the conversion writes them.
+how a transformers user opens a GGUF. Peak RSS counts the imports. The float32 bytes are the model's weights as
+each row holds them (the conversion's shards, the loaded model's tensors).
 
     python benchmarks/gguf_conversion.py --model qwen2.5-coder-1.5b
     python benchmarks/gguf_conversion.py --model qwen2.5-coder-1.5b --report
@@ -27,7 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from leanlm.bench import Study, print_report, results_name, study_arguments, titled  # noqa: E402
-from leanlm.bench.harness import checkpoint_bytes, process_peak_rss_bytes, worker_result  # noqa: E402
+from leanlm.bench.harness import checkpoint_bytes, process_peak_rss_bytes, weight_bytes, worker_result  # noqa: E402
 from leanlm.report import format_table, save_figure  # noqa: E402
 
 ROWS = {
@@ -49,8 +50,6 @@ def worker(row: str, gguf: str, scratch: str) -> dict:
         float_bytes = checkpoint_bytes(out)
     else:
         from transformers import AutoModelForCausalLM
-
-        from leanlm.bench.harness import weight_bytes
 
         path = Path(gguf)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
