@@ -39,15 +39,10 @@ ANSWER = {"name": "Ada Lovelace", "age": 36, "tags": ["mathematics", "engines", 
 
 
 def installed_models() -> list[str]:
-    from importlib.util import find_spec
-
     from leanlm.models import REGISTRY
+    from leanlm.models.registry import is_installed
 
-    return [
-        name
-        for name, model in REGISTRY.items()
-        if all(find_spec(package) is not None for package in (model.package, *(p for p, _ in model.parts)))
-    ]
+    return [name for name, model in REGISTRY.items() if is_installed(model)]
 
 
 def measure(name: str, repeats: int) -> dict:

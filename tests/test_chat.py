@@ -7,13 +7,7 @@ import pytest
 from leanlm.chat import chat_prompt_ids
 from leanlm.evaluation.tokens import encode
 from leanlm.models import REGISTRY, load_tokenizer
-
-
-def _installed(name: str) -> bool:
-    from importlib.util import find_spec
-
-    model = REGISTRY[name]
-    return all(find_spec(package) is not None for package in (model.package, *(p for p, _ in model.parts)))
+from leanlm.models.registry import is_installed
 
 
 @pytest.fixture(
@@ -21,7 +15,9 @@ def _installed(name: str) -> bool:
     params=[
         pytest.param(
             name,
-            marks=pytest.mark.skipif(not _installed(name), reason=f"not installed: {REGISTRY[name].pip_install}"),
+            marks=pytest.mark.skipif(
+                not is_installed(REGISTRY[name]), reason=f"not installed: {REGISTRY[name].pip_install}"
+            ),
         )
         for name in sorted(REGISTRY)
     ],

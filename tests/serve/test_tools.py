@@ -2,7 +2,6 @@
 writes (Qwen 2.5's <tool_call> blocks, Llama 3.x's JSON), and a required call is enforced by a grammar."""
 
 import json
-from importlib.util import find_spec
 
 import openai
 import pytest
@@ -10,6 +9,7 @@ from tiny import tiny_model
 
 from leanlm.methods.streaming import StreamingConfig
 from leanlm.models import REGISTRY
+from leanlm.models.registry import is_installed
 from leanlm.serve import ServeSettings, build_app
 from leanlm.serve.tools import read_calls
 
@@ -70,7 +70,7 @@ def qwen_client():
     from leanlm.models import load_tokenizer
 
     model = REGISTRY[QWEN]
-    if not all(find_spec(p) is not None for p in (model.package, *(package for package, _ in model.parts))):
+    if not is_installed(model):
         pytest.skip(f"not installed: {model.pip_install}")
     tokenizer = load_tokenizer(QWEN)
     app = build_app(

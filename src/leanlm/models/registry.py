@@ -25,6 +25,11 @@ class RegisteredModel:
     # A GGUF too big for one wheel: (package, path inside it, bytes) of each chunk, concatenated in this order.
     parts: tuple[tuple[str, str, int], ...] = ()
 
+    @property
+    def packages(self) -> tuple[str, ...]:
+        """The packages of its parts."""
+        return tuple(package for package, _, _ in self.parts)
+
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -69,6 +74,11 @@ REGISTRY: dict[str, RegisteredModel] = {
         ),
     )
 }
+
+
+def is_installed(model: RegisteredModel) -> bool:
+    """Whether every package the model ships in is installed (found without importing any)."""
+    return all(importlib.util.find_spec(package) is not None for package in (model.package, *model.packages))
 
 
 def _package_file(model: RegisteredModel, package: str, relative: str) -> Path:
