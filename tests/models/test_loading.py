@@ -118,7 +118,7 @@ def test_parts_that_join_to_another_file_leave_no_assembly_and_reinstalled_parts
 
 def test_the_registered_parts_are_the_models_size():
     qwen = registry.REGISTRY["qwen2.5-coder-1.5b"]
-    assert sum(size for _, _, size in qwen.parts) == 1_117_320_768  # the file's size, as its model card gives it
+    assert sum(size for _, _, size in qwen.parts) == 1_117_320_768  # the GGUF the registry checks by sha256
 
 
 def test_registry_checksum_is_enforced(monkeypatch, tmp_path):
