@@ -34,7 +34,9 @@ never larger: the token embedding and output head of a mix take the types they h
 (rounded to nearest at export), and leanlm scores the mix with them rounded so. The speed-kept mixes also keep
 llama.cpp's decode time to its file's (`--decode-costs`), by the costs the type-speed part measures on this CPU:
 llama.cpp's decode speed on files that store every block linear as one type, each beside the all-Q4_K file
-(`--only type_speed`, before the speed-kept rows). In the other leanlm rows the tensors that are not block linears take
+(`--only type_speed`, before the speed-kept rows). The rows "in llama.cpp's types" give every linear the type
+llama.cpp's file of that size gives it (`--allocation recipe`): the same size and decode kernels as llama.cpp's file,
+only GPTQ's rounding differs. In the other leanlm rows the tensors that are not block linears take
 the type llama.cpp's Q4_0 gives them on SmolLM2 and Gemma (token_embd Q8_0, norms F32), so files of one block
 type have the same size there. SmolLM2's weights are de-quantized Q4_1 (asymmetric groups of 32): Q4_0's symmetric
 grid does not contain them, so every Q4_0 row re-rounds.
@@ -65,6 +67,7 @@ from leanlm.bench.llama_cpp import (  # noqa: E402
     input_types,
     llama_cpp_inputs,
     llama_cpp_version,
+    paired_difference,
     quantize_gguf,
 )
 from leanlm.data import datasets  # noqa: E402
@@ -142,6 +145,10 @@ def rows(calibration_samples: int) -> dict:
         **{
             f"leanlm GPTQ speed-kept mix, size of {kind.upper()}": ("mix", kind, "fisher", "speed")
             for kind in ("q3_k_m", "iq4_xs", "q4_k_m", "q5_k_m")
+        },
+        **{
+            f"leanlm GPTQ in llama.cpp's types, size of {kind.upper()}": ("mix", kind, "recipe")
+            for kind in ("q3_k_m", "iq4_xs", "q4_k_m", "q5_k_m", "q6_k")
         },
     }
 
@@ -256,10 +263,19 @@ def pareto(table: dict) -> tuple[list[str], list[list[str]]]:
                 f"{mine:.3f}" if best else "",
                 f"{100 * (mine / theirs - 1):+.1f}%" if best else "",
                 "yes" if best and mine < theirs else "no",
+                _noise(smaller[best]["llama_cpp"], row["llama_cpp"]) if best else "",
             ]
         )
     head = ["llama.cpp file", "MiB", "block linears", "ppl"]
-    return [*head, "best leanlm file no larger", *head[1:], "vs", "lower"], lines
+    return [*head, "best leanlm file no larger", *head[1:], "vs", "lower", "2 SE"], lines
+
+
+def _noise(ours: dict, theirs: dict) -> str:
+    """Two standard errors of the difference of two rows' perplexities, in percent, from their windows' NLLs
+    (`paired_difference`): a "vs" smaller than this is within what the windows drawn move it by. Blank for rows
+    saved without their windows' NLLs."""
+    paired = paired_difference(ours, theirs)
+    return "" if paired is None else f"{200 * paired[1]:.1f}%"
 
 
 def _emulated(row: dict) -> float | None:
@@ -397,7 +413,8 @@ def _pareto_text(table: dict) -> str:
         return ""
     return (
         f"\n\nEvery llama.cpp file of {GOAL_BITS[0]} to {GOAL_BITS[1]} bits per weight in its block linears against "
-        "leanlm's best file no larger (perplexity in llama.cpp)\n\n" + format_table(head, lines, markdown=True)
+        "leanlm's best file no larger (perplexity in llama.cpp; 2 SE: two standard errors of the difference, window "
+        "by window, where both rows kept their windows' NLLs)\n\n" + format_table(head, lines, markdown=True)
     )
 
 
@@ -406,6 +423,8 @@ def _system(name: str) -> str:
     if name.startswith("llama.cpp"):
         return "llama.cpp + imatrix" if "imatrix" in name else "llama.cpp"
     if name.startswith("leanlm"):
+        if "llama.cpp's types" in name:
+            return "leanlm GPTQ, llama.cpp's types"
         if "speed-kept" in name:
             return "leanlm GPTQ, budget and decode time"
         if "mix" in name:
@@ -675,10 +694,11 @@ def measure_type_speed(study: Study, work: Path, float_file: Path, model, ids: l
 
 
 def decode_pairs(table: dict) -> dict[str, tuple[str, str]]:
-    """{leanlm mix row: (it, the llama.cpp importance-matrix file of the size it matches)} for the rows saved."""
+    """{leanlm row of a llama.cpp file's size: (it, the llama.cpp importance-matrix file of that size)} for the rows
+    saved."""
     pairs = {}
     for name in table:
-        if "mix, size of" in name:
+        if name.startswith("leanlm") and ", size of " in name:
             theirs = f"llama.cpp {name.rpartition(' ')[2]} + imatrix"
             if theirs in table:
                 pairs[name] = (name, theirs)

@@ -1,11 +1,11 @@
 """llama.cpp's input rounding, emulated: each linear of a GGUF file is paired with the rounding llama.cpp's CPU
 matmul gives its stored type, and the rounding is gone once the context ends; the bindings' quantizer is asked only
-for the file types it makes."""
+for the file types it makes; two files scored on the same windows compare window by window."""
 
 import pytest
 import torch
 
-from leanlm.bench.llama_cpp import input_types, llama_cpp_inputs
+from leanlm.bench.llama_cpp import input_types, llama_cpp_inputs, paired_difference
 from leanlm.errors import ConfigError
 from leanlm.formats.ggml_inputs import INPUT_ROUNDING, ROUNDINGS
 
@@ -68,3 +68,14 @@ def test_a_file_of_one_block_type_names_a_type_the_bindings_make_every_linear():
         quantize_gguf("in.gguf", "out.gguf", "q4_k")  # a block type, not a file type, without pure
     with pytest.raises(ValueError, match="got 'q4_k_m'"):
         quantize_gguf("in.gguf", "out.gguf", "q4_k_m", pure=True)
+
+
+def test_two_files_scored_on_the_same_windows_differ_by_their_mean_nll_with_the_windows_standard_error():
+    ours = {"window_nll": [10.0, 12.0, 11.0, 13.0], "tokens": 40}
+    theirs = {"window_nll": [11.0, 12.5, 12.0, 13.5], "tokens": 40}
+    difference, error = paired_difference(ours, theirs)
+    assert difference == pytest.approx(-3.0 / 40)  # the windows' differences: -1, -0.5, -1, -0.5
+    assert error == pytest.approx(torch.tensor([-1.0, -0.5, -1.0, -0.5]).std().item() * 2 / 40)
+    assert paired_difference(ours, ours) == (0.0, 0.0)
+    assert paired_difference(ours, {"perplexity": 3.0, "tokens": 40}) is None  # saved without its windows
+    assert paired_difference(ours, {"window_nll": [1.0, 2.0], "tokens": 20}) is None  # other windows

@@ -3,6 +3,7 @@ Hessian-weighted) error falls most, never above the budget; a user's PATTERN=TYP
 types; bad maps and budgets are refused before any work."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -277,7 +278,7 @@ def test_bad_maps_and_budgets_are_refused_before_any_work(config, reason):
 
 
 def test_an_unknown_allocation_is_refused_when_the_config_is_made():
-    with pytest.raises(ConfigError, match="allocation must be one of fisher, measured, block, got 'hessian'"):
+    with pytest.raises(ConfigError, match="allocation must be one of fisher, measured, block, recipe, got 'hessian'"):
         GPTQConfig(target_bits=5.0, allocation="hessian")
 
 
@@ -495,3 +496,27 @@ def test_a_mix_kept_to_its_recipes_decode_cost_spends_its_bits_and_records_the_c
             GPTQConfig(size_of="q4_k_m", decode_costs=str(path)),
             calibration=calibration,
         )
+
+
+def test_recipe_allocation_gives_each_linear_llama_cpps_type_without_reading_text():
+    """`--size-of q4_k_m --allocation recipe`: every linear takes the type llama.cpp's Q4_K_M gives it (Q6_K for
+    the value projections and down projections its rule picks, Q4_K for the rest), the user's patterns win, and
+    RTN reads no calibration text (it needs none); it is refused without --size-of or with --decode-costs."""
+    from leanlm.methods.bit_allocation import linear_gguf_names, recipe_budget
+    from leanlm.methods.quantize import method_spec
+
+    model = tiny_model("llama", vocab_size=258, width=256, layers=2)
+    budget = recipe_budget(model, "q4_k_m")
+    names = linear_gguf_names(model)
+    config = RTNConfig(size_of="q4_k_m", allocation="recipe")
+    assert not method_spec(config).needs_calibration(config)
+    record = quantize_(model, config)
+    expected = {f"^{re.escape(linear)}$": budget.linears[name][0] for linear, name in names.items()}
+    assert record["tensor_types"] == expected and {"q4_k", "q6_k"} == set(expected.values())
+    assert record["allocation"] == "recipe" and record["size_of"] == "q4_k_m"
+    assert record["avg_bits"] == pytest.approx(budget.bits)
+    model = tiny_model("llama", vocab_size=258, width=256, layers=2)
+    kept = RTNConfig(size_of="q4_k_m", allocation="recipe", tensor_types=("0.self_attn.q_proj=q8_0",))
+    assert quantize_(model, kept)["tensor_types"]["^0\\.self_attn\\.q_proj$"] == "q8_0"
+    with pytest.raises(ConfigError, match="give --size-of"):
+        GPTQConfig(target_bits=5.0, allocation="recipe")

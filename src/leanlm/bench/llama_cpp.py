@@ -84,20 +84,36 @@ class LlamaCpp:
             self.model.eval([token])
 
     def perplexity(self, windows: list[list[int]]) -> dict:
-        """The protocol of `leanlm.evaluation.perplexity` on llama.cpp: the mean NLL over every predicted token."""
-        total, predicted, seconds = 0.0, 0, 0.0
+        """The protocol of `leanlm.evaluation.perplexity` on llama.cpp: the mean NLL over every predicted token;
+        `window_nll` keeps each window's summed NLL, so that two files scored on the same windows can be compared
+        window by window (`paired_difference`)."""
+        sums, predicted, seconds = [], 0, 0.0
         for ids in windows:
             started = time.perf_counter()
-            total += self.window_nll(ids)
+            sums.append(self.window_nll(ids))
             seconds += time.perf_counter() - started
             predicted += len(ids) - 1
         return {
-            "perplexity": math.exp(total / predicted),
+            "perplexity": math.exp(sum(sums) / predicted),
+            "window_nll": sums,
             "tokens": predicted,
             "windows": len(windows),
             "seconds": seconds,
             "tokens_per_second": sum(map(len, windows)) / seconds,
         }
+
+
+def paired_difference(ours: dict, theirs: dict) -> tuple[float, float] | None:
+    """(mean NLL per token of `ours` minus `theirs`, its standard error) of two `LlamaCpp.perplexity` results on
+    the same windows, window by window: the windows are the samples, so the error is what another draw of as many
+    windows would move the difference by (a difference within two of them is noise). None unless both kept their
+    windows' sums (`window_nll`) for the same number of windows, at least two."""
+    a, b = ours.get("window_nll"), theirs.get("window_nll")
+    if not a or not b or len(a) != len(b) or len(a) < 2 or ours["tokens"] != theirs["tokens"]:
+        return None
+    differences = np.asarray(a) - np.asarray(b)
+    tokens = ours["tokens"]
+    return float(differences.sum() / tokens), float(differences.std(ddof=1) * math.sqrt(len(a)) / tokens)
 
 
 def input_types(model: torch.nn.Module, path: str | os.PathLike) -> dict[str, str]:

@@ -15,6 +15,8 @@ each column (llama.cpp's importance matrix) and g:
 - allocation "block": 1, the increase of the layer's own output error. Errors of different blocks are on
   different scales, so bits move only between the linears of one transformer block (attention against MLP, V
   against Q and K, down against gate and up); it needs no backward pass and runs on streamed (out-of-core) models.
+- allocation "recipe": no ranking; each linear takes the type llama.cpp's recipe of --size-of gives it, so the file
+  has llama.cpp's types (its size and its decode kernels) and differs from llama.cpp's only in the rounding.
 For a budget B, every linear takes the type that minimises error + lambda * bits, with lambda the smallest at
 which the stored bits fit B (the Lagrangian of the knapsack; a type is a candidate only where a row is a whole
 number of its blocks). Given decode costs (each type's decode time per weight in llama.cpp on one CPU, measured by
@@ -45,7 +47,7 @@ from leanlm.formats.gguf_blocks import BLOCK_TYPES, block_type, codes_for, decod
 CANDIDATES = ("q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1", "q8_0")
 SCALE = "scale"  # the key of `type_error_table`'s entries that is no type: the scale of the Fisher estimate
 SAMPLE_ROWS = 256  # rows of a weight the error is measured on (spread evenly), scaled to the whole weight
-ALLOCATIONS = ("fisher", "measured", "block")
+ALLOCATIONS = ("fisher", "measured", "block", "recipe")
 
 
 def _entries(spec: str) -> list[str]:
@@ -360,27 +362,45 @@ def decode_budget(spec: str, recipe: RecipeBudget, fixed: dict[str, str]) -> tup
     return costs, limit
 
 
-def recipe_rows(model: nn.Module) -> tuple[dict[str, int], dict[str, int], float]:
-    """What llama.cpp's recipes read of `model` (an empty model on the meta device will do): ({GGUF tensor name:
-    row length} of the block linears, the token embedding and an untied output head, {block linear's GGUF name:
-    weights}, query heads per key-value head)."""
-    from leanlm.models.architectures import architecture_for, decoder_blocks, gguf_tensor_names, linear_weight_out_in
+def linear_gguf_names(model: nn.Module) -> dict[str, str]:
+    """{BLOCK.PATH: GGUF tensor name} of every block linear of `model`, in llama.cpp's layout."""
+    from leanlm.models.architectures import architecture_for, decoder_blocks, gguf_tensor_names
 
     table = architecture_for(model)
     names = gguf_tensor_names(model)
-    sizes, rows = {}, {}
-    for index, block in enumerate(decoder_blocks(model, table)):
+    found = {}
+    for index in range(len(decoder_blocks(model, table))):
         for path in table.quantizable_linears:
             name = names.get_name(f"{table.blocks}.{index}.{path}")
             if name is None:
                 raise ConfigError(f"{table.blocks}.{index}.{path}: no GGUF name for this linear in llama.cpp's layout")
-            out_features, rows[name] = linear_weight_out_in(block.get_submodule(path), table).shape
-            sizes[name] = out_features * rows[name]
+            found[f"{index}.{path}"] = name
+    return found
+
+
+def recipe_rows(model: nn.Module) -> tuple[dict[str, int], dict[str, int], float]:
+    """What llama.cpp's recipes read of `model` (an empty model on the meta device will do): ({GGUF tensor name:
+    row length} of the block linears, the token embedding and an untied output head, {block linear's GGUF name:
+    weights}, query heads per key-value head)."""
+    from leanlm.models.architectures import architecture_for, decoder_blocks, linear_weight_out_in
+
+    table = architecture_for(model)
+    blocks = decoder_blocks(model, table)
+    sizes, rows = {}, {}
+    for linear, name in linear_gguf_names(model).items():
+        index, _, path = linear.partition(".")
+        out_features, rows[name] = linear_weight_out_in(blocks[int(index)].get_submodule(path), table).shape
+        sizes[name] = out_features * rows[name]
     rows["token_embd"] = model.get_input_embeddings().weight.shape[1]
     if not getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
         rows["output"] = model.get_output_embeddings().weight.shape[1]
     heads = getattr(model.config, "num_attention_heads", 1)
     return rows, sizes, heads / (getattr(model.config, "num_key_value_heads", None) or heads)
+
+
+def recipe_linear_types(model: nn.Module, recipe: RecipeBudget) -> dict[str, str]:
+    """{BLOCK.PATH: type} llama.cpp's `recipe` gives each block linear of `model` (allocation "recipe")."""
+    return {linear: recipe.linears[name][0] for linear, name in linear_gguf_names(model).items()}
 
 
 def recipe_budget(model: nn.Module, recipe: str) -> RecipeBudget:

@@ -57,13 +57,15 @@ class _SolverChecks:
         allocation = getattr(self, "allocation", bit_allocation.ALLOCATIONS[0])
         if allocation not in bit_allocation.ALLOCATIONS:
             raise ConfigError(f"allocation must be one of {', '.join(bit_allocation.ALLOCATIONS)}, got {allocation!r}")
+        if allocation == "recipe" and size_of is None:
+            raise ConfigError("--allocation recipe gives each linear the type of llama.cpp's file: give --size-of")
         costs = getattr(self, "decode_costs", None)
         if costs is not None:
             if size_of is None:
                 raise ConfigError(
                     "--decode-costs keeps the decode time of llama.cpp's file of one type: give --size-of with it"
                 )
-            if allocation == "block":
+            if allocation not in RANKED_BY_GRADIENTS:
                 raise ConfigError("--decode-costs needs --allocation fisher or measured (one budget for the model)")
             bit_allocation.read_decode_costs(costs)
 
@@ -118,7 +120,8 @@ def _allocation_option():
         "how --target-bits ranks the types: fisher (each linear's Hessian-weighted error scaled by the loss's "
         "squared gradient at its outputs, one budget for the whole model, quantized in memory), measured (fisher, "
         "each linear's errors rescaled to the output divergence measured with it alone rounded: a forward pass per "
-        "linear) or block (the Hessian-weighted error alone, bits moved within each transformer block, out of core)",
+        "linear), block (the Hessian-weighted error alone, bits moved within each transformer block, out of core) "
+        "or recipe (with --size-of: the types llama.cpp's file gives each linear, leanlm's rounding in them)",
         choices=bit_allocation.ALLOCATIONS,
     )
 
@@ -300,6 +303,9 @@ class SpQRConfig(_SolverChecks):
 SolverConfig = RTNConfig | GPTQConfig | SpQRConfig
 
 
+RANKED_BY_GRADIENTS = ("fisher", "measured")  # the allocations that spend one budget over the whole model
+
+
 def has_budget(config) -> bool:
     """Whether `config` spends a budget of bits per weight (--target-bits, or --size-of's)."""
     return getattr(config, "target_bits", None) is not None or getattr(config, "size_of", None) is not None
@@ -318,7 +324,7 @@ def ranks_by_gradients(config) -> bool:
     """Whether `config` spends a bit budget over the whole model, its types ranked by the loss's gradients: a
     forward and backward pass of the float model for each of SENSITIVITY_WINDOWS windows (`collect_sensitivity`),
     unless leanlm's cache keeps them for this model and text (`kept_sensitivity`)."""
-    return has_budget(config) and config.allocation != "block"
+    return has_budget(config) and config.allocation in RANKED_BY_GRADIENTS
 
 
 def _whole_model_for_budget(config) -> str | None:
@@ -335,7 +341,7 @@ def _whole_model_for_budget(config) -> str | None:
     RTNConfig,
     "rtn",
     "quantizer",
-    needs_calibration=lambda config: config.imatrix or has_budget(config),
+    needs_calibration=lambda config: config.imatrix or (has_budget(config) and config.allocation != "recipe"),
     blockwise=True,
     needs_whole_model=_whole_model_for_budget,
 )
@@ -353,15 +359,19 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     target, recipe = _budget(model, config)
     shapes = _linear_shapes(model, table)
     fixed = bit_allocation.checked_types(shapes, config, target)
+    allocation = getattr(config, "allocation", "block")  # SpQR spends no budget
+    spend = target  # the bits left to allocate: none where llama.cpp's recipe gives every type
+    if target is not None and allocation == "recipe":
+        fixed = {**bit_allocation.recipe_linear_types(model, recipe), **fixed}  # the user's patterns win
+        spend = None
     speed = None  # (each type's decode cost, the most the linears may cost: llama.cpp's recipe's)
     if getattr(config, "decode_costs", None) is not None:
         speed = bit_allocation.decode_budget(config.decode_costs, recipe, fixed)
     given = _importance_from_file(model, table, shapes, getattr(config, "imatrix_file", None))
     hessians = _HessianObserver(table, diagonal_only=not settings.error_feedback)
-    allocation = getattr(config, "allocation", "block")  # a streamed run is always "block" (_whole_model_for_budget)
     whole_model = ranks_by_gradients(config)
     # RTN reads no data, but for its importance matrix or a budget
-    reads_text = settings.error_feedback or importance_only or target is not None
+    reads_text = settings.error_feedback or importance_only or spend is not None
     data = run.data(config).batches(samples) if reads_text else None
     budget = (
         _fisher_types(
@@ -379,16 +389,16 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     )
 
     def block_types(index: int, block: nn.Module) -> dict[str, str | None]:
-        """Each linear's block type: the user's, the whole model's budget, the block's budget (bits moved between
-        the block's linears), or --gguf-type's."""
+        """Each linear's block type: the user's, llama.cpp's recipe's, the whole model's budget, the block's budget
+        (bits moved between the block's linears), or --gguf-type's."""
         names = {path: f"{index}.{path}" for path in table.quantizable_linears}
         if whole_model:
             return {path: budget[name] for path, name in names.items()}
-        if target is None:
+        if spend is None:
             return {path: fixed.get(name, settings.block_type) for path, name in names.items()}
         weights = {name: linear_weight_out_in(block.get_submodule(path), table) for path, name in names.items()}
         types = bit_allocation.budget_types(
-            weights, fixed, target, lambda name: hessians.diagonal(name.partition(".")[2], weights[name].shape[1])
+            weights, fixed, spend, lambda name: hessians.diagonal(name.partition(".")[2], weights[name].shape[1])
         )
         return {path: types[name] for path, name in names.items()}
 
@@ -422,7 +432,7 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
         return counts
 
     # the blocks read the calibration windows where the Hessians they observe are used
-    windows = data if settings.error_feedback or importance_only or (target is not None and not whole_model) else None
+    windows = data if settings.error_feedback or importance_only or (spend is not None and not whole_model) else None
 
     def finish(model: nn.Module, counts: dict) -> dict:
         mapped = {key.rpartition("=")[0]: key.rpartition("=")[2] for key in counts if "=" in key}
