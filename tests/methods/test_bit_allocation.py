@@ -520,3 +520,19 @@ def test_recipe_allocation_gives_each_linear_llama_cpps_type_without_reading_tex
     assert quantize_(model, kept)["tensor_types"]["^0\\.self_attn\\.q_proj$"] == "q8_0"
     with pytest.raises(ConfigError, match="give --size-of"):
         GPTQConfig(target_bits=5.0, allocation="recipe")
+
+
+def test_rtn_in_llama_cpps_types_weighs_its_fit_by_the_importance_matrix():
+    """RTN with `--imatrix` in llama.cpp's Q4_K_M types: llama-quantize's importance-matrix file, rounded by leanlm,
+    with the same types as without it and weights that differ where the importance matrix moves the fit."""
+    calibration = Calibration(token_ids=token_ids(4, 32, seed=1, vocab_size=258))
+    plain, weighted = (tiny_model("llama", vocab_size=258, width=256, layers=2) for _ in range(2))
+    first = quantize_(plain, RTNConfig(size_of="q4_k_m", allocation="recipe"))
+    second = quantize_(
+        weighted, RTNConfig(size_of="q4_k_m", allocation="recipe", imatrix=True), calibration=calibration
+    )
+    assert first["tensor_types"] == second["tensor_types"] and second["imatrix"]
+    up = [model.model.layers[0].mlp.up_proj.dequantized_weight() for model in (plain, weighted)]
+    assert not torch.equal(*up)
+    with pytest.raises(ConfigError, match="needs --scale-search or GGUF block types"):
+        RTNConfig(imatrix=True)

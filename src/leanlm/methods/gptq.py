@@ -205,9 +205,10 @@ class RTNConfig(_SolverChecks):
             raise ConfigError("give --imatrix (computed while quantizing) or --imatrix-file, not both")
         if self.imatrix_file is not None and not Path(self.imatrix_file).expanduser().is_file():
             raise ConfigError(f"--imatrix-file {self.imatrix_file}: no such file")
-        if (self.imatrix or self.imatrix_file) and not (self.scale_search or self.gguf_type):
+        if (self.imatrix or self.imatrix_file) and not (self.scale_search or self.gguf_type or has_budget(self)):
             raise ConfigError(
-                "imatrix weighs the search of each group's scale, which needs --scale-search or --gguf-type"
+                "imatrix weighs the search of each group's scale, which needs --scale-search or GGUF block types "
+                "(--gguf-type, --target-bits or --size-of)"
             )
 
     def solver(self) -> SolverSettings:
