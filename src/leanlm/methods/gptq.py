@@ -321,6 +321,12 @@ def _budget(model: nn.Module, config) -> tuple[float | None, bit_allocation.Reci
     return recipe.bits, recipe
 
 
+def chooses_types(config) -> bool:
+    """Whether `config` has a budget whose types are chosen from the model's weights (and, but for RTN's plain
+    rounding, text): any budget but llama.cpp's recipe, which gives every type."""
+    return has_budget(config) and config.allocation != "recipe"
+
+
 def ranks_by_gradients(config) -> bool:
     """Whether `config` spends a bit budget over the whole model, its types ranked by the loss's gradients: a
     forward and backward pass of the float model for each of SENSITIVITY_WINDOWS windows (`collect_sensitivity`),
@@ -342,7 +348,7 @@ def _whole_model_for_budget(config) -> str | None:
     RTNConfig,
     "rtn",
     "quantizer",
-    needs_calibration=lambda config: config.imatrix or (has_budget(config) and config.allocation != "recipe"),
+    needs_calibration=lambda config: config.imatrix or chooses_types(config),
     blockwise=True,
     needs_whole_model=_whole_model_for_budget,
 )
@@ -361,10 +367,9 @@ def _solver_plan(model: nn.Module, config: SolverConfig, run: QuantRun) -> Block
     shapes = _linear_shapes(model, table)
     fixed = bit_allocation.checked_types(shapes, config, target)
     allocation = getattr(config, "allocation", "block")  # SpQR spends no budget
-    spend = target  # the bits left to allocate: none where llama.cpp's recipe gives every type
-    if target is not None and allocation == "recipe":
-        fixed = {**bit_allocation.recipe_linear_types(model, recipe), **fixed}  # the user's patterns win
-        spend = None
+    spend = target if chooses_types(config) else None  # the bits left to allocate
+    if target is not None and spend is None:  # llama.cpp's recipe gives every type; the user's patterns win
+        fixed = {**bit_allocation.recipe_linear_types(model, recipe), **fixed}
     speed = None  # (each type's decode cost, the most the linears may cost: llama.cpp's recipe's)
     if getattr(config, "decode_costs", None) is not None:
         speed = bit_allocation.decode_budget(config.decode_costs, recipe, fixed)
