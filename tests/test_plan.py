@@ -48,6 +48,10 @@ def test_stored_bytes_are_the_bytes_the_quantized_layers_hold(tiny_llama_dir, me
 GGUF_CONFIGS = {
     "q4_0": m.RTNConfig(gguf_type="q4_0"),
     "q8_0, down q4_0": m.RTNConfig(gguf_type="q8_0", tensor_types=("mlp.down_proj=q4_0",)),
+    "llama.cpp's Q3_K_M types": m.RTNConfig(size_of="q3_k_m", allocation="recipe"),
+    "llama.cpp's Q4_K_M types, down q4_0": m.RTNConfig(
+        size_of="q4_k_m", allocation="recipe", tensor_types=("mlp.down_proj=q4_0",)
+    ),
 }
 
 

@@ -149,6 +149,7 @@ class ModelFacts:
     # what llama.cpp's file of each type spends on the block linears (--size-of), where leanlm knows the family's
     # GGUF layout
     recipes: dict[str, RecipeBudget] = field(default_factory=dict)
+    recipe_types: dict[str, dict[str, str]] = field(default_factory=dict)  # {file type: {BLOCK.PATH: its type}}
 
     @property
     def recipe_bits(self) -> dict[str, float]:
@@ -158,6 +159,7 @@ class ModelFacts:
 
 def model_facts(source: str) -> ModelFacts:
     """`source`'s facts from its config alone (no weight is read)."""
+    from leanlm.methods.bit_allocation import recipe_linear_types
     from leanlm.methods.out_of_core import model_skeleton
     from leanlm.models.architectures import (
         architecture_for,
@@ -178,6 +180,7 @@ def model_facts(source: str) -> ModelFacts:
     block_sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
     total = sum(p.numel() for p in model.parameters())
     text, shape = config.get_text_config(), attention_shape(config)
+    recipes = _recipes(model)
     return ModelFacts(
         name=str(source),
         layers=len(blocks),
@@ -194,7 +197,8 @@ def model_facts(source: str) -> ModelFacts:
         tied_embeddings=bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))),
         stored_dtype=stored_float_dtype(source),
         block_prefix=f"{table.blocks}.",
-        recipes=_recipes(model),
+        recipes=recipes,
+        recipe_types={name: recipe_linear_types(model, budget) for name, budget in recipes.items()},
     )
 
 
@@ -469,16 +473,21 @@ def stored_estimate(facts: ModelFacts, configs: tuple, table_bytes: int = 4) -> 
 
 def _planned_linears(facts: ModelFacts, quantizer) -> dict[tuple[int, int, bool, str | None], float]:
     """{(in_features, out_features, bias, GGUF block type or None: the method's own layout): how many linears}.
-    A linear takes the user's pattern's type, else a budget's, else --gguf-type's. The types a budget gives are
-    chosen from the data, after the plan: it is planned as the two candidate types whose bits per weight enclose
-    the budget, in the shares that spend it exactly."""
+    A linear takes the user's pattern's type, else a budget's, else --gguf-type's. llama.cpp's recipe
+    (--allocation recipe) gives its own types, planned as they are. The types any other budget gives are chosen
+    from the data, after the plan: it is planned as the two candidate types whose bits per weight enclose the
+    budget, in the shares that spend it exactly."""
     from leanlm.formats.gguf_blocks import BLOCK_TYPES
     from leanlm.methods import bit_allocation
+    from leanlm.methods.gptq import chooses_types
 
     names = [name.removeprefix(facts.block_prefix) for name, *_ in facts.linears]  # BLOCK.PATH, as patterns see them
     patterns = bit_allocation.parse_tensor_types(getattr(quantizer, "tensor_types", ()))
     fixed = bit_allocation.fixed_types(names, patterns)
     target = _budget_bits(facts, quantizer)
+    if target is not None and not chooses_types(quantizer):  # the recipe gives every type; the user's patterns win
+        fixed = {**facts.recipe_types[quantizer.size_of], **fixed}
+        target = None
     planned: dict[tuple[int, int, bool, str | None], float] = {}
     for name, (_, in_features, out_features, bias) in zip(names, facts.linears, strict=True):
         types = [(fixed.get(name, getattr(quantizer, "gguf_type", None)), 1.0)]
