@@ -149,7 +149,7 @@ class ModelFacts:
     # what llama.cpp's file of each type spends on the block linears (--size-of), where leanlm knows the family's
     # GGUF layout
     recipes: dict[str, RecipeBudget] = field(default_factory=dict)
-    recipe_types: dict[str, dict[str, str]] = field(default_factory=dict)  # {file type: {BLOCK.PATH: its type}}
+    gguf_names: dict[str, str] = field(default_factory=dict)  # {BLOCK.PATH: GGUF tensor name}, where it knows them
 
     @property
     def recipe_bits(self) -> dict[str, float]:
@@ -159,7 +159,6 @@ class ModelFacts:
 
 def model_facts(source: str) -> ModelFacts:
     """`source`'s facts from its config alone (no weight is read)."""
-    from leanlm.methods.bit_allocation import recipe_linear_types
     from leanlm.methods.out_of_core import model_skeleton
     from leanlm.models.architectures import (
         architecture_for,
@@ -180,7 +179,7 @@ def model_facts(source: str) -> ModelFacts:
     block_sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
     total = sum(p.numel() for p in model.parameters())
     text, shape = config.get_text_config(), attention_shape(config)
-    recipes = _recipes(model)
+    recipes, gguf_names = _recipes(model)
     return ModelFacts(
         name=str(source),
         layers=len(blocks),
@@ -198,21 +197,21 @@ def model_facts(source: str) -> ModelFacts:
         stored_dtype=stored_float_dtype(source),
         block_prefix=f"{table.blocks}.",
         recipes=recipes,
-        recipe_types={name: recipe_linear_types(model, budget) for name, budget in recipes.items()},
+        gguf_names=gguf_names,
     )
 
 
-def _recipes(model) -> dict[str, RecipeBudget]:
-    """{llama.cpp file type: what its recipe spends on `model`'s block linears}; {} for a family whose GGUF layout
-    leanlm does not know."""
+def _recipes(model) -> tuple[dict[str, RecipeBudget], dict[str, str]]:
+    """({llama.cpp file type: what its recipe spends on `model`'s block linears}, {BLOCK.PATH: GGUF tensor name} of
+    those linears); both empty for a family whose GGUF layout leanlm does not know."""
     from leanlm.formats.llama_cpp_recipes import RECIPES
-    from leanlm.methods.bit_allocation import budget_of, recipe_rows
+    from leanlm.methods.bit_allocation import budget_of, linear_gguf_names, recipe_rows
 
     try:
-        read = recipe_rows(model)
+        read, names = recipe_rows(model), linear_gguf_names(model)
     except (ConfigError, UnsupportedArchitectureError):
-        return {}
-    return {recipe: budget_of(recipe, *read) for recipe in RECIPES}
+        return {}, {}
+    return {recipe: budget_of(recipe, *read) for recipe in RECIPES}, names
 
 
 def stored_float_dtype(source: str) -> torch.dtype:
@@ -486,7 +485,7 @@ def _planned_linears(facts: ModelFacts, quantizer) -> dict[tuple[int, int, bool,
     fixed = bit_allocation.fixed_types(names, patterns)
     target = _budget_bits(facts, quantizer)
     if target is not None and not chooses_types(quantizer):  # the recipe gives every type; the user's patterns win
-        fixed = {**facts.recipe_types[quantizer.size_of], **fixed}
+        fixed = {**facts.recipes[quantizer.size_of].linear_types(facts.gguf_names), **fixed}
         target = None
     planned: dict[tuple[int, int, bool, str | None], float] = {}
     for name, (_, in_features, out_features, bias) in zip(names, facts.linears, strict=True):

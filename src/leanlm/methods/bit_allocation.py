@@ -349,6 +349,11 @@ class RecipeBudget:
             )
         return sum(costs[kind] * size for kind, size in self.linears.values())
 
+    def linear_types(self, gguf_names: dict[str, str]) -> dict[str, str]:
+        """{BLOCK.PATH: type} the recipe gives each block linear (`gguf_names`: {BLOCK.PATH: GGUF tensor name}, as
+        `linear_gguf_names` reads them)."""
+        return {linear: self.linears[name][0] for linear, name in gguf_names.items()}
+
 
 def decode_budget(spec: str, recipe: RecipeBudget, fixed: dict[str, str]) -> tuple[dict[str, float], float]:
     """(each block type's decode cost from the file `spec`, the most a mix's block linears may cost: `recipe`'s);
@@ -400,7 +405,7 @@ def recipe_rows(model: nn.Module) -> tuple[dict[str, int], dict[str, int], float
 
 def recipe_linear_types(model: nn.Module, recipe: RecipeBudget) -> dict[str, str]:
     """{BLOCK.PATH: type} llama.cpp's `recipe` gives each block linear of `model` (allocation "recipe")."""
-    return {linear: recipe.linears[name][0] for linear, name in linear_gguf_names(model).items()}
+    return recipe.linear_types(linear_gguf_names(model))
 
 
 def recipe_budget(model: nn.Module, recipe: str) -> RecipeBudget:
